@@ -1,0 +1,85 @@
+"""Autoregressive decoding: the reference every faster decoder is tested against.
+
+As plain as nanoGPT's ``generate``: one target forward per token, KV cache kept.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+from . import kv
+from .detok import ReplyBuilder
+from .events import Done, Error, Event, Token
+from .metrics import Metrics
+from .models import LoadedModel
+from .params import SamplingParams
+from .sampling import make_generator, sample_next
+from .errors import ParamError
+
+
+def context_budget(model: LoadedModel, num_prompt: int, params: SamplingParams, lookahead: int = 0) -> int:
+    """How many new tokens fit in the model's context (raises if the prompt alone does not fit).
+
+    ``lookahead`` reserves room for draft tokens a speculative decoder scores past the budget.
+    """
+    ctx = int(getattr(model.model.config, "max_position_embeddings", 0) or 0)
+    if num_prompt == 0:
+        raise ParamError("the prompt is empty")
+    if ctx and num_prompt >= ctx:
+        raise ParamError(f"the prompt is {num_prompt} tokens but '{model.name}' has a context of {ctx} tokens; shorten it or start a new chat")
+    return min(params.max_new_tokens, ctx - num_prompt - lookahead) if ctx else params.max_new_tokens
+
+
+def error_event(exc: BaseException, builder: ReplyBuilder) -> Error:
+    """An Error event for a failure mid-reply, keeping what was produced."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        msg, kind = "out of GPU memory during generation; try a shorter chat, fewer new tokens or a smaller model", "oom"
+    else:
+        msg, kind = f"{type(exc).__name__}: {exc}", "runtime"
+    return Error(msg, kind, builder.text + builder.flush(), tuple(builder.token_ids))
+
+
+class ARDecoder:
+    mode = "ar"
+
+    def __init__(self, target: LoadedModel) -> None:
+        self.target = target
+
+    def stream(
+        self, prompt_ids: list[int], params: SamplingParams, stop: threading.Event | None = None
+    ) -> Iterator[Event]:
+        t0 = time.perf_counter()
+        model, dev = self.target.model, self.target.device
+        budget = context_budget(self.target, len(prompt_ids), params)
+        builder = ReplyBuilder(self.target.tokenizer, self.target.eos_ids, params.stop, budget, params.ignore_eos)
+        metrics = Metrics(self.mode)
+        gen = make_generator(params.seed, dev)
+        reason = None
+        try:
+            # prefill: the whole prompt in one forward
+            cache = kv.new_cache(model)
+            logits = kv.forward(model, torch.tensor(prompt_ids, device=dev), cache, last_only=True)[-1]
+            metrics.prefill_s = time.perf_counter() - t0
+            while True:
+                if stop is not None and stop.is_set():
+                    reason = "cancelled"
+                    break
+                # sample one token, then feed it back
+                tok = sample_next(logits, params.temperature, params.top_k, params.top_p, gen)
+                delta = builder.push(tok)
+                if builder.reason != "eos":
+                    ev = Token(tok, delta, "target", time.perf_counter() - t0)
+                    metrics.add(ev)
+                    yield ev
+                if builder.finished:
+                    reason = builder.reason
+                    break
+                logits = kv.forward(model, torch.tensor([tok], device=dev), cache)[-1]
+        except Exception as e:  # noqa: BLE001 - reported as an event, with the partial reply
+            yield error_event(e, builder)
+            return
+        yield Done(reason, builder.text + builder.flush(), tuple(builder.token_ids), metrics.stats(time.perf_counter() - t0))

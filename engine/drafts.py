@@ -1,0 +1,97 @@
+"""Drafts derived from the target itself, for targets without a small sibling.
+
+``--draft`` names understood here (the target's tokenizer is shared by construction):
+
+* ``copy``      an identical copy (every draft token is accepted; a sanity check)
+* ``int8``      an int8 dynamic-quantized copy (per-channel weights, CPU only):
+                 ~79 % greedy acceptance on SmolLM2-135M at ~65 % of a target step
+* ``layers:N``  the target's embedding, first N layers, final norm and head (weights shared)
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+
+import torch
+from torch import nn
+
+from .errors import ModelError
+from .models import LoadedModel, ModelSpec
+
+_LAYERS = re.compile(r"^layers:(\d+)$")
+
+
+def is_derived(name: str) -> bool:
+    return name in ("copy", "int8") or bool(_LAYERS.match(name))
+
+
+def derive(name: str, target: LoadedModel) -> LoadedModel:
+    """Build the derived draft ``name`` from ``target``."""
+    base = target.model
+    if name == "copy":
+        model = copy.deepcopy(base)
+    elif name == "int8":
+        if target.device.type != "cpu":
+            raise ModelError("the 'int8' draft uses torch's dynamic quantization, which runs on CPU only; on a GPU use a small model of the target's family as --draft")
+        model = _int8_copy(base)
+    else:
+        m = _LAYERS.match(name)
+        if not m:
+            raise ModelError(f"unknown derived draft '{name}' (use copy, int8 or layers:N)")
+        model = _first_layers(base, int(m.group(1)))
+    model.eval()
+    return LoadedModel(
+        name=name,
+        spec=ModelSpec(name, "derived", name),
+        model=model,
+        tokenizer=target.tokenizer,
+        placement=target.placement,
+        folder=target.folder,
+        eos_ids=target.eos_ids,
+    )
+
+
+def _int8_copy(base: nn.Module) -> nn.Module:
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    model = copy.deepcopy(base).float()
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is model.get_input_embeddings().weight:
+        # untie, so the input embedding stays fp32 while the head is quantized
+        new_head = nn.Linear(head.in_features, head.out_features, bias=False)
+        new_head.weight = nn.Parameter(head.weight.detach().clone())
+        model.set_output_embeddings(new_head)
+        model.config.tie_word_embeddings = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+
+
+def _first_layers(base: nn.Module, n: int) -> nn.Module:
+    inner = getattr(base, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ModelError("layers:N drafts need a decoder with model.layers (Llama/Qwen/Mistral-style)")
+    total = len(layers)
+    if not 1 <= n <= total:
+        raise ModelError(f"layers:{n} is out of range: the target has {total} layers")
+    cfg = copy.deepcopy(base.config)
+    cfg.num_hidden_layers = n
+    inner_c = _shallow(inner)
+    inner_c.layers = nn.ModuleList(list(layers)[:n])  # the same layer objects: weights are shared
+    inner_c.config = cfg
+    draft = _shallow(base)
+    draft.model = inner_c
+    draft.config = cfg
+    return draft
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A shallow copy whose module/parameter registries are its own (so edits don't touch the original)."""
+    c = copy.copy(module)
+    c._modules = dict(module._modules)
+    c._parameters = dict(module._parameters)
+    c._buffers = dict(module._buffers)
+    return c

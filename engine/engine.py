@@ -1,0 +1,152 @@
+"""The engine facade: load target (and draft), pick a decoder by mode, stream events."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from . import chat, models
+from .ar import ARDecoder
+from .errors import ParamError
+from .events import Event
+from .params import SamplingParams
+
+MODES = ("ar", "sd", "ssd")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything that decides which models load where and how they decode."""
+
+    target: str = models.DEFAULT_TARGET
+    draft: str | None = None  # None: the default draft for the target (see default_draft)
+    mode: str = "ar"
+    k: int = 4
+    target_device: str = "auto"
+    draft_device: str = "auto"
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    # SSD (Saguaro) knobs
+    fan_out: str | None = None  # "uniform:F" | "geometric" | explicit list "3,3,2,2,1"
+    budget: int | None = None  # B: cached outcomes per round
+    saguaro_c: float = 1.0
+    fallback: str = "auto"  # neural | fast | auto
+    speculator_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ParamError(f"unknown mode '{self.mode}' (use one of {', '.join(MODES)})")
+        if not 1 <= self.k <= 32:
+            raise ParamError(f"k must be between 1 and 32, got {self.k}")
+        if not 0.0 <= self.saguaro_c <= 1.0:
+            raise ParamError(f"saguaro-c must be in [0, 1], got {self.saguaro_c}")
+        if self.fallback not in ("neural", "fast", "auto"):
+            raise ParamError(f"unknown fallback '{self.fallback}' (use neural, fast or auto)")
+
+    @property
+    def needs_draft(self) -> bool:
+        return self.mode != "ar"
+
+
+def default_draft(target: str) -> str:
+    """The draft used when --draft is not given."""
+    return "int8"
+
+
+def _sd(e: "Engine") -> Any:
+    from .sd import SDDecoder
+
+    return SDDecoder(e)
+
+
+def _ssd(e: "Engine") -> Any:
+    from .ssd import SSDDecoder
+
+    return SSDDecoder(e)
+
+
+# mode -> factory(engine) -> decoder with .stream(prompt_ids, params, stop) and optional .close()
+DECODERS: dict[str, Callable[["Engine"], Any]] = {"ar": lambda e: ARDecoder(e.target), "sd": _sd, "ssd": _ssd}
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, target: models.LoadedModel, draft: models.LoadedModel | None = None) -> None:
+        self.config = config
+        self.target = target
+        self.draft = draft
+        self._decoder: Any = None
+        self._decoder_key: tuple | None = None
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def load(cls, config: EngineConfig, progress: models.ProgressFn = models._no_progress, tqdm_class: Any = None) -> "Engine":
+        tplace = models.parse_placement(config.target_device, config.dtype)
+        draft_name = config.draft or (default_draft(config.target) if config.needs_draft else None)
+        if config.needs_draft and config.mode not in DECODERS:
+            raise ParamError(f"mode '{config.mode}' is not available in this version")
+        dplace = None
+        if draft_name is not None:
+            from . import drafts
+
+            if not drafts.is_derived(draft_name):
+                dplace = models.parse_placement(config.draft_device, config.dtype)
+                # compare vocabularies before any weights are loaded
+                tspec, dspec = models.resolve(config.target), models.resolve(draft_name)
+                progress("checking tokenizers", None)
+                ttok = models.load_tokenizer(models.tokenizer_folder(tspec, tqdm_class), config.trust_remote_code)
+                dtok = models.load_tokenizer(models.tokenizer_folder(dspec, tqdm_class), config.trust_remote_code)
+                models.check_same_vocab(config.target, ttok, draft_name, dtok)
+        target = models.load(config.target, tplace, config.trust_remote_code, progress, tqdm_class)
+        draft = None
+        if draft_name is not None:
+            from . import drafts
+
+            progress(f"preparing draft {draft_name}", None)
+            if drafts.is_derived(draft_name):
+                draft = drafts.derive(draft_name, target)
+            else:
+                assert dplace is not None
+                draft = models.load(draft_name, dplace, config.trust_remote_code, progress, tqdm_class)
+        return cls(config, target, draft)
+
+    # -- use ----------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.target.tokenizer
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[str, ...]]:
+        return chat.prompt_ids(self.tokenizer, messages)
+
+    def reconfigure(self, **changes: Any) -> None:
+        """Change mode / k / fan-out / ... between replies (models stay loaded)."""
+        new = replace(self.config, **changes)
+        if new.needs_draft and self.draft is None:
+            raise ParamError(f"mode '{new.mode}' needs a draft model; restart with --draft")
+        self.config = new
+
+    def decoder(self) -> Any:
+        key = (self.config.mode, self.config)
+        if self._decoder is None or self._decoder_key != key:
+            if self._decoder is not None and hasattr(self._decoder, "close"):
+                self._decoder.close()
+            if self.config.mode not in DECODERS:
+                raise ParamError(f"mode '{self.config.mode}' is not available in this version")
+            self._decoder = DECODERS[self.config.mode](self)
+            self._decoder_key = key
+        return self._decoder
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams, stop: threading.Event | None = None) -> Iterator[Event]:
+        return self.decoder().stream(prompt_ids, params, stop)
+
+    def close(self) -> None:
+        if self._decoder is not None and hasattr(self._decoder, "close"):
+            self._decoder.close()
+        self._decoder = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

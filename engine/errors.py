@@ -1,0 +1,25 @@
+"""Errors with a message meant for the user (the CLI prints it as one line, exit 1)."""
+
+
+class SSDChatError(Exception):
+    """Base class: ``str(err)`` is a complete, readable sentence."""
+
+
+class ModelError(SSDChatError):
+    """A model could not be found or loaded."""
+
+
+class TokenizerMismatchError(ModelError):
+    """Target and draft do not share a vocabulary."""
+
+
+class DeviceError(SSDChatError):
+    """A requested device does not exist or cannot be used."""
+
+
+class ParamError(SSDChatError, ValueError):
+    """A generation setting is out of range."""
+
+
+class SpeculatorError(SSDChatError):
+    """The SSD speculator process failed (the verifier falls back)."""

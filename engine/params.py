@@ -1,0 +1,40 @@
+"""Generation settings shared by every decoder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ParamError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    ``temperature == 0`` is greedy decoding (argmax); top-p / top-k then have no effect.
+    ``seed`` makes sampling reproducible (None: a fresh random seed per reply).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    max_new_tokens: int = 512
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks only: generate exactly max_new_tokens
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0):
+            raise ParamError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ParamError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ParamError(f"top-k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ParamError(f"max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop):
+            raise ParamError("stop strings must not be empty")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

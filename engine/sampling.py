@@ -1,0 +1,124 @@
+"""Sampling math: small pure functions shared by AR, SD and SSD.
+
+Randomness is always passed in (a ``torch.Generator``), so tests are exact.
+Greedy decoding is the special case ``temperature == 0``: the distribution is a
+point mass on the argmax, and every formula below stays valid for it.
+
+Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): for draft tokens
+``d_1..d_k`` proposed from ``q`` and target distributions ``p``,
+accept ``d_i`` with probability ``min(1, p_i(d_i) / q_i(d_i))``; at the first
+rejection sample the bonus token from ``norm(max(0, p_i - q_i))``; if all k are
+accepted sample it from ``p_{k+1}``.  The output is distributed exactly as ``p``
+for *any* proposal ``q`` the drafts were really drawn from, which is what lets
+SSD's Saguaro sampling reshape ``q`` freely.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for ``device``; ``seed=None`` draws a fresh seed."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(int(seed))
+    return gen
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Mask logits outside the top-k tokens and outside the top-p nucleus with -inf.
+
+    logits: [..., V].  Order as in transformers: top-k first, then top-p.  The most
+    likely token always survives.
+    """
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # drop a token when the mass *before* it already reaches top_p
+        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop_sorted[..., 0] = False
+        drop = drop_sorted.scatter(-1, sorted_idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def logits_to_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Next-token distributions [..., V] (float32) under the sampling settings.
+
+    temperature 0 gives a one-hot distribution on the argmax (greedy).
+    """
+    logits = logits.float()
+    if temperature == 0.0:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    logits = apply_top_k_top_p(logits / temperature, top_k, top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def sample(probs: Tensor, gen: torch.Generator) -> Tensor:
+    """One token id per row of ``probs`` [..., V] (returns [...] int64)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    ids = torch.multinomial(flat, 1, generator=gen).squeeze(-1)
+    return ids.reshape(probs.shape[:-1])
+
+
+def sample_next(logits: Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
+    """AR step: the next token id from one row of logits [V]."""
+    if temperature == 0.0:
+        return int(logits.argmax(dim=-1))
+    return int(sample(logits_to_probs(logits, temperature, top_k, top_p), gen))
+
+
+def residual(p: Tensor, q: Tensor) -> Tensor:
+    """``norm(max(0, p - q))`` over the last dim; falls back to ``p`` where that is all zero."""
+    r = torch.clamp(p - q, min=0.0)
+    total = r.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp_min(1e-30), p)
+
+
+def verify(draft_ids: Tensor, q: Tensor, p: Tensor, gen: torch.Generator) -> tuple[int, int]:
+    """Speculative sampling for one round.  Returns ``(num_accepted, bonus_id)``.
+
+    draft_ids: [k] tokens the draft proposed, each drawn from the matching row of q.
+    q:         [k, V] the draft's proposal distributions.
+    p:         [k+1, V] the target's distributions at the k draft positions and one past them.
+    """
+    k = draft_ids.shape[0]
+    if k:
+        rows = torch.arange(k, device=p.device)
+        p_d = p[rows, draft_ids]  # [k]
+        q_d = q[rows, draft_ids]  # [k]
+        u = torch.rand(k, generator=gen, device=p.device)
+        # accept while u <= p/q, written without a division: u * q <= p
+        ok = (u * q_d <= p_d) & (p_d > 0)
+        rejected = (~ok).nonzero()
+        n = int(rejected[0, 0]) if rejected.numel() else k
+    else:
+        n = 0
+    dist = residual(p[n], q[n]) if n < k else p[k]
+    bonus = int(sample(dist, gen))
+    return n, bonus
+
+
+def saguaro_reshape(q: Tensor, c: float, num_top: int) -> Tensor:
+    """Saguaro sampling (Kumar, Dao & May 2026, Def. 14): scale the probability of the
+    ``num_top`` most likely tokens by ``c`` and renormalise.  q: [..., V].
+
+    Lower ``c`` moves residual mass onto exactly the tokens the speculation cache
+    holds as bonus candidates.  ``c == 1`` or ``num_top == 0`` returns ``q`` unchanged.
+    The draft must sample from the reshaped distribution and the verifier must use
+    that same tensor in :func:`verify`; then the output stays exact.
+    """
+    if c >= 1.0 or num_top <= 0:
+        return q
+    top = torch.topk(q, min(num_top, q.shape[-1]), dim=-1).indices
+    scale = torch.ones_like(q).scatter(-1, top, c)
+    out = q * scale
+    return out / out.sum(dim=-1, keepdim=True)
