@@ -1,0 +1,277 @@
+"""The ``ssd-chat`` command line.
+
+``ssd-chat`` with no subcommand opens the chat app; ``ssd-chat ask "..."`` answers once
+on stdout.  The engine options below are shared by every command and stay stable:
+given before the subcommand (``ssd-chat --target X ask ...``) or after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from typing import Annotated, Any, Optional
+
+import typer
+
+from . import __version__
+
+app = typer.Typer(
+    name="ssd-chat",
+    help="Local LLM chat with exact speculative speculative decoding (SSD / Saguaro).",
+    add_completion=False,
+    no_args_is_help=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    pretty_exceptions_enable=False,
+)
+
+# --- shared engine options (CLI > environment > config file > default) ----------------------
+Target = Annotated[Optional[str], typer.Option("--target", "-t", envvar="SSD_CHAT_TARGET", help="Target model: alias, hub id org/name, local folder or .gguf file. Default: smollm2-135m-gguf (packaged).", show_default=False)]
+Draft = Annotated[Optional[str], typer.Option("--draft", "-d", envvar="SSD_CHAT_DRAFT", help="Draft model (same tokenizer as the target), or a draft derived from the target: copy, int8, layers:N, or a trained draft folder.", show_default=False)]
+Mode = Annotated[Optional[str], typer.Option("--mode", "-m", envvar="SSD_CHAT_MODE", help="Decoding: ar (autoregressive), sd (speculative), ssd (speculative speculative, Saguaro).", show_default=False)]
+K = Annotated[Optional[int], typer.Option("--k", "-k", min=1, max=32, help="Draft tokens per round (SD/SSD).", show_default=False)]
+Temperature = Annotated[Optional[float], typer.Option("--temperature", min=0.0, help="0 = greedy (exact token-for-token reproducibility).", show_default=False)]
+TopP = Annotated[Optional[float], typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (1 = off).", show_default=False)]
+TopK = Annotated[Optional[int], typer.Option("--top-k", min=0, help="Sample from the k most likely tokens (0 = off).", show_default=False)]
+Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.", show_default=False)]
+MaxNew = Annotated[Optional[int], typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens in one reply.", show_default=False)]
+TargetDevice = Annotated[Optional[str], typer.Option("--target-device", envvar="SSD_CHAT_TARGET_DEVICE", help="auto, cpu, cpu:N, cuda, cuda:N, cuda:0,cuda:1 (sharded), mps.", show_default=False)]
+DraftDevice = Annotated[Optional[str], typer.Option("--draft-device", envvar="SSD_CHAT_DRAFT_DEVICE", help="Device for the draft / SSD speculator (same forms as --target-device).", show_default=False)]
+Dtype = Annotated[Optional[str], typer.Option("--dtype", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.", show_default=False)]
+FanOut = Annotated[Optional[str], typer.Option("--fan-out", help="SSD fan-out: geometric, uniform:F, or a list like 3,3,2,2,1.", show_default=False)]
+Budget = Annotated[Optional[int], typer.Option("--budget", min=1, help="SSD cache budget B: outcomes pre-speculated per round.", show_default=False)]
+SaguaroC = Annotated[Optional[float], typer.Option("--saguaro-c", min=0.0, max=1.0, help="Saguaro down-weighting C of the draft's top tokens at temperature > 0 (1 = off).", show_default=False)]
+Fallback = Annotated[Optional[str], typer.Option("--fallback", help="SSD fallback on a cache miss: neural, fast or auto.", show_default=False)]
+TrustRemote = Annotated[Optional[bool], typer.Option("--trust-remote-code/--no-trust-remote-code", help="Allow model repositories to run their own Python code (off by default).", show_default=False)]
+System = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.", show_default=False)]
+
+ENGINE_KEYS = ("target", "draft", "mode", "k", "target_device", "draft_device", "dtype", "fan_out", "budget", "saguaro_c", "fallback", "trust_remote_code")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
+
+
+def _merge(ctx: typer.Context, local: dict[str, Any]) -> dict[str, Any]:
+    """Options given after the subcommand win over those given before it."""
+    merged = dict(ctx.obj or {}) if ctx.obj else {}
+    merged.update({k: v for k, v in local.items() if v is not None})
+    return merged
+
+
+def settings(values: dict[str, Any]) -> dict[str, Any]:
+    """Fill unset options from the environment/config file and the defaults."""
+    from . import config
+
+    resolved, _sources = config.resolve(values)
+    return resolved
+
+
+def engine_config(values: dict[str, Any]):
+    from .engine import EngineConfig
+
+    return EngineConfig(**{k: values[k] for k in ENGINE_KEYS if values.get(k) is not None})
+
+
+def sampling_params(values: dict[str, Any]):
+    from .engine import SamplingParams
+
+    return SamplingParams(**{k: values[k] for k in SAMPLING_KEYS if values.get(k) is not None})
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    typer.echo(f"ssd-chat: error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def quiet_libraries() -> None:
+    """No library progress bars or warnings over our output (hub downloads keep theirs on stderr)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load_engine(values: dict[str, Any], progress_to_stderr: bool = True):
+    """Load models for ``values``; progress goes to stderr as one updating line on a terminal."""
+    from .engine import Engine
+
+    quiet_libraries()
+    cfg = engine_config(values)
+    show = progress_to_stderr and sys.stderr.isatty()
+
+    def progress(stage: str, frac: float | None) -> None:  # noqa: ARG001
+        if show:
+            sys.stderr.write(f"\r\x1b[2K{stage}…")
+            sys.stderr.flush()
+
+    try:
+        return Engine.load(cfg, progress=progress)
+    finally:
+        if show:
+            sys.stderr.write("\r\x1b[2K")
+            sys.stderr.flush()
+
+
+@app.callback(invoke_without_command=True)
+def main_callback(
+    ctx: typer.Context,
+    target: Target = None, draft: Draft = None, mode: Mode = None, k: K = None,
+    temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
+    max_new_tokens: MaxNew = None, target_device: TargetDevice = None, draft_device: DraftDevice = None,
+    dtype: Dtype = None, fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None,
+    fallback: Fallback = None, trust_remote_code: TrustRemote = None, system: System = None,
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
+) -> None:
+    """Open the chat app (no subcommand), or run one of the commands below."""
+    if version:
+        typer.echo(f"ssd-chat {__version__}")
+        raise typer.Exit(0)
+    values = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "version") and v is not None}
+    ctx.obj = values
+    if ctx.invoked_subcommand is None:
+        from .tui_launch import launch
+
+        raise typer.Exit(launch(settings(values)))
+
+
+@app.command()
+def ask(
+    ctx: typer.Context,
+    prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' or nothing reads standard input.", show_default=False)] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object with the text, token ids and stats at the end.")] = False,
+    stats: Annotated[bool, typer.Option("--stats", help="Print a one-line summary (tok/s, TTFT, acceptance) to stderr.")] = False,
+    target: Target = None, draft: Draft = None, mode: Mode = None, k: K = None,
+    temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
+    max_new_tokens: MaxNew = None, target_device: TargetDevice = None, draft_device: DraftDevice = None,
+    dtype: Dtype = None, fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None,
+    fallback: Fallback = None, trust_remote_code: TrustRemote = None, system: System = None,
+) -> None:
+    """Answer one question on stdout (plain text; --json for machines).
+
+    Exit status: 0 on success, 2 on bad usage, 1 on a runtime failure, 130 on Ctrl-C.
+    """
+    local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "prompt", "json_out", "stats")}
+    values = settings(_merge(ctx, local))
+    if prompt is None or prompt == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            raise typer.BadParameter("give a PROMPT, or pipe one on standard input", param_hint="PROMPT")
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
+    from .engine.errors import SSDChatError
+
+    try:
+        params = sampling_params(values)
+        engine = load_engine(values)
+    except SSDChatError as e:
+        raise fail(str(e)) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    code = 0
+    try:
+        code = _answer(engine, prompt, values, params, json_out, stats)
+    except KeyboardInterrupt:
+        if not json_out:
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+        code = 130
+    finally:
+        engine.close()
+    raise typer.Exit(code)
+
+
+def _answer(engine, prompt: str, values: dict[str, Any], params, json_out: bool, stats: bool) -> int:
+    from .engine.events import Done, Error, Notice, Token
+    from .session import Session
+
+    session = Session(engine, system=values.get("system"))
+    stop = threading.Event()
+    streamed = ""
+    for ev in session.stream(prompt, params, stop):
+        if isinstance(ev, Token):
+            if not json_out:
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+                streamed += ev.text
+        elif isinstance(ev, Notice):
+            typer.echo(f"ssd-chat: {ev.message}", err=True)
+        elif isinstance(ev, Error):
+            if not json_out:
+                sys.stdout.write(ev.text[len(streamed):] + "\n")
+            typer.echo(f"ssd-chat: error: {ev.message}", err=True)
+            return 1
+        elif isinstance(ev, Done):
+            s = ev.stats
+            if json_out:
+                out = {
+                    "text": ev.text,
+                    "token_ids": list(ev.token_ids),
+                    "mode": engine.config.mode,
+                    "target": engine.target.name,
+                    "draft": engine.draft.name if engine.draft is not None and engine.config.mode != "ar" else None,
+                    "finish_reason": ev.reason,
+                    "stats": {
+                        "new_tokens": s.new_tokens, "rounds": s.rounds, "tok_per_s": s.tok_per_s, "ttft_s": s.ttft_s,
+                        "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
+                        "cache_hit_rate": s.cache_hit_rate,
+                    },
+                }
+                sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
+            else:
+                sys.stdout.write(ev.text[len(streamed):] + "\n")
+            sys.stdout.flush()
+            if stats:
+                typer.echo(format_stats(s), err=True)
+    return 0
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def format_stats(s) -> str:
+    parts = [f"{s.mode}: {s.new_tokens} tokens", f"{_fmt(s.tok_per_s, '.1f')} tok/s", f"TTFT {_fmt(s.ttft_s, '.2f')} s"]
+    if s.mean_accepted_length is not None:
+        parts += [f"accepted length {s.mean_accepted_length:.2f}", f"acceptance {_fmt(s.acceptance_rate, '.0%')}"]
+    if s.cache_hit_rate is not None:
+        parts.append(f"cache hits {s.cache_hit_rate:.0%}")
+    return ", ".join(parts)
+
+
+@app.command()
+def models(json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+    """List the model aliases and which models are available locally."""
+    from .engine.models import cache_dir, local_status
+
+    rows = local_status()
+    if json_out:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="ssd-chat models", title_justify="left")
+    table.add_column("alias")
+    table.add_column("source")
+    table.add_column("local", justify="center")
+    table.add_column("where")
+    for r in rows:
+        table.add_row(r["alias"] + (" (default)" if r["default"] else ""), r["source"], "yes" if r["local"] else "no", r["where"])
+    console = Console()
+    console.print(table)
+    console.print(
+        f"Also accepted: any hub id (org/name), a local transformers folder, a .gguf file; drafts derived from the target: copy, int8, layers:N.\n"
+        f"Converted GGUF models are cached in {cache_dir()}; hub downloads honour HF_HOME and HF_HUB_OFFLINE."
+    )
+
+
+def main() -> None:
+    """Console-script entry point: usage errors exit 2, runtime failures 1, Ctrl-C 130."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.stderr.write("\n")
+        sys.exit(130)

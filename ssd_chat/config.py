@@ -1,0 +1,183 @@
+"""Settings: CLI > environment > config file (TOML) > built-in defaults.
+
+The file is ``$SSD_CHAT_CONFIG_DIR/config.toml`` (default ``$XDG_CONFIG_HOME/ssd-chat/config.toml``,
+i.e. ``~/.config/ssd-chat/config.toml``).  Its keys are the long option names with
+underscores (dashes are accepted too), e.g.::
+
+    target = "llama-3-8b"
+    mode = "ssd"
+    max_new_tokens = 256
+
+Each setting can also come from the environment as ``SSD_CHAT_<KEY>`` (``SSD_CHAT_MODE=sd``,
+``SSD_CHAT_MAX_NEW_TOKENS=64``).  ``ssd-chat config`` prints the resolved values and where
+each one came from.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+DEFAULTS: dict[str, Any] = {
+    "target": "smollm2-135m-gguf",
+    "draft": None,
+    "mode": "ar",
+    "k": None,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "seed": None,
+    "max_new_tokens": 512,
+    "target_device": "auto",
+    "draft_device": "auto",
+    "dtype": "auto",
+    "fan_out": None,
+    "budget": None,
+    "saguaro_c": None,
+    "fallback": None,
+    "trust_remote_code": False,
+    "system": None,
+    # chat app
+    "colour_tokens": False,
+    "db": None,
+}
+
+# what each setting is, for `ssd-chat config` and error messages
+TYPES: dict[str, type] = {
+    "k": int, "top_k": int, "seed": int, "max_new_tokens": int, "budget": int,
+    "temperature": float, "top_p": float, "saguaro_c": float,
+    "trust_remote_code": bool, "colour_tokens": bool,
+}
+
+ENV_PREFIX = "SSD_CHAT_"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class ConfigError(ValueError):
+    """A setting in the environment or the config file is unusable; ``str()`` says which and why."""
+
+
+def config_dir() -> Path:
+    env = os.environ.get("SSD_CHAT_CONFIG_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "ssd-chat"
+
+
+def config_file() -> Path:
+    return config_dir() / "config.toml"
+
+
+def env_name(key: str) -> str:
+    return ENV_PREFIX + key.upper()
+
+
+def _coerce(key: str, raw: Any, where: str) -> Any:
+    """Turn a raw value (an env string or a TOML value) into the setting's type."""
+    kind = TYPES.get(key, str)
+    if isinstance(raw, str) and kind is not str:
+        text = raw.strip()
+        if kind is bool:
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ConfigError(f"{where}: '{key}' must be true or false, got '{raw}'")
+        try:
+            return kind(text)
+        except ValueError:
+            raise ConfigError(f"{where}: '{key}' must be {'an integer' if kind is int else 'a number'}, got '{raw}'") from None
+    if kind is bool and not isinstance(raw, bool):
+        raise ConfigError(f"{where}: '{key}' must be true or false, got {raw!r}")
+    if kind is int and (isinstance(raw, bool) or not isinstance(raw, int)):
+        raise ConfigError(f"{where}: '{key}' must be an integer, got {raw!r}")
+    if kind is float:
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            raise ConfigError(f"{where}: '{key}' must be a number, got {raw!r}")
+        return float(raw)
+    if kind is str and not isinstance(raw, str):
+        raise ConfigError(f"{where}: '{key}' must be a string, got {raw!r}")
+    return raw
+
+
+def read_file(path: Path | None = None) -> dict[str, Any]:
+    """The settings in the config file (an absent file is empty)."""
+    path = path or config_file()
+    if not path.is_file():
+        return {}
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from e
+    out: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = raw_key.replace("-", "_")
+        if key not in DEFAULTS:
+            raise ConfigError(f"unknown setting '{raw_key}' in {path} (known: {', '.join(DEFAULTS)})")
+        out[key] = _coerce(key, value, str(path))
+    return out
+
+
+def resolve(cli_values: dict[str, Any], path: Path | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Merge CLI values (None = not given) with environment, file and defaults.
+
+    Returns (values, sources) where sources[key] is "cli", "env", "file" or "default".
+    Keys in ``cli_values`` that are not settings pass through unchanged.
+    """
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    file_values = read_file(path)
+    for key, default in DEFAULTS.items():
+        env = os.environ.get(env_name(key))
+        if cli_values.get(key) is not None:
+            values[key], sources[key] = cli_values[key], "cli"
+        elif env is not None and env != "":
+            values[key], sources[key] = _coerce(key, env, f"environment variable {env_name(key)}"), "env"
+        elif key in file_values:
+            values[key], sources[key] = file_values[key], "file"
+        else:
+            values[key], sources[key] = default, "default"
+    for key, v in cli_values.items():  # options that are not settings pass through
+        values.setdefault(key, v)
+    return values, sources
+
+
+def describe_source(key: str, source: str, path: Path | None = None) -> str:
+    """A source with its detail, e.g. ``env SSD_CHAT_MODE`` or ``file ~/.config/ssd-chat/config.toml``."""
+    if source == "env":
+        return f"env {env_name(key)}"
+    if source == "file":
+        return f"file {path or config_file()}"
+    return source
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    s = str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{s}"'
+
+
+def set_value(key: str, raw: str | None, path: Path | None = None) -> Path:
+    """Write (or with ``raw=None`` remove) one setting in the config file; returns the file's path.
+
+    The file is rewritten from its parsed contents, so comments in it are not kept.
+    """
+    key = key.replace("-", "_")
+    if key not in DEFAULTS:
+        raise ConfigError(f"unknown setting '{key}' (known: {', '.join(DEFAULTS)})")
+    path = path or config_file()
+    data = read_file(path)
+    if raw is None:
+        data.pop(key, None)
+    else:
+        data[key] = _coerce(key, raw, "value")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = ["# ssd-chat settings (see `ssd-chat config`)"] + [f"{k} = {_toml_value(v)}" for k, v in data.items() if v is not None]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
