@@ -25,7 +25,7 @@ def truncate(cache: DynamicCache, keep: int) -> None:
     if keep < 0 or keep > n:
         raise ValueError(f"cannot truncate a cache of {n} tokens to {keep}")
     if keep < n:
-        cache.crop(n - keep)
+        cache.crop(-(n - keep))  # transformers 5.24: a negative count removes that many; positive raises
 
 
 @torch.inference_mode()
