@@ -26,23 +26,29 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+def _choice(value: str | None, allowed: tuple[str, ...]) -> str | None:
+    if value is not None and value not in allowed:
+        raise typer.BadParameter(f"'{value}' is not one of {', '.join(allowed)}")
+    return value
+
+
 # --- shared engine options (CLI > environment > config file > default) ----------------------
-Target = Annotated[Optional[str], typer.Option("--target", "-t", envvar="SSD_CHAT_TARGET", help="Target model: alias, hub id org/name, local folder or .gguf file. Default: smollm2-135m-gguf (packaged).", show_default=False)]
-Draft = Annotated[Optional[str], typer.Option("--draft", "-d", envvar="SSD_CHAT_DRAFT", help="Draft model (same tokenizer as the target), or a draft derived from the target: copy, int8, layers:N, or a trained draft folder.", show_default=False)]
-Mode = Annotated[Optional[str], typer.Option("--mode", "-m", envvar="SSD_CHAT_MODE", help="Decoding: ar (autoregressive), sd (speculative), ssd (speculative speculative, Saguaro).", show_default=False)]
+Target = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model: alias, hub id org/name, local folder or .gguf file. Default: smollm2-135m-gguf (packaged).", show_default=False)]
+Draft = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft model (same tokenizer as the target), or a draft derived from the target: copy, int8, layers:N, or a trained draft folder.", show_default=False)]
+Mode = Annotated[Optional[str], typer.Option("--mode", "-m", callback=lambda v: _choice(v, ("ar", "sd", "ssd")), help="Decoding: ar (autoregressive), sd (speculative), ssd (speculative speculative, Saguaro).", show_default=False)]
 K = Annotated[Optional[int], typer.Option("--k", "-k", min=1, max=32, help="Draft tokens per round (SD/SSD).", show_default=False)]
 Temperature = Annotated[Optional[float], typer.Option("--temperature", min=0.0, help="0 = greedy (exact token-for-token reproducibility).", show_default=False)]
 TopP = Annotated[Optional[float], typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (1 = off).", show_default=False)]
 TopK = Annotated[Optional[int], typer.Option("--top-k", min=0, help="Sample from the k most likely tokens (0 = off).", show_default=False)]
 Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.", show_default=False)]
 MaxNew = Annotated[Optional[int], typer.Option("--max-new-tokens", "-n", min=1, help="Most tokens in one reply.", show_default=False)]
-TargetDevice = Annotated[Optional[str], typer.Option("--target-device", envvar="SSD_CHAT_TARGET_DEVICE", help="auto, cpu, cpu:N, cuda, cuda:N, cuda:0,cuda:1 (sharded), mps.", show_default=False)]
-DraftDevice = Annotated[Optional[str], typer.Option("--draft-device", envvar="SSD_CHAT_DRAFT_DEVICE", help="Device for the draft / SSD speculator (same forms as --target-device).", show_default=False)]
+TargetDevice = Annotated[Optional[str], typer.Option("--target-device", help="auto, cpu, cpu:N, cuda, cuda:N, cuda:0,cuda:1 (sharded), mps.", show_default=False)]
+DraftDevice = Annotated[Optional[str], typer.Option("--draft-device", help="Device for the draft / SSD speculator (same forms as --target-device).", show_default=False)]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.", show_default=False)]
 FanOut = Annotated[Optional[str], typer.Option("--fan-out", help="SSD fan-out: geometric, uniform:F, or a list like 3,3,2,2,1.", show_default=False)]
 Budget = Annotated[Optional[int], typer.Option("--budget", min=1, help="SSD cache budget B: outcomes pre-speculated per round.", show_default=False)]
 SaguaroC = Annotated[Optional[float], typer.Option("--saguaro-c", min=0.0, max=1.0, help="Saguaro down-weighting C of the draft's top tokens at temperature > 0 (1 = off).", show_default=False)]
-Fallback = Annotated[Optional[str], typer.Option("--fallback", help="SSD fallback on a cache miss: neural, fast or auto.", show_default=False)]
+Fallback = Annotated[Optional[str], typer.Option("--fallback", callback=lambda v: _choice(v, ("neural", "fast", "auto")), help="SSD fallback on a cache miss: neural, fast or auto.", show_default=False)]
 TrustRemote = Annotated[Optional[bool], typer.Option("--trust-remote-code/--no-trust-remote-code", help="Allow model repositories to run their own Python code (off by default).", show_default=False)]
 System = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.", show_default=False)]
 
@@ -161,11 +167,13 @@ def ask(
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
-    from .engine.errors import SSDChatError
+    from .engine.errors import ParamError, SSDChatError
 
     try:
         params = sampling_params(values)
         engine = load_engine(values)
+    except ParamError as e:  # a setting out of range is bad usage
+        raise fail(str(e), 2) from None
     except SSDChatError as e:
         raise fail(str(e)) from None
     except KeyboardInterrupt:

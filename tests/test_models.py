@@ -1,0 +1,125 @@
+"""Model resolution, loading from folders / the hub cache / GGUF, devices, tokenizer checks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from ssd_chat.engine import models
+from ssd_chat.engine.errors import DeviceError, ModelError, TokenizerMismatchError
+
+
+def save_tiny(folder, tokenizer, seed=0):
+    model = tiny_llama(vocab_size=len(tokenizer.get_vocab()), seed=seed, dtype=torch.float32)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, smol_tokenizer):
+    return save_tiny(tmp_path_factory.mktemp("tiny") / "tiny-smol", smol_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def other_tok_dir(tmp_path_factory, smol_tokenizer):
+    """A tiny model whose tokenizer swaps two vocabulary entries."""
+    folder = save_tiny(tmp_path_factory.mktemp("tiny") / "tiny-other", smol_tokenizer, seed=1)
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    a, b = "hello", "world"
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (folder / "tokenizer.json").write_text(json.dumps(tj))
+    return folder
+
+
+def test_resolve_forms(tmp_path, tiny_dir):
+    assert models.resolve("llama-3-70b") == models.ModelSpec("llama-3-70b", "hub", "meta-llama/Llama-3.1-70B-Instruct")
+    for alias in ("llama-3-8b", "llama-3-1b", "qwen3-32b", "qwen3-0.6b", "smollm2-1.7b", "smollm2-135m"):
+        assert models.resolve(alias).kind == "hub"
+    assert models.resolve("Qwen/Qwen3-0.6B").source == "Qwen/Qwen3-0.6B"
+    assert models.resolve(str(tiny_dir)).kind == "folder"
+    assert models.resolve(models.PACKAGED).kind == "gguf"
+    with pytest.raises(ModelError, match="unknown model 'nosuchmodel'"):
+        models.resolve("nosuchmodel")
+    with pytest.raises(ModelError, match="not a model"):
+        models.resolve(str(tmp_path))
+    with pytest.raises(ModelError, match="does not exist"):
+        models.resolve(str(tmp_path / "missing.gguf"))
+
+
+def test_placement_errors():
+    assert models.parse_placement("cpu", "auto").dtype == torch.float32
+    assert models.parse_placement("cpu:0", "bf16").cores == (0,)
+    with pytest.raises(DeviceError, match="cores"):
+        models.parse_placement("cpu:999")
+    with pytest.raises(DeviceError, match="unknown device"):
+        models.parse_placement("tpu:0")
+    with pytest.raises(DeviceError, match="unknown dtype"):
+        models.parse_placement("cpu", "int3")
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceError, match="no CUDA GPU"):
+            models.parse_placement("cuda:0")
+
+
+def test_load_local_folder(tiny_dir):
+    m = models.load(str(tiny_dir), models.parse_placement("cpu"))
+    assert m.spec.kind == "folder" and m.num_params > 0 and m.eos_ids
+
+
+def test_vocab_check_names_models_and_first_difference(smol_tokenizer, other_tok_dir):
+    other = models.load_tokenizer(other_tok_dir)
+    models.check_same_vocab("a", smol_tokenizer, "b", smol_tokenizer)
+    with pytest.raises(TokenizerMismatchError) as e:
+        models.check_same_vocab("target-x", smol_tokenizer, "draft-y", other)
+    msg = str(e.value)
+    assert "target-x" in msg and "draft-y" in msg and "'hello'" in msg and "'world'" in msg
+
+
+def _hub_cache(root, repo_id, src):
+    """Lay out a real huggingface-hub cache entry for ``repo_id`` holding the files of ``src``."""
+    org, name = repo_id.split("/")
+    repo = root / "hub" / f"models--{org}--{name}"
+    snap = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(src, snap)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    return root
+
+
+def cli(*args, env=None, input=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "ssd_chat", *args], capture_output=True, text=True,
+                          env=env, input=input, timeout=timeout)
+
+
+def test_hub_id_from_local_cache_offline(tmp_path, tiny_dir, monkeypatch):
+    import os
+
+    hf = _hub_cache(tmp_path / "hf", "testorg/tiny-smol", tiny_dir)
+    env = {**os.environ, "HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"}
+    r = cli("ask", "--target", "testorg/tiny-smol", "-n", "5", "--json", "hi", env=env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["target"] == "testorg/tiny-smol" and out["stats"]["new_tokens"] == 5
+    r = cli("ask", "--target", "testorg/not-cached", "hi", env=env)
+    assert r.returncode == 1 and "not in the local Hugging Face cache" in r.stderr and "Traceback" not in r.stderr
+    r = cli("models", "--json", env=env)
+    assert r.returncode == 0 and any(row["alias"] == models.PACKAGED and row["local"] for row in json.loads(r.stdout))
+
+
+def test_cli_mismatched_tokenizers(tiny_dir, other_tok_dir):
+    r = cli("ask", "--target", str(tiny_dir), "--draft", str(other_tok_dir), "--mode", "sd", "hi")
+    assert r.returncode == 1, r.stderr
+    assert "do not share a tokenizer" in r.stderr and str(other_tok_dir) in r.stderr and "Traceback" not in r.stderr
+
+
+def test_engine_never_imports_ui_libraries():
+    code = "import sys, ssd_chat.engine, ssd_chat.engine.ar, ssd_chat.engine.models; print(sorted(m for m in ('textual','rich','typer') if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
