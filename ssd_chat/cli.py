@@ -88,8 +88,9 @@ def fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def quiet_libraries() -> None:
-    """No library progress bars or warnings over our output (hub downloads keep theirs on stderr)."""
+def quiet_libraries(download_bars: bool = False) -> None:
+    """No library progress bars or warnings over our output; hub downloads keep their
+    progress bars on stderr when ``download_bars`` (a terminal)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import warnings
 
@@ -97,16 +98,20 @@ def quiet_libraries() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # also turns off huggingface-hub's bars ...
+    if download_bars:
+        from huggingface_hub.utils import enable_progress_bars
+
+        enable_progress_bars()  # ... which we want for downloads
 
 
 def load_engine(values: dict[str, Any], progress_to_stderr: bool = True):
     """Load models for ``values``; progress goes to stderr as one updating line on a terminal."""
     from .engine import Engine
 
-    quiet_libraries()
-    cfg = engine_config(values)
     show = progress_to_stderr and sys.stderr.isatty()
+    quiet_libraries(download_bars=show)
+    cfg = engine_config(values)
 
     def progress(stage: str, frac: float | None) -> None:  # noqa: ARG001
         if show:
@@ -274,6 +279,11 @@ def models(json_out: Annotated[bool, typer.Option("--json", help="Machine-readab
         f"Also accepted: any hub id (org/name), a local transformers folder, a .gguf file; drafts derived from the target: copy, int8, layers:N.\n"
         f"Converted GGUF models are cached in {cache_dir()}; hub downloads honour HF_HOME and HF_HUB_OFFLINE."
     )
+
+
+from .bench import make_bench_command  # noqa: E402 - needs the option aliases above
+
+app.command("bench")(make_bench_command())
 
 
 def main() -> None:
