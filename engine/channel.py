@@ -1,0 +1,119 @@
+"""Verifier <-> speculator messages.
+
+Transport: one duplex ``multiprocessing`` Pipe (small pickled tuples: token ids, outcomes,
+timings) plus one shared-memory tensor ``[k, V]`` float32 for the draft's proposal
+distributions q' of the k speculated tokens.  The speculator writes q' there *before* it
+answers and the verifier reads it before it sends its next request, so the buffer is
+never written while it is read.  Under greedy decoding, and for fast-fallback tokens,
+q' is a point mass on the token and nothing is written (``Reply.has_q`` is False).
+
+Messages (verifier -> speculator), plain tuples:
+
+* ``("begin", prompt_ids, settings)``  a new reply: prefill the prompt (no answer)
+* ``("spec", req, k_prev, bonus, verify_s)``  the outcome of the last round; answer with
+  the speculation for the next one (:class:`Reply`)
+* ``("ping", req)``  answered with ``("pong", req)`` (round-trip measurement)
+* ``("close",)``  exit
+
+Speculator -> verifier: ``("ready", info)`` once loaded, a :class:`Reply` per ``spec``,
+``("error", message)`` if it failed (then it exits).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from .errors import SpeculatorError
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Per-reply sampling settings the speculator needs (the draft samples like the target)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    saguaro_c: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The speculation for one round."""
+
+    req: int
+    tokens: tuple[int, ...]  # d_1..d_k
+    has_q: bool  # q' rows are in the shared buffer (else: point masses on the tokens)
+    hit: bool  # served from the speculation cache
+    fallback: str | None  # "neural" | "fast" on a miss
+    fallback_s: float  # time the fallback drafting took (on the verifier's critical path)
+    predicted: tuple[tuple[int, tuple[int, ...]], ...]  # the cache this lookup searched: ((j, (bonus...)), ...)
+    build_s: float  # speculator compute that built that cache (glue + tree)
+    step_s: float  # the speculator's mean single-token draft step (for the SD estimate)
+
+
+class Channel:
+    """The verifier's end: requests with a deadline that notice a dead or silent speculator."""
+
+    def __init__(self, conn: Connection, qbuf: torch.Tensor, sentinel: int | None = None) -> None:
+        self.conn = conn
+        self.qbuf = qbuf  # [k, V] float32, shared with the speculator
+        self.sentinel = sentinel  # the speculator process's sentinel (readable once it has exited)
+        self._req = 0
+
+    def send(self, msg: tuple) -> None:
+        try:
+            self.conn.send(msg)
+        except (OSError, EOFError, ValueError) as e:
+            raise SpeculatorError(f"the speculator process is gone ({type(e).__name__})") from None
+
+    def recv(self, timeout: float, stop: Any = None, want_req: int | None = None) -> Any:
+        """The next message (skipping stale replies to older requests); raises SpeculatorError
+        if the speculator died, reported an error or stayed silent for ``timeout`` seconds.
+        Returns None if ``stop`` (a threading.Event) was set while waiting."""
+        deadline = time.perf_counter() + timeout
+        while True:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise SpeculatorError(f"the speculator did not answer within {timeout:g} s")
+            waitables: list[Any] = [self.conn] + ([self.sentinel] if self.sentinel is not None else [])
+            ready = wait(waitables, timeout=min(left, 0.05 if stop is not None else left))
+            if self.conn in ready:
+                try:
+                    msg = self.conn.recv()
+                except (OSError, EOFError) as e:
+                    raise SpeculatorError(f"the speculator process is gone ({type(e).__name__})") from None
+                if isinstance(msg, tuple) and msg and msg[0] == "error":
+                    raise SpeculatorError(f"the speculator failed: {msg[1]}")
+                if want_req is not None and isinstance(msg, Reply) and msg.req != want_req:
+                    continue  # an answer to a request of an abandoned reply
+                if want_req is not None and isinstance(msg, tuple) and msg[:1] == ("pong",) and msg[1] != want_req:
+                    continue
+                return msg
+            if self.sentinel is not None and self.sentinel in ready:
+                raise SpeculatorError("the speculator process exited unexpectedly")
+            if stop is not None and stop.is_set():
+                return None
+
+    def request(self, k_prev: int, bonus: int, verify_s: float, timeout: float, stop: Any = None) -> Reply | None:
+        """Send the last outcome, wait for the speculation of the next round."""
+        self._req += 1
+        self.send(("spec", self._req, k_prev, bonus, verify_s))
+        return self.recv(timeout, stop, want_req=self._req)
+
+    def ping(self, timeout: float = 5.0) -> float:
+        """One round trip through the speculator's loop, in seconds."""
+        self._req += 1
+        t0 = time.perf_counter()
+        self.send(("ping", self._req))
+        self.recv(timeout, want_req=self._req)
+        return time.perf_counter() - t0
+
+    def q_rows(self, reply: Reply) -> torch.Tensor | None:
+        """q' for the reply's tokens [k, V] (a copy), or None for point masses."""
+        return self.qbuf[: len(reply.tokens)].clone() if reply.has_q else None

@@ -1,0 +1,460 @@
+"""The SSD speculator: the draft model's side of speculative speculative decoding.
+
+:class:`Speculator` is the algorithm (Kumar, Dao & May 2026, Algorithm 1 and the
+reference code's draft runner, spec §2.2): for every round it
+
+1. **serves** the verifier's request for outcome ``(k_prev, bonus)``: from the
+   speculation cache on a hit, else from a fallback (neural: k draft steps on the
+   spot; fast: n-gram lookup tokens that cost no draft forward), and then
+2. **builds** the cache for the round being verified meanwhile: one *glue* forward
+   over ``[bonus, d_1..d_k]`` gives the draft's distribution ``g_j`` after each
+   possible accepted length j; the candidate bonus tokens for j are the top-F_j of
+   ``g_j`` excluding ``d_{j+1}``; all B branches are drafted k tokens deep as one
+   tree: one forward per depth over the B branch tokens, appended to the one KV cache
+   as a flat scratch region with a 4D attention mask (prefix + the branch's glue
+   tokens + its own earlier tree tokens) and RoPE positions of the hypothesised
+   sequence, so the shared prefix KV is never copied.  The scratch region is cropped
+   after the tree.
+
+It runs in a worker process (:func:`worker_main`, pinned to its own cores) behind
+:mod:`channel`; the verifier also runs it in-process as plain SD when the worker
+is gone (no tree, neural fallback every round).
+
+Every draft token is sampled from the distribution q' that is sent with it: the
+draft's temperature/top-k/top-p distribution, reshaped by Saguaro sampling
+(``--saguaro-c``) over the top ``F_j + 1`` tokens [I: the candidates at position j are
+the top F_j *excluding the sampled token*, so the top F_j + 1 is the smallest set that
+holds every token that can become a cached bonus; the reference code does the same,
+spec §5.3].  Fast-fallback tokens are point masses (q' = one-hot), so the verifier's
+acceptance test stays exact for every proposal.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from . import kv
+from .channel import Reply, Settings
+from .fanout import FanOut
+from .sampling import logits_to_probs, make_generator, sample, saguaro_reshape
+
+Entry = tuple[tuple[int, ...], torch.Tensor | None]  # (k tokens, q' rows [k, V] or None for point masses)
+NGRAM_MAX = 3
+NGRAM_WINDOW = 4096
+
+
+@dataclass
+class _FallbackStats:
+    """Tokens per round after each fallback kind, and timings, for ``--fallback auto``."""
+
+    tokens: dict[str, deque] = field(default_factory=lambda: {"neural": deque(maxlen=16), "fast": deque(maxlen=16)})
+    verify_s: deque = field(default_factory=lambda: deque(maxlen=16))
+    misses: int = 0
+
+
+class Speculator:
+    """The draft side of SSD for one model on one device (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, k: int, fan_out: FanOut | None, fallback: str = "neural",
+                 vocab: int | None = None) -> None:
+        self.model = model
+        self.vocab = vocab  # the target's logits width; draft logits are padded (-inf) or cut to it
+        self.device = model.get_input_embeddings().weight.device
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.k = k
+        self.fan = fan_out  # None: no cache (plain SD, used in-process after the worker failed)
+        self.fallback = fallback
+        self.cache = kv.new_cache(model)
+        self.kv_ids: list[int] = []  # the tokens whose KV self.cache holds (main region)
+        self.step_times: deque = deque(maxlen=64)
+        self.fb_stats = _FallbackStats()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ctx: list[int] = []  # committed tokens (the draft KV is valid for them after a sync)
+        self.pending: int | None = None  # the bonus token of the last outcome (no KV yet)
+        self.spec: tuple[int, ...] | None = None  # the speculation being verified now
+        self.spec_hit = False
+        self.spec_fallback: str | None = None
+        self.tree: dict[tuple[int, int], Entry] = {}
+        self.predicted: tuple[tuple[int, tuple[int, ...]], ...] = ()
+        self.build_s = 0.0
+        self._glue_logits: list[torch.Tensor] | None = None  # g_0..g_{k-1} left by a neural fallback
+
+    # -- per reply ------------------------------------------------------------------------
+    def begin(self, prompt_ids: list[int], settings: Settings) -> None:
+        """A new reply: prefill the prompt (reusing the KV of a common prefix with the last reply)."""
+        self._reset()
+        self.settings = settings
+        self.gen = make_generator(None if settings.seed is None else settings.seed * 2 + 1, self.device)
+        self.ctx = list(prompt_ids)
+        self._extend(self.ctx, logits_from=len(self.ctx))
+        if not self.step_times and self.ctx:  # one timed decode step, for the SD estimate and --fallback auto
+            n = kv.length(self.cache)
+            t0 = time.perf_counter()
+            self._forward(self.ctx[-1:])
+            self.step_times.append(time.perf_counter() - t0)
+            kv.truncate(self.cache, n)
+            del self.kv_ids[n:]
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.step_times) / len(self.step_times) if self.step_times else 0.0
+
+    # -- serving a request ----------------------------------------------------------------
+    def serve(self, req: int, k_prev: int, bonus: int, verify_s: float = 0.0) -> tuple[Reply, torch.Tensor | None]:
+        """The speculation for the round after outcome ``(k_prev, bonus)`` (k_prev = -1: the first round).
+        Returns the reply and q' rows [k, V] (None: point masses)."""
+        if self.spec is not None and k_prev >= 0:
+            self.ctx += [self.pending] + list(self.spec[:k_prev])  # type: ignore[list-item]
+            if self.fan is not None:
+                self.fan.observe(k_prev, self.spec_hit)
+            if self.spec_fallback is not None:
+                self.fb_stats.tokens[self.spec_fallback].append(1 + k_prev)
+            if verify_s > 0:
+                self.fb_stats.verify_s.append(verify_s)
+        self.pending = bonus
+        predicted, build_s = self.predicted, self.build_s
+        entry = self.tree.get((k_prev, bonus)) if k_prev >= 0 else None
+        self.tree, self.predicted = {}, ()  # the cache holds one round only
+        fb_s = 0.0
+        if entry is not None:
+            tokens, q = entry
+            kind = None
+        else:
+            kind = self._choose_fallback()
+            t0 = time.perf_counter()
+            tokens, q = self._neural() if kind == "neural" else self._fast()
+            fb_s = time.perf_counter() - t0
+        self.spec, self.spec_hit, self.spec_fallback = tokens, entry is not None, kind
+        reply = Reply(req, tokens, q is not None, entry is not None, kind, fb_s, predicted, build_s, self.step_s)
+        return reply, q
+
+    def _choose_fallback(self) -> str:
+        """neural | fast; ``auto`` compares expected tokens per second of the two from measured
+        timings and the tokens per round each produced lately  [I: Theorem 7's per-round terms]."""
+        if self.fallback != "auto":
+            return self.fallback
+        st = self.fb_stats
+        st.misses += 1
+        if not st.verify_s or not self.step_times:
+            return "neural"
+        n_obs, f_obs = st.tokens["neural"], st.tokens["fast"]
+        if len(f_obs) < 2 or (st.misses % 16 == 0 and len(n_obs) >= 2):  # keep both estimates fresh
+            return "fast" if len(f_obs) < 2 or st.misses % 32 == 0 else "neural"
+        if len(n_obs) < 2:
+            return "neural"
+        t_round = max(sum(st.verify_s) / len(st.verify_s), self.build_s)
+        e_n, e_f = sum(n_obs) / len(n_obs), sum(f_obs) / len(f_obs)
+        rate_n = e_n / (t_round + self.k * self.step_s)
+        rate_f = e_f / t_round
+        return "neural" if rate_n >= rate_f else "fast"
+
+    def _neural(self) -> Entry:
+        """k draft steps from ``ctx + [pending]`` (what SD does; spec §2.6 JIT backup)."""
+        hit_list, miss_list = self._lists()
+        ids = self.ctx + [self.pending]  # type: ignore[list-item]
+        g = [self._extend(ids, logits_from=len(ids) - 1)[-1]]
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(self.k):
+            q = self._proposal(g[-1][None], miss_list[i] if miss_list else 0)  # [1, V]
+            tok = self._draw(g[-1][None], q)[0]
+            tokens.append(tok)
+            if q is not None:
+                qs.append(q[0])
+            if i < self.k - 1:
+                t0 = time.perf_counter()
+                g.append(self._forward([tok])[-1])
+                self.step_times.append(time.perf_counter() - t0)
+        self._glue_logits = g  # valid while kv_ids == ctx + [pending] + tokens[:-1]
+        return tuple(tokens), (torch.stack(qs) if qs else None)
+
+    def _fast(self) -> Entry:
+        """k tokens by n-gram lookup in the context (prompt lookup decoding): no draft forward.
+        Point-mass proposals (q' = one-hot), so the verifier accepts each with probability p(token)."""
+        hist = (self.ctx + [self.pending])[-NGRAM_WINDOW:]  # type: ignore[list-item]
+        out: list[int] = []
+        for _ in range(self.k):
+            out.append(_ngram_next(hist + out))
+        return tuple(out), None
+
+    # -- building the cache -----------------------------------------------------------------
+    @torch.inference_mode()
+    def build(self, abort: Callable[[], bool] = lambda: False) -> None:
+        """Predict the outcomes of the round being verified and draft k tokens for each (one tree)."""
+        if self.spec is None or self.fan is None:
+            return
+        t0 = time.perf_counter()
+        k, spec = self.k, list(self.spec)
+        L = len(self.ctx)
+        ids = self.ctx + [self.pending] + spec  # type: ignore[list-item]
+        # glue: the draft's distributions g_0..g_k after [bonus, d_1..d_j]
+        if self._glue_logits is not None and self.kv_ids == ids[:-1]:
+            g = torch.stack(self._glue_logits + [self._forward(spec[-1:])[-1]])  # [k+1, V]
+        else:
+            g = self._extend(ids, logits_from=L)  # [k+1, V]
+        self._glue_logits = None
+        hit_list, miss_list = self._lists()
+        fan = hit_list if self.spec_hit else miss_list
+        # candidate bonus tokens: top-F_j of g_j, never the token drafted there
+        rows = g.float().clone()
+        for j in range(k):
+            rows[j, spec[j]] = float("-inf")
+        predicted: list[tuple[int, tuple[int, ...]]] = []
+        for j in range(k + 1):
+            if fan[j] > 0:
+                predicted.append((j, tuple(torch.topk(rows[j], min(fan[j], rows.shape[-1] - (j < k))).indices.tolist())))
+        branches = [(j, c) for j, cs in predicted for c in cs]
+        tree: dict[tuple[int, int], Entry] = {}
+        if branches:
+            drafted = self._tree(L, [j for j, _ in branches], [c for _, c in branches], hit_list, abort)
+            if drafted is not None:
+                toks, qs = drafted
+                for b, key in enumerate(branches):
+                    tree[key] = (tuple(toks[b].tolist()), None if qs is None else qs[b])
+        self.tree, self.predicted = tree, tuple(predicted)
+        self.build_s = time.perf_counter() - t0
+
+    def _tree(self, L: int, js: list[int], cands: list[int], hit_list: list[int], abort: Callable[[], bool]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Draft k tokens for B branches at once; branch b is ``ctx + [bonus, d_1..d_{j_b}, c_b]``.
+        Returns tokens [B, k] and q' [B, k, V] (None under greedy), or None if aborted."""
+        k, dev = self.k, self.device
+        B = len(js)
+        base = kv.length(self.cache)  # L + k + 1: prefix + glue
+        j_t = torch.tensor(js, device=dev)
+        cols = torch.arange(base, device=dev)
+        # prefix for everyone; glue slot L+i only for branches with i <= j
+        allowed = (cols[None, :] < L) | ((cols[None, :] >= L) & (cols[None, :] - L <= j_t[:, None]))  # [B, base]
+        eye = torch.eye(B, dtype=torch.bool, device=dev)
+        neg = torch.finfo(self.dtype).min
+        x = torch.tensor(cands, device=dev)
+        toks = torch.empty(B, k, dtype=torch.long, device=dev)
+        qs: list[torch.Tensor] = []
+        try:
+            for d in range(k):
+                if abort():
+                    return None
+                mask = torch.cat([allowed] + [eye] * (d + 1), dim=1)  # [B, base + (d+1)B]
+                attn = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill(~mask, neg)[None, None]
+                pos = (L + 1 + d + j_t)[None]  # RoPE positions of the hypothesised sequences
+                out = self.model(input_ids=x[None], cache=self.cache, use_cache=True, position_ids=pos, attention_mask=attn)
+                logits = _fit_vocab(out.logits[0], self.vocab)  # [B, V]
+                q = self._proposal(logits, hit_list[d] if hit_list else 0)
+                x = torch.tensor(self._draw(logits, q), device=dev)
+                toks[:, d] = x
+                if q is not None:
+                    qs.append(q)
+        finally:
+            kv.truncate(self.cache, base)
+        return toks, (torch.stack(qs, dim=1) if qs else None)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _lists(self) -> tuple[list[int], list[int]]:
+        return self.fan.lists() if self.fan is not None else ([], [])
+
+    def _proposal(self, logits: torch.Tensor, fan: int) -> torch.Tensor | None:
+        """q' rows [n, V] the tokens are drawn from (None under greedy: point masses on the argmax)."""
+        s = self.settings
+        if s.temperature == 0.0:
+            return None
+        q = logits_to_probs(logits, s.temperature, s.top_k, s.top_p)
+        return saguaro_reshape(q, s.saguaro_c, fan + 1) if s.saguaro_c < 1.0 and fan > 0 else q
+
+    def _draw(self, logits: torch.Tensor, q: torch.Tensor | None) -> list[int]:
+        if q is None:
+            return logits.argmax(dim=-1).tolist()
+        return sample(q, self.gen).tolist()
+
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        """Append ``ids`` to the draft cache; logits [len(ids), V]."""
+        out = kv.forward(self.model, torch.tensor(ids, device=self.device), self.cache)
+        self.kv_ids.extend(ids)
+        return _fit_vocab(out, self.vocab)
+
+    def _extend(self, ids: list[int], logits_from: int) -> torch.Tensor:
+        """Make the cache hold exactly ``ids``, reusing the common prefix, and return the logits of
+        positions ``logits_from..len(ids)-1`` (recomputing from there if needed)."""
+        n = 0
+        lim = min(len(self.kv_ids), len(ids), logits_from)
+        while n < lim and self.kv_ids[n] == ids[n]:
+            n += 1
+        kv.truncate(self.cache, n)
+        del self.kv_ids[n:]
+        if n == len(ids):
+            return torch.empty(0, device=self.device)
+        return self._forward(ids[n:])[logits_from - n:]
+
+
+def _fit_vocab(logits: torch.Tensor, size: int | None) -> torch.Tensor:
+    """Draft logits [..., Vd] -> [..., size] (same tokenizer, possibly a padded head)."""
+    vd = logits.shape[-1]
+    if size is None or vd == size:
+        return logits
+    if vd > size:
+        return logits[..., :size]
+    return torch.cat([logits, logits.new_full((*logits.shape[:-1], size - vd), float("-inf"))], dim=-1)
+
+
+def _ngram_next(hist: list[int]) -> int:
+    """The token that followed the most recent earlier occurrence of the longest suffix
+    (n <= NGRAM_MAX) of ``hist``; the last token when nothing matches."""
+    h = len(hist)
+    for n in range(min(NGRAM_MAX, h - 1), 0, -1):
+        suffix = hist[h - n:]
+        for i in range(h - n - 1, -1, -1):
+            if hist[i:i + n] == suffix:
+                return hist[i + n]
+    return hist[-1]
+
+
+# --- the worker process ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the worker gets its draft without pickling a big model: load a folder (and derive
+    ``derived`` from it), or for models that exist only in memory (tests), a config + state_dict."""
+
+    dtype: torch.dtype
+    device: str
+    folder: str | None = None
+    config: Any = None
+    state_dict: dict | None = None
+    derived: str | None = None  # copy | int8 | layers:N, applied to what folder/state_dict holds
+
+
+def recipe_for(draft: Any, target: Any, device: str, dtype: torch.dtype) -> Recipe:
+    """The recipe that rebuilds ``draft`` (a LoadedModel) in another process."""
+    derived = draft.spec.source if draft.spec.kind == "derived" else None
+    src = target if derived else draft
+    if src.folder is not None and (src.folder / "config.json").is_file():
+        return Recipe(dtype, device, folder=str(src.folder), derived=derived)
+    return Recipe(dtype, device, config=src.model.config, state_dict={n: t.detach().cpu() for n, t in src.model.state_dict().items()},
+                  derived=derived)
+
+
+def build_model(recipe: Recipe) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    dev = torch.device(recipe.device)
+    if recipe.folder is not None:
+        model = AutoModelForCausalLM.from_pretrained(recipe.folder, dtype=recipe.dtype)
+    else:
+        model = AutoModelForCausalLM.from_config(recipe.config).to(recipe.dtype)
+        model.load_state_dict(recipe.state_dict)
+    model = model.to(dev).eval()
+    if recipe.derived:
+        from . import drafts
+        from .models import LoadedModel, ModelSpec, Placement
+
+        base = LoadedModel("target", ModelSpec("target", "folder", recipe.folder or "memory"), model, None,
+                           Placement(dev, recipe.dtype))
+        model = drafts.derive(recipe.derived, base).model
+    return model.eval()
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the parent dies (even mid-forward)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def worker_main(conn: Any, recipe: Recipe, k: int, fan_out: FanOut, fallback: str, vocab: int, qbuf: torch.Tensor,
+                cores: tuple[int, ...] | None, threads: int | None, parent_pid: int, fault: str | None = None) -> None:
+    """The speculator process: load the draft, then serve requests until ``close`` or EOF."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the app, which closes us
+    if os.getppid() != parent_pid:
+        return
+    if not os.environ.get("SSD_CHAT_DEBUG"):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+    try:
+        if cores is not None and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cores)
+        if threads:
+            torch.set_num_threads(threads)
+        model = build_model(recipe)
+        spec = Speculator(model, k, fan_out, fallback, vocab)
+        conn.send(("ready", {"pid": os.getpid(), "threads": torch.get_num_threads()}))
+        _serve_loop(conn, spec, qbuf, _Fault.parse(fault))
+    except (EOFError, OSError, KeyboardInterrupt):
+        pass
+    except BaseException as e:  # noqa: BLE001 - reported to the verifier, which falls back
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except (OSError, EOFError):
+            pass
+        sys.exit(1)
+
+
+@dataclass
+class _Fault:
+    """Test hook (``SSDDecoder.fault``): ``raise:N``, ``sleep:N:S``, ``exit:N`` at the N-th request."""
+
+    kind: str
+    at: int
+    arg: float = 0.0
+
+    @staticmethod
+    def parse(s: str | None) -> "_Fault | None":
+        if not s:
+            return None
+        parts = s.split(":")
+        return _Fault(parts[0], int(parts[1]), float(parts[2]) if len(parts) > 2 else 0.0)
+
+    def fire(self, n: int) -> None:
+        if n != self.at:
+            return
+        if self.kind == "raise":
+            raise RuntimeError("injected fault")
+        if self.kind == "sleep":
+            time.sleep(self.arg)
+        if self.kind == "exit":
+            os._exit(3)
+
+
+def _serve_loop(conn: Any, spec: Speculator, qbuf: torch.Tensor, fault: _Fault | None) -> None:
+    pending: list[tuple] = []
+    num_requests = 0
+
+    def abort() -> bool:
+        # a message while building: a request for this tree (keep building), else a new reply / close
+        while conn.poll():
+            pending.append(conn.recv())
+        return any(m[0] != "spec" for m in pending)
+
+    while True:
+        msg = pending.pop(0) if pending else conn.recv()
+        cmd = msg[0]
+        if cmd == "close":
+            return
+        if cmd == "ping":
+            conn.send(("pong", msg[1]))
+        elif cmd == "begin":
+            spec.begin(msg[1], msg[2])
+        elif cmd == "spec":
+            _, req, k_prev, bonus, verify_s = msg
+            num_requests += 1
+            if fault is not None:
+                fault.fire(num_requests)
+            reply, q = spec.serve(req, k_prev, bonus, verify_s)
+            if q is not None:
+                qbuf[: q.shape[0]].copy_(q)
+            conn.send(reply)
+            spec.build(abort)
