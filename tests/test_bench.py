@@ -1,0 +1,393 @@
+"""`ssd-chat bench`: prompt sets, hardware plans, the race on tiny models, the report
+(JSON schema, ratios from the same run, the physical bound, greedy exactness, a
+deliberately mismatching decoder), the CLI on the packaged model, and the GPU preset."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+from dataclasses import replace
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import CharTokenizer, as_loaded
+from ssd_chat import bench_report as br
+from ssd_chat.bench import (FAMILIES, BenchError, BenchPrompt, BenchSettings, Hardware, build_report, gpu_preset, load_prompts,
+                            make_plans, run_bench)
+from ssd_chat.cli import app
+from ssd_chat.engine.engine import DECODERS, EngineConfig
+from ssd_chat.engine.events import Done
+
+TWO_CORES = Hardware((0, 1), 0)
+
+
+# --- prompt sets --------------------------------------------------------------------------------
+
+
+def test_every_family_has_at_least_16_distinct_prompts():
+    for fam in FAMILIES:
+        ps, source = load_prompts(fam)
+        assert source == fam
+        assert len(ps) >= 16, fam
+        assert len({p.text for p in ps}) == len(ps) and len({p.id for p in ps}) == len(ps)
+        assert {p.family for p in ps} == {fam}
+
+
+def test_all_interleaves_families_and_limit_is_per_family():
+    ps, _ = load_prompts("all", limit=2)
+    assert [p.family for p in ps] == [*FAMILIES, *FAMILIES]
+    ps, _ = load_prompts("math,code", limit=3)
+    assert [p.family for p in ps] == ["math", "code"] * 3
+
+
+def test_prompt_files(tmp_path):
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"prompt": "one", "family": "x"}\n\n"two"\n{"id": "p3", "prompt": "three"}\n')
+    ps, source = load_prompts(str(f))
+    assert [(p.text, p.family) for p in ps] == [("one", "x"), ("two", "mine"), ("three", "mine")]
+    assert ps[2].id == "p3" and source == str(f)
+    t = tmp_path / "lines.txt"
+    t.write_text("a question\n\nanother\n")
+    assert [p.text for p in load_prompts(str(t), limit=1)[0]] == ["a question"]
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"prompt": 3}\n', "non-empty"),
+    ("{not json\n", "not valid JSON"),
+    ("", "holds no prompts"),
+])
+def test_bad_prompt_files_are_clear_errors(tmp_path, content, message):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(content)
+    with pytest.raises(BenchError, match=message):
+        load_prompts(str(f))
+
+
+def test_unknown_prompt_set():
+    with pytest.raises(BenchError, match="neither a prompt set"):
+        load_prompts("poems")
+
+
+# --- hardware plans -------------------------------------------------------------------------------
+
+
+def test_cpu_plans_follow_the_two_protocols():
+    plans, notes = make_plans(("paper", "equal"), ("ar", "sd", "ssd"), "auto", "auto", TWO_CORES)
+    by = {(p.protocol, p.mode): p for p in plans}
+    assert notes == []
+    for mode in ("ar", "sd"):
+        assert (by["paper", mode].cores, by["paper", mode].threads) == ((0,), 1)
+        assert (by["equal", mode].cores, by["equal", mode].threads) == ((0, 1), 2)
+    for proto in ("paper", "equal"):
+        assert (by[proto, "ssd"].cores, by[proto, "ssd"].threads, by[proto, "ssd"].draft_device) == ((0,), 1, "cpu:1")
+    # SSD has the same placement in both protocols: one slot, run once
+    assert by["paper", "ssd"].slot == by["equal", "ssd"].slot
+    assert by["paper", "ar"].slot != by["equal", "ar"].slot
+
+
+def test_single_core_plan_says_ssd_cannot_overlap():
+    plans, notes = make_plans(("paper",), ("ar", "ssd"), "auto", "auto", Hardware((0,), 0))
+    assert [p.cores for p in plans] == [(0,), (0,)]
+    assert any("shares" in n for n in notes)
+
+
+def test_gpu_plans_give_the_draft_its_own_gpu():
+    plans, notes = make_plans(("paper", "equal"), ("ar", "sd", "ssd"), "auto", "auto", Hardware((0, 1), 2))
+    by = {(p.protocol, p.mode): p for p in plans}
+    assert notes == []
+    assert (by["paper", "ar"].target_device, by["paper", "sd"].draft_device) == ("cuda:0", "cuda:0")
+    assert (by["paper", "ssd"].target_device, by["paper", "ssd"].draft_device) == ("cuda:0", "cuda:1")
+    assert by["equal", "ar"].target_device == "cuda:0,cuda:1"  # AR/SD get the draft's GPU too
+    assert all(p.cores is None for p in plans)
+
+
+def test_gpu_plans_with_one_gpu_say_so():
+    _, notes = make_plans(("paper",), ("ar", "ssd"), "cuda", "auto", Hardware((0, 1), 1))
+    assert any("shares cuda:0" in n for n in notes)
+    with pytest.raises(BenchError, match="no NVIDIA GPU"):
+        make_plans(("paper",), ("ar",), "cuda:0", "auto", Hardware((0, 1), 0))
+
+
+def test_bad_core_is_a_clear_error():
+    with pytest.raises(BenchError, match="core 5 is not available"):
+        make_plans(("paper",), ("ssd",), "auto", "cpu:5", TWO_CORES)
+
+
+# --- the GPU preset ---------------------------------------------------------------------------------
+
+
+def test_gpu_preset_picks_a_local_pair_and_the_last_gpu_for_the_draft(monkeypatch):
+    from ssd_chat.engine import models
+
+    monkeypatch.setattr(models, "local_status", lambda: [{"alias": a, "local": True} for a in ("smollm2-1.7b", "smollm2-135m")])
+    values, notes = gpu_preset({"target": "smollm2-135m-gguf"}, set(), Hardware((0, 1), 4))
+    assert (values["target"], values["draft"], values["dtype"]) == ("smollm2-1.7b", "smollm2-135m", "bfloat16")
+    assert (values["target_device"], values["draft_device"]) == ("cuda:0", "cuda:3")
+    _, notes = gpu_preset({"target": "x"}, {"target"}, Hardware((0, 1), 1))
+    assert any("one GPU" in n for n in notes)
+    monkeypatch.setattr(models, "local_status", lambda: [])
+    with pytest.raises(BenchError, match="no \\(target, draft\\) pair"):
+        gpu_preset({}, set(), Hardware((0, 1), 2))
+    with pytest.raises(BenchError, match="needs an NVIDIA GPU"):
+        gpu_preset({}, set(), Hardware((0, 1), 0))
+
+
+def test_preset_gpu_without_a_gpu_is_a_one_line_error():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    r = CliRunner().invoke(app, ["bench", "--preset", "gpu", "--dry-run"])
+    assert r.exit_code == 1
+    assert "needs an NVIDIA GPU" in r.stderr and "Traceback" not in r.output
+
+
+def test_dry_run_prints_the_plan_without_loading():
+    r = CliRunner().invoke(app, ["bench", "--dry-run", "--limit", "2", "--protocol", "paper"])
+    assert r.exit_code == 0, r.output
+    assert "8 prompts" in r.stdout and "protocol paper" in r.stdout and "protocol equal" not in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--modes", "ar,xx"], "unknown mode"),
+    (["--protocol", "fast"], "unknown protocol"),
+    (["--preset", "tpu"], "unknown preset"),
+])
+def test_bad_arguments_are_usage_errors(args, message):
+    r = CliRunner().invoke(app, ["bench", "--dry-run", *args])
+    assert r.exit_code == 2
+    assert message in r.output
+
+
+# --- the race on tiny models ----------------------------------------------------------------------
+
+
+def _llama(seed: int, scale: float = 3.0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    """float64 target + a noisy copy as draft: mixed accept/reject, exact greedy agreement with AR."""
+    base = _llama(0)
+    draft = copy.deepcopy(base)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1 * p.std())
+    return as_loaded(base, CharTokenizer(64), "tiny-target"), as_loaded(draft, CharTokenizer(64), "tiny-draft")
+
+
+PROMPTS = [BenchPrompt("code-01", "code", "abcde"), BenchPrompt("math-01", "math", "hello"),
+           BenchPrompt("chat-01", "chat", "zyxwvu")]
+
+
+def _encode(engine, p):  # noqa: ARG001 - the char tokenizer needs no chat template
+    return [ord(c) - ord("a") for c in p.text], ()
+
+
+def _race(pair, modes=("ar", "sd", "ssd"), protocols=("paper", "equal"), max_new=12, repeats=1):
+    target, draft = pair
+    plans, notes = make_plans(protocols, modes, "cpu", "auto", Hardware.detect())
+    settings = BenchSettings(modes=modes, protocols=protocols, max_new_tokens=max_new, repeats=repeats, warmup_tokens=4)
+    base = EngineConfig(target="tiny-target", draft="tiny-draft", mode="sd", k=3)
+    result = run_bench(base, lambda plan: (target, draft), PROMPTS, plans, settings, encode=_encode)
+    models = {"target": {"name": "tiny-target", "params": 1}, "draft": {"name": "tiny-draft", "params": 1}}
+    machine = {"summary": "test", "cpu": "test"}
+    report = build_report(result, plans, settings, PROMPTS, "test", models, {"k": 3}, machine, notes,
+                          decode=target.tokenizer.decode)
+    return result, report
+
+
+@pytest.fixture(scope="module")
+def race(tiny_pair):
+    return _race(tiny_pair)
+
+
+def test_every_mode_runs_every_prompt_interleaved(race):
+    result, report = race
+    slots = {r["slot"] for r in result.runs}
+    assert len(slots) == 5  # ar, sd under each protocol; ssd once (same placement in both)
+    assert len(result.runs) == len(PROMPTS) * 5
+    assert not result.skipped
+    for pid in {p.id for p in PROMPTS}:
+        rs = [r for r in result.runs if r["prompt_id"] == pid]
+        assert sorted(r["order"] for r in rs) == list(range(5))
+    # the order rotates: the first configuration to run differs from prompt to prompt
+    firsts = [next(r["run_id"] for r in result.runs if r["prompt_id"] == p.id and r["order"] == 0) for p in PROMPTS]
+    assert len(set(firsts)) == len(PROMPTS)
+    assert all(r["new_tokens"] == 12 and r["error"] is None for r in result.runs)
+
+
+def test_report_json_schema(race, tmp_path):
+    _, report = race
+    path = tmp_path / "b.json"
+    br.write_json(report, path)
+    data = json.loads(path.read_text())
+    assert data["schema"] == br.SCHEMA
+    assert {"machine", "models", "settings", "protocols", "runs", "placements", "skipped_modes", "notes"} <= set(data)
+    assert set(data["protocols"]) == {"paper", "equal"}
+    for proto in data["protocols"].values():
+        assert set(proto["modes"]) == {"ar", "sd", "ssd"}
+        for m in proto["modes"].values():
+            assert {"median", "p25", "p75", "min", "max", "n"} <= set(m["tok_per_s"])
+            assert m["tok_per_s"]["p25"] <= m["tok_per_s"]["median"] <= m["tok_per_s"]["p75"]
+            assert {"ttft_s", "mean_accepted_length", "acceptance_rate", "cache_hit_rate", "tok_per_s_by_family"} <= set(m)
+        assert set(proto["ratios"]) == {"ssd/sd", "ssd/ar", "sd/ar"}
+        assert proto["modes"]["ar"]["mean_accepted_length"] is None
+        assert 1 <= proto["modes"]["sd"]["mean_accepted_length"] <= 4
+        assert 0 <= proto["modes"]["ssd"]["cache_hit_rate"] <= 1
+    assert set(data["protocols"]["paper"]["targets"]) == {"greedy", "ssd_over_sd", "wait_on_hit_over_verify", "channel_round_trip_ms"}
+    assert data["protocols"]["paper"]["targets"]["channel_round_trip_ms"]["value"] > 0  # measured through the SSD decoder
+
+
+def test_ratios_and_bound_come_from_the_same_runs(race):
+    result, report = race
+    for name, proto in report["protocols"].items():
+        runs = {m: [r for r in result.runs if r["slot"] == report["placements"][name][m]["slot"]] for m in ("ar", "sd", "ssd")}
+        med = {m: statistics.median(r["tok_per_s"] for r in rs) for m, rs in runs.items()}
+        assert len(runs["ar"]) == len(PROMPTS)
+        for a, b in br.RATIOS:
+            assert proto["ratios"][f"{a}/{b}"]["of_medians"] == pytest.approx(med[a] / med[b])
+        sd = runs["sd"]
+        bound = 1 + sum(r["draft_s"] for r in sd) / sum(r["verify_s"] for r in sd)
+        assert proto["bound"]["ssd_over_sd_max"] == pytest.approx(bound)
+        assert proto["bound"]["measured_over_bound"] == pytest.approx(med["ssd"] / med["sd"] / bound)
+
+
+def test_greedy_exactness_is_asserted(race):
+    _, report = race
+    for proto in report["protocols"].values():
+        ex = proto["exactness"]
+        assert ex["checked"] and ex["all_identical"]
+        assert {m: (v["compared"], v["identical"]) for m, v in ex["modes"].items()} == {"sd": (3, 3), "ssd": (3, 3)}
+
+
+class _Corrupting:
+    """An SD decoder that changes the 4th token of every reply: a deliberately wrong decoder."""
+
+    def __init__(self, engine):
+        from ssd_chat.engine.sd import SDDecoder
+
+        self.inner = SDDecoder(engine)
+
+    def stream(self, ids, params, stop=None):
+        for ev in self.inner.stream(ids, params, stop):
+            if isinstance(ev, Done):
+                t = ev.token_ids
+                ev = replace(ev, token_ids=(*t[:3], (t[3] + 1) % 64, *t[4:]))
+            yield ev
+
+
+def test_a_mismatching_decoder_is_reported_loudly(tiny_pair, monkeypatch):
+    from rich.console import Console
+
+    monkeypatch.setitem(DECODERS, "sd", _Corrupting)
+    _, report = _race(tiny_pair, modes=("ar", "sd"), protocols=("paper",), max_new=8)
+    ex = report["protocols"]["paper"]["exactness"]
+    assert not ex["all_identical"]
+    mm = ex["modes"]["sd"]["mismatches"]
+    assert len(mm) == len(PROMPTS) and {m["position"] for m in mm} == {3}
+    assert all(m["token"] == (m["ar_token"] + 1) % 64 for m in mm)
+    console = Console(record=True, width=200)
+    br.render(report, console)
+    text = console.export_text()
+    assert "GREEDY MISMATCH" in text and "at token 3" in text and "token-for-token identical" not in text
+
+
+def test_an_unavailable_mode_is_skipped_with_a_message(tiny_pair, monkeypatch):
+    def missing(engine):  # noqa: ARG001
+        raise ImportError("No module named 'ssd_chat.engine.ssd'")
+
+    monkeypatch.setitem(DECODERS, "ssd", missing)
+    result, report = _race(tiny_pair, modes=("ar", "ssd"), protocols=("paper",), max_new=4)
+    assert "not available in this build" in result.skipped["ssd"]
+    assert set(report["protocols"]["paper"]["modes"]) == {"ar"}
+    assert report["skipped_modes"] == result.skipped
+
+
+def test_pinning_is_restored(tiny_pair):
+    threads = torch.get_num_threads()
+    affinity = os.sched_getaffinity(0)
+    _race(tiny_pair, modes=("ar",), max_new=4)
+    assert torch.get_num_threads() == threads and os.sched_getaffinity(0) == affinity
+
+
+def test_sampling_runs_skip_the_exactness_check(tiny_pair):
+    target, draft = tiny_pair
+    plans, notes = make_plans(("paper",), ("ar", "sd"), "cpu", "auto", Hardware.detect())
+    settings = BenchSettings(modes=("ar", "sd"), protocols=("paper",), max_new_tokens=6, temperature=0.8, warmup_tokens=2)
+    result = run_bench(EngineConfig(mode="sd", k=2), lambda p: (target, draft), PROMPTS[:1], plans, settings, encode=_encode)
+    report = build_report(result, plans, settings, PROMPTS[:1], "t", {"target": {"name": "t"}}, {"k": 2}, {"summary": ""}, notes)
+    assert report["protocols"]["paper"]["exactness"]["checked"] is False
+
+
+# --- the report from hand-made records ---------------------------------------------------------------
+
+
+def _rec(mode, pid, tps, rounds=0, draft_s=0.0, verify_s=0.0, **kw):
+    r = {"run_id": f"{mode}|x|{pid}|0", "mode": mode, "prompt_id": pid, "family": "f", "repeat": 0, "tok_per_s": tps,
+         "ttft_s": 0.1, "elapsed_s": 1.0, "new_tokens": 10, "rounds": rounds, "drafted": 3 * rounds, "accepted": rounds,
+         "ssd_rounds": 0, "hits": 0, "draft_s": draft_s, "verify_s": verify_s, "wait_s": 0.0, "wait_on_hit_s": 0.0,
+         "verify_on_hit_s": 0.0, "fallback_rounds": 0, "error": None, "background_cpu_s": None}
+    r.update(kw)
+    return r
+
+
+def test_bound_targets_and_paired_ratios_by_hand():
+    runs = {
+        "ar": [_rec("ar", "a", 10.0), _rec("ar", "b", 20.0)],
+        "sd": [_rec("sd", "a", 12.0, 5, 0.5, 1.0), _rec("sd", "b", 30.0, 5, 0.5, 1.0)],
+        "ssd": [_rec("ssd", "a", 18.0, 4, 0.0, 0.8, ssd_rounds=4, hits=3, wait_s=0.06, wait_on_hit_s=0.03, verify_on_hit_s=0.6),
+                _rec("ssd", "b", 39.0, 4, 0.0, 0.8, ssd_rounds=4, hits=2, wait_s=0.05, wait_on_hit_s=0.02, verify_on_hit_s=0.4)],
+    }
+    p = br.summarize_protocol("paper", runs, True, {}, channel_rtt_ms=0.4)
+    assert p["ratios"]["ssd/sd"]["of_medians"] == pytest.approx(28.5 / 21.0)
+    assert p["ratios"]["ssd/sd"]["paired_median"] == pytest.approx((18 / 12 + 39 / 30) / 2)
+    assert p["bound"]["ssd_over_sd_max"] == pytest.approx(1.5)  # 1 + 1.0 s draft / 2.0 s verify
+    assert p["bound"]["measured_over_bound"] == pytest.approx(28.5 / 21.0 / 1.5)
+    ssd = p["modes"]["ssd"]
+    assert ssd["cache_hit_rate"] == pytest.approx(5 / 8)
+    assert ssd["mean_accepted_length"] == pytest.approx(1 + 8 / 8)
+    assert ssd["wait_on_hit_over_verify"] == pytest.approx((0.05 / 5) / (1.0 / 5))
+    t = p["targets"]
+    assert (t["ssd_over_sd"]["met"], t["wait_on_hit_over_verify"]["met"], t["channel_round_trip_ms"]["met"]) == (True, True, True)
+    slow = br.summarize_protocol("paper", {**runs, "ssd": [_rec("ssd", "a", 12.5), _rec("ssd", "b", 25.0)]}, True, {})
+    assert slow["targets"]["ssd_over_sd"]["met"] is False and slow["targets"]["channel_round_trip_ms"]["met"] is None
+    assert "targets" not in br.summarize_protocol("equal", runs, True, {})
+
+
+def test_first_divergence():
+    assert br.first_divergence((1, 2, 3), (1, 2, 3)) is None
+    assert br.first_divergence((1, 2, 3), (1, 5, 3)) == 1
+    assert br.first_divergence((1, 2, 3), (1, 2)) == 2
+
+
+# --- the CLI on the packaged model -----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cli_bench_on_the_packaged_model(smollm2, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": "q1", "family": "chat", "prompt": "What is the capital of France?"}\n')
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    r = CliRunner().invoke(app, ["bench", "--modes", "ar,sd,ssd", "--prompts", str(f), "-n", "6", "--protocol", "paper",
+                                 "--json", str(out), "--plot", str(png), "--quiet", "--target-device", "cpu"])
+    assert r.exit_code == 0, r.output
+    assert "protocol paper" in r.stdout and "SSD/SD" in r.stdout and "physical bound" in r.stdout
+    data = json.loads(out.read_text())
+    assert data["models"]["target"]["name"] == "smollm2-135m-gguf"
+    assert set(data["protocols"]["paper"]["modes"]) == {"ar", "sd", "ssd"}
+    assert data["protocols"]["paper"]["exactness"]["all_identical"] is True
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
