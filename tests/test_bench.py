@@ -391,3 +391,37 @@ def test_cli_bench_on_the_packaged_model(smollm2, tmp_path):
     assert set(data["protocols"]["paper"]["modes"]) == {"ar", "sd", "ssd"}
     assert data["protocols"]["paper"]["exactness"]["all_identical"] is True
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- the prepared GPU script (no GPU is lent to CI: its guards and its bench arguments) -------------------
+
+
+def test_gpu_check_usage_and_no_gpu(tmp_path, repo_root):
+    import shutil
+    import subprocess
+
+    script = repo_root / ".ci" / "gpu-check"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    r = subprocess.run([str(script)], capture_output=True, text=True)
+    assert r.returncode == 2 and "usage" in r.stderr
+    if shutil.which("nvidia-smi"):
+        pytest.skip("nvidia-smi is present")
+    out = tmp_path / "gpu"
+    r = subprocess.run([str(script), str(out)], capture_output=True, text=True, env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 1 and "no NVIDIA GPU" in r.stderr
+    assert "no NVIDIA GPU" in (out / "summary.txt").read_text()
+
+
+def test_gpu_check_bench_arguments_parse(tmp_path, repo_root):
+    """The exact bench options the script passes are accepted (only the missing GPU stops them here)."""
+    import shlex
+
+    text = (repo_root / ".ci" / "gpu-check").read_text()
+    line = next(ln for ln in text.splitlines() if "-m ssd_chat bench" in ln)
+    args = shlex.split(line.split("-m ssd_chat", 1)[1].rstrip("\\ "))
+    args = [a.replace('"$OUT"', str(tmp_path)).replace("$OUT", str(tmp_path)) for a in args]
+    r = CliRunner().invoke(app, [*args, "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png"), "--dry-run"])
+    if torch.cuda.is_available():
+        assert r.exit_code == 0, r.output
+    else:
+        assert r.exit_code == 1 and "needs an NVIDIA GPU" in r.stderr, r.output
