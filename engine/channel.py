@@ -69,8 +69,8 @@ class Channel:
     def send(self, msg: tuple) -> None:
         try:
             self.conn.send(msg)
-        except (OSError, EOFError, ValueError) as e:
-            raise SpeculatorError(f"the speculator process is gone ({type(e).__name__})") from None
+        except (OSError, EOFError, ValueError):
+            raise SpeculatorError("the speculator process exited unexpectedly") from None
 
     def recv(self, timeout: float, stop: Any = None, want_req: int | None = None) -> Any:
         """The next message (skipping stale replies to older requests); raises SpeculatorError
@@ -86,8 +86,8 @@ class Channel:
             if self.conn in ready:
                 try:
                     msg = self.conn.recv()
-                except (OSError, EOFError) as e:
-                    raise SpeculatorError(f"the speculator process is gone ({type(e).__name__})") from None
+                except (OSError, EOFError):
+                    raise SpeculatorError("the speculator process exited unexpectedly") from None
                 if isinstance(msg, tuple) and msg and msg[0] == "error":
                     raise SpeculatorError(f"the speculator failed: {msg[1]}")
                 if want_req is not None and isinstance(msg, Reply) and msg.req != want_req:

@@ -120,6 +120,8 @@ def plan(config: Any, target_device: torch.device, target_cores: tuple[int, ...]
 def _pinned(cores: tuple[int, ...] | None, threads: int | None) -> Iterator[None]:
     """Pin the calling thread to ``cores`` and torch to ``threads`` threads; restore after."""
     old_aff = os.sched_getaffinity(0) if cores and hasattr(os, "sched_setaffinity") else None
+    if old_aff is not None and old_aff == set(cores):  # already there (moving a thread costs ~ms)
+        old_aff = None
     old_threads = torch.get_num_threads()
     try:
         if old_aff is not None:

@@ -1,0 +1,326 @@
+"""SSD (Saguaro): exactness against AR, the speculation cache, the batched tree, events, distribution."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from conftest import CharTokenizer, as_loaded
+from distribution import decoder_distribution_test
+from ssd_chat.engine.ar import ARDecoder
+from ssd_chat.engine.channel import Channel, Settings
+from ssd_chat.engine.engine import Engine, EngineConfig
+from ssd_chat.engine.errors import ParamError
+from ssd_chat.engine.events import Done, Notice, Round, Token
+from ssd_chat.engine.fanout import parse
+from ssd_chat.engine.params import SamplingParams
+from ssd_chat.engine.speculator import Speculator
+from ssd_chat.engine.ssd import SSDDecoder
+
+PROMPTS = ([1, 2, 3], [5, 17, 40, 2, 9], [7, 7, 8, 60, 33, 12])
+
+
+def llama(vocab: int = 64, seed: int = 0, layers: int = 2, hidden: int = 64, scale: float = 3.0):
+    """A float64 random Llama with an untied, sharpened head: varied, non-repeating greedy text
+    (conftest's tied-embedding models mostly repeat their last token, so every draft agrees)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+def noisy(model, sigma: float, seed: int = 5):
+    """A copy with Gaussian noise on every weight: a draft that agrees with the target part of the time."""
+    d = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * sigma * p.std())
+    return d
+
+
+@pytest.fixture(scope="module")
+def pair():
+    base = llama()
+    return as_loaded(base, CharTokenizer(64), "t"), as_loaded(noisy(base, 0.1), CharTokenizer(64), "d")
+
+
+def ssd(target, draft, **cfg) -> SSDDecoder:
+    return SSDDecoder(Engine(EngineConfig(mode="ssd", **cfg), target, draft))
+
+
+def run(decoder, prompt, **kw):
+    evs = list(decoder.stream(prompt, SamplingParams(**kw)))
+    assert isinstance(evs[-1], Done), evs[-1]
+    return evs, evs[-1]
+
+
+def ar_ids(target, prompt, **kw):
+    return run(ARDecoder(target), prompt, **kw)[1].token_ids
+
+
+@pytest.mark.parametrize(("k", "fan_out", "fallback"), [
+    (1, "uniform:1", "neural"),
+    (2, "geometric", "auto"),
+    (3, "uniform:2", "neural"),
+    (4, "3,1,1,1,2/1,1,1,1,1", "fast"),
+    (6, "geometric", "neural"),
+])
+def test_greedy_ssd_equals_ar(pair, k, fan_out, fallback):
+    target, draft = pair
+    dec = ssd(target, draft, k=k, fan_out=fan_out, fallback=fallback)
+    try:
+        hits = misses = accepted = drafted = 0
+        for prompt in PROMPTS:
+            evs, done = run(dec, prompt, max_new_tokens=40)
+            assert done.token_ids == ar_ids(target, prompt, max_new_tokens=40), (prompt, k, fan_out)
+            assert done.reason == "length"
+            assert "".join(e.text for e in evs if isinstance(e, Token)) == done.text
+            rounds = [e for e in evs if isinstance(e, Round)]
+            assert not rounds[0].cache_hit  # the first round always misses
+            hits += sum(r.cache_hit for r in rounds)
+            misses += sum(not r.cache_hit for r in rounds)
+            accepted += sum(r.accepted for r in rounds)
+            drafted += sum(len(r.drafted) for r in rounds)
+        assert not [e for e in evs if isinstance(e, Notice)]
+        # the test exercises both paths: hits and misses, accepted and rejected drafts
+        assert hits > 0 and misses > len(PROMPTS)
+        assert 0 < accepted < drafted
+    finally:
+        dec.close()
+
+
+def test_copy_draft_hits_almost_always(pair):
+    target, _ = pair
+    dec = ssd(target, as_loaded(copy.deepcopy(target.model), CharTokenizer(64), "copy"), k=3, fan_out="uniform:1")
+    try:
+        evs, done = run(dec, PROMPTS[1], max_new_tokens=120)
+        assert done.token_ids == ar_ids(target, PROMPTS[1], max_new_tokens=120)
+        assert done.stats.cache_hit_rate > 0.95, done.stats
+        assert done.stats.acceptance_rate == 1.0
+    finally:
+        dec.close()
+
+
+def test_round_events_describe_the_cache(pair):
+    """A hit round's key (previous accepted, previous bonus) is in its predicted set; a miss's is not."""
+    target, draft = pair
+    dec = ssd(target, draft, k=3, fan_out="uniform:2")
+    try:
+        evs, done = run(dec, PROMPTS[2], max_new_tokens=60)
+        rounds = [e for e in evs if isinstance(e, Round)]
+        assert rounds[0].fallback == "neural" and rounds[0].predicted == ()
+        for prev, r in zip(rounds, rounds[1:]):
+            keys = {(j, c) for j, cs in r.predicted for c in cs}
+            assert len(keys) == 2 * 4 and {j for j, _ in keys} == {0, 1, 2, 3}
+            assert r.cache_hit == ((prev.accepted, prev.bonus_id) in keys)
+            assert (r.fallback is None) == r.cache_hit
+            assert r.speculator_busy_s > 0 and r.wait_s >= 0
+            # the bonus can never be the drafted token at the rejected position
+            if prev.accepted < 3:
+                assert prev.bonus_id != prev.drafted[prev.accepted]
+        s = done.stats
+        hits = [r for r in rounds if r.cache_hit]
+        assert s.cache_hit_rate == pytest.approx(len(hits) / len(rounds))
+        assert s.accepted_length_on_hit == pytest.approx(1 + sum(r.accepted for r in hits) / len(hits))
+        assert s.sd_estimate_s is not None and s.sd_estimate_s > 0
+        assert s.wait_s is not None
+    finally:
+        dec.close()
+
+
+def test_eos_stop_strings_and_tiny_budgets_match_ar(pair):
+    target, draft = pair
+    prompt = PROMPTS[1]
+    ar_text = run(ARDecoder(target), prompt, max_new_tokens=30)[1].token_ids
+    eos = ar_text[7]  # a token AR produces at position 7: with it as EOS the reply ends there
+    t_eos = as_loaded(target.model, CharTokenizer(64, eos_id=eos), "t", eos_ids={eos})
+    d_eos = as_loaded(draft.model, CharTokenizer(64, eos_id=eos), "d", eos_ids={eos})
+    dec = ssd(t_eos, d_eos, k=4, fan_out="uniform:1")
+    try:
+        for kw in ({"max_new_tokens": 30}, {"max_new_tokens": 1}, {"max_new_tokens": 2}, {"max_new_tokens": 30, "stop": ("ab",)},
+                   {"max_new_tokens": 30, "ignore_eos": True}):
+            ref = run(ARDecoder(t_eos), prompt, **kw)[1]
+            got = run(dec, prompt, **kw)[1]
+            assert (got.token_ids, got.text, got.reason) == (ref.token_ids, ref.text, ref.reason), kw
+        assert run(dec, prompt, max_new_tokens=30)[1].reason == "eos"
+    finally:
+        dec.close()
+
+
+def test_cancel_then_next_reply_is_exact(pair):
+    target, draft = pair
+    dec = ssd(target, draft, k=2)
+    try:
+        stop = threading.Event()
+        evs = []
+        for ev in dec.stream(PROMPTS[0], SamplingParams(max_new_tokens=200), stop):
+            evs.append(ev)
+            if isinstance(ev, Round) and ev.index == 1:
+                stop.set()
+        assert evs[-1].reason == "cancelled" and len(evs[-1].token_ids) < 200
+        _, done = run(dec, PROMPTS[0], max_new_tokens=30)
+        assert done.token_ids == ar_ids(target, PROMPTS[0], max_new_tokens=30)
+    finally:
+        dec.close()
+
+
+def test_bad_fan_out_is_a_clear_error(pair):
+    target, draft = pair
+    for fan_out, budget, msg in (("uniform:0", None, "F >= 1"), ("1,2", None, r"k\+1"), ("uniform:2", 5, "budget"),
+                                 ("zigzag", None, "unknown fan-out")):
+        with pytest.raises(ParamError, match=msg):
+            ssd(target, draft, k=3, fan_out=fan_out, budget=budget)
+
+
+def test_channel_round_trip_is_measured(pair):
+    target, draft = pair
+    dec = ssd(target, draft, k=2)
+    try:
+        rtts = [dec.ping() for _ in range(20)]
+        print(f"channel round trip: min {min(rtts) * 1e3:.3f} ms, median {sorted(rtts)[10] * 1e3:.3f} ms")
+        assert all(r > 0 for r in rtts)
+    finally:
+        dec.close()
+
+
+# --- the batched tree, in-process -------------------------------------------------------------
+
+
+def _sequential(model, ids, k, settings, vocab):
+    """k greedy tokens and the per-step distributions, one incremental forward at a time."""
+    from ssd_chat.engine.sampling import logits_to_probs
+
+    ids = list(ids)
+    toks, qs = [], []
+    for _ in range(k):
+        logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+        qs.append(logits_to_probs(logits, settings.temperature or 1.0, settings.top_k, settings.top_p))
+        t = int(logits.argmax())
+        toks.append(t)
+        ids.append(t)
+    return toks, torch.stack(qs)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tree_branches_equal_sequential_drafting(pair, temperature):
+    """Every cached branch (j, c) holds what drafting k tokens after ctx + [bonus, d_1..d_j, c] gives:
+    the tree's mask and RoPE positions are right, and the flat scratch region leaves the prefix intact."""
+    target, _ = pair
+    model, k = target.model, 3
+    sp = Speculator(model, k, parse("uniform:2", k), "neural", vocab=64)
+    settings = Settings(temperature, 0, 1.0, 0, 1.0)
+    prompt = PROMPTS[2]
+    sp.begin(prompt, settings)
+    first, _ = sp.serve(1, -1, 11)  # round 1: a miss, neural fallback
+    sp.build()
+    assert len(sp.tree) == 2 * (k + 1)
+    for (j, c), (toks, q) in sp.tree.items():
+        hyp = prompt + [11, *first.tokens[:j], c]
+        if temperature == 0.0:
+            assert list(toks) == _sequential(model, hyp, k, settings, 64)[0], (j, c)
+        else:  # sampled tokens: check each q' row is the draft's distribution after the branch's own prefix
+            for i in range(k):
+                ref = model(input_ids=torch.tensor([hyp + list(toks[:i])])).logits[0, -1]
+                assert torch.allclose(q[i].double(), torch.softmax(ref, -1), atol=1e-6), (j, c, i)
+    # serving a hit returns the branch and keeps the draft KV equal to a fresh prefill
+    j, c = next(iter(sp.tree))
+    reply, _ = sp.serve(2, j, c)
+    assert reply.hit and reply.tokens == sp.spec
+    sp.build()
+    ids = prompt + [11, *first.tokens[:j], c, *reply.tokens]
+    fresh = model(input_ids=torch.tensor([ids])).logits[0, -1]
+    from ssd_chat.engine import kv
+
+    assert kv.length(sp.cache) == len(ids) and sp.kv_ids == ids
+    probe = kv.forward(model, torch.tensor([ids[-1]]), sp.cache)[-1]  # the next step from the cached KV
+    refp = model(input_ids=torch.tensor([ids + [ids[-1]]])).logits[0, -1]
+    assert torch.allclose(probe, refp, atol=1e-8) and fresh.shape == refp.shape
+
+
+# --- temperature > 0: the output distribution is exactly the target's ------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    base = llama(vocab=8, seed=3, scale=1.5)
+    return as_loaded(base, CharTokenizer(8), "t8"), as_loaded(noisy(base, 0.3), CharTokenizer(8), "d8")
+
+
+DIST_CASES = [
+    pytest.param(dict(k=1, fan_out="uniform:2", saguaro_c=1.0), dict(temperature=1.0), id="T1"),
+    pytest.param(dict(k=2, fan_out="uniform:1", saguaro_c=0.3, fallback="auto"), dict(temperature=1.0, top_p=0.9), id="T1-C0.3-topp0.9"),
+    pytest.param(dict(k=1, fan_out="2,2", saguaro_c=0.5, fallback="fast"), dict(temperature=0.8, top_k=5), id="T0.8-C0.5-topk5-fast"),
+]
+
+
+@pytest.mark.parametrize(("cfg", "sampling"), DIST_CASES)
+def test_distribution_matches_target(small_pair, cfg, sampling):
+    target, draft = small_pair
+    dec = ssd(target, draft, **cfg)
+    try:
+        hits = []
+        orig = dec.stream
+
+        def stream(prompt, params):
+            for ev in orig(prompt, params):
+                if isinstance(ev, Round):
+                    hits.append(ev.cache_hit)
+                yield ev
+
+        res = decoder_distribution_test(stream, target, [1, 4, 2], SamplingParams(**sampling), n=3, num_samples=1000)
+        assert res.p_value > 1e-3, res
+        assert 0 < sum(hits) < len(hits)  # both the cache and the fallback produced verified drafts
+    finally:
+        dec.close()
+
+
+def test_distribution_test_catches_a_wrong_proposal(small_pair, monkeypatch):
+    """The same test fails when the verifier uses a q' other than the one the drafts came from
+    (here: the unreshaped q while the draft sampled Saguaro's q' with C = 0.1)."""
+    target, _ = small_pair
+    unrelated = as_loaded(llama(vocab=8, seed=11, scale=1.5), CharTokenizer(8), "other")
+    dec = ssd(target, unrelated, k=2, fan_out="uniform:2", saguaro_c=0.1)
+    orig = Channel.q_rows
+
+    def wrong(self, reply):
+        q = orig(self, reply)
+        return None if q is None else torch.full_like(q, 1 / q.shape[-1])
+
+    monkeypatch.setattr(Channel, "q_rows", wrong)
+    try:
+        res = decoder_distribution_test(dec.stream, target, [1, 4, 2], SamplingParams(temperature=1.0), n=2, num_samples=600)
+        assert res.p_value < 1e-3, res
+    finally:
+        dec.close()
+
+
+# --- the packaged SmolLM2 with derived drafts ------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("draft_name", "min_hit", "max_hit"), [("copy", 0.95, 1.0), ("int8", 0.0, 0.95), ("layers:6", 0.0, 0.9)])
+def test_smollm2_greedy_ssd_equals_ar(smollm2, draft_name, min_hit, max_hit):
+    from ssd_chat.engine import chat, drafts
+
+    draft = drafts.derive(draft_name, smollm2)
+    dec = SSDDecoder(Engine(EngineConfig(mode="ssd", k=3, draft=draft_name, fan_out="geometric", budget=8), smollm2, draft))
+    try:
+        prompt, _ = chat.prompt_ids(smollm2.tokenizer, [{"role": "user", "content": "List three facts about the moon."}])
+        n = 72 if draft_name == "copy" else 40
+        _, done = run(dec, prompt, max_new_tokens=n, ignore_eos=True)
+        assert done.token_ids == ar_ids(smollm2, prompt, max_new_tokens=n, ignore_eos=True)
+        s = done.stats
+        print(f"{draft_name}: hit rate {s.cache_hit_rate:.2f}, acceptance {s.acceptance_rate:.2f}, rounds {s.rounds}")
+        assert min_hit <= s.cache_hit_rate <= max_hit, s
+    finally:
+        dec.close()

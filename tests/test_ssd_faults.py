@@ -1,0 +1,172 @@
+"""SSD reliability: the speculator dies, raises or hangs; the reply goes on exactly; no process is left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from conftest import CharTokenizer, as_loaded
+from ssd_chat.engine.ar import ARDecoder
+from ssd_chat.engine.events import Done, Notice, Round
+from ssd_chat.engine.params import SamplingParams
+from test_ssd import PROMPTS, llama, noisy, run, ssd
+
+
+@pytest.fixture(scope="module")
+def pair():
+    base = llama(seed=2)
+    return as_loaded(base, CharTokenizer(64), "t"), as_loaded(noisy(base, 0.1), CharTokenizer(64), "d")
+
+
+def gone(pid: int, within_s: float = 10.0) -> bool:
+    """True once ``pid`` no longer exists (or is a zombie nobody will run again)."""
+    deadline = time.time() + within_s
+    while time.time() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def check_exact_with_notice(pair, evs, done, prompt, n, notice_re):
+    target, _ = pair
+    ref = run(ARDecoder(target), prompt, max_new_tokens=n)[1]
+    assert done.reason == "length" and done.token_ids == ref.token_ids and done.text == ref.text
+    notices = [e for e in evs if isinstance(e, Notice)]
+    assert len(notices) == 1 and notices[0].level == "warning", notices
+    assert notice_re in notices[0].message and "as SD" in notices[0].message, notices[0].message
+
+
+def test_killed_mid_reply(pair):
+    dec = ssd(*pair, k=3, fan_out="uniform:2")
+    try:
+        dec.ping()
+        pid = dec.worker_pid
+        evs = []
+        for ev in dec.stream(PROMPTS[1], SamplingParams(max_new_tokens=60)):
+            evs.append(ev)
+            if isinstance(ev, Round) and ev.index == 2:
+                os.kill(pid, signal.SIGKILL)
+        check_exact_with_notice(pair, evs, evs[-1], PROMPTS[1], 60, "")
+        assert gone(pid)
+        rounds = [e for e in evs if isinstance(e, Round)]
+        assert rounds[-1].cache_hit is None and len(rounds[-1].drafted) == 3  # SD rounds after the failure
+        # the next reply starts a fresh speculator and is SSD again
+        evs2, done2 = run(dec, PROMPTS[1], max_new_tokens=60)
+        assert done2.token_ids == evs[-1].token_ids and dec.worker_pid not in (None, pid)
+        assert not [e for e in evs2 if isinstance(e, Notice)] and done2.stats.cache_hit_rate > 0
+    finally:
+        new = dec.worker_pid
+        dec.close()
+    assert new is None or gone(new)
+
+
+@pytest.mark.parametrize(("fault", "timeout", "message"), [
+    ("raise:3", 30.0, "injected fault"),
+    ("exit:2", 30.0, "exited unexpectedly"),
+    ("sleep:3:60", 1.0, "did not answer within 1 s"),
+])
+def test_speculator_fault(pair, fault, timeout, message):
+    target, draft = pair
+    from ssd_chat.engine.engine import Engine, EngineConfig
+    from ssd_chat.engine.ssd import SSDDecoder
+
+    class Faulty(SSDDecoder):
+        pass
+
+    Faulty.fault = fault
+    dec = Faulty(Engine(EngineConfig(mode="ssd", k=2, speculator_timeout_s=timeout), target, draft))
+    try:
+        dec.ping()
+        pid = dec.worker_pid
+        t0 = time.perf_counter()
+        evs, done = run(dec, PROMPTS[2], max_new_tokens=40)
+        elapsed = time.perf_counter() - t0
+        check_exact_with_notice(pair, evs, done, PROMPTS[2], 40, message)
+        assert gone(pid)  # a hung speculator is terminated, not left behind
+        assert elapsed < 50  # the 60 s sleep was not waited out
+    finally:
+        dec.close()
+
+
+def test_no_draft_in_process_continues_as_ar(pair, monkeypatch):
+    dec = ssd(*pair, k=2)
+    monkeypatch.setattr(type(dec), "_has_local_draft", lambda self: False)
+    try:
+        dec.ping()
+        pid = dec.worker_pid
+        evs = []
+        for ev in dec.stream(PROMPTS[0], SamplingParams(max_new_tokens=40)):
+            evs.append(ev)
+            if isinstance(ev, Round) and ev.index == 1:
+                os.kill(pid, signal.SIGKILL)
+        done = evs[-1]
+        assert isinstance(done, Done) and done.token_ids == run(ARDecoder(pair[0]), PROMPTS[0], max_new_tokens=40)[1].token_ids
+        assert any(isinstance(e, Notice) and "as AR" in e.message for e in evs)
+    finally:
+        dec.close()
+
+
+def test_close_ends_the_worker(pair):
+    dec = ssd(*pair, k=2)
+    dec.ping()
+    pid = dec.worker_pid
+    assert psutil.pid_exists(pid)
+    dec.close()
+    assert gone(pid, 5)
+
+
+APP = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {tests!r})
+    from conftest import CharTokenizer, as_loaded
+    from test_ssd import llama, ssd
+    from ssd_chat.engine.params import SamplingParams
+
+    if __name__ == "__main__":
+        t = as_loaded(llama(), CharTokenizer(64), "t")
+        dec = ssd(t, as_loaded(llama(seed=1), CharTokenizer(64), "d"), k=2)
+        dec.ping()
+        print(dec.worker_pid, flush=True)
+        how = sys.argv[1]
+        if how == "exception":
+            raise RuntimeError("the app crashed")
+        if how in ("sigint", "sigkill"):
+            while True:  # replying until interrupted
+                for _ in dec.stream([1, 2, 3], SamplingParams(max_new_tokens=400)):
+                    pass
+        # "normal": exit without closing anything
+""")
+
+
+@pytest.mark.parametrize("how", ["normal", "exception", "sigint", "sigkill"])
+def test_no_worker_outlives_the_app(how, repo_root):
+    code = APP.format(tests=str(repo_root / "tests"))
+    proc = subprocess.Popen([sys.executable, "-c", code, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=repo_root)
+    try:
+        pid = int(proc.stdout.readline())
+        if how == "sigint":
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGINT)
+        elif how == "sigkill":
+            time.sleep(1.0)
+            proc.kill()
+        proc.wait(60)
+        assert gone(pid, 10), f"speculator {pid} outlived the app ({how})"
+        err = proc.stderr.read()
+        if how == "sigint":
+            assert "KeyboardInterrupt" in err and err.count("Traceback") == 1  # the app's, none from the worker
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
