@@ -1,0 +1,324 @@
+"""Chat history in SQLite: conversations, messages and per-turn metrics.
+
+The database is ``$SSD_CHAT_DATA_DIR/history.db`` (default ``$XDG_DATA_HOME/ssd-chat/history.db``,
+i.e. ``~/.local/share/ssd-chat/history.db``), or the path given with ``--db``.
+
+Schema changes are append-only ``m00N_*`` functions below, applied once each and tracked by
+``PRAGMA user_version``.  A database that cannot be opened (corrupt, locked, unwritable) never
+stops the chat: :class:`History` falls back to an in-memory database and sets ``warning`` to a
+sentence the app shows; a write that fails later does the same, keeping the conversation going.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def data_dir() -> Path:
+    env = os.environ.get("SSD_CHAT_DATA_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "ssd-chat"
+
+
+def default_db_path() -> Path:
+    return data_dir() / "history.db"
+
+
+# --- migrations (append only; each runs once, in order) -----------------------------------------
+def m001_initial(db: sqlite3.Connection) -> None:
+    db.execute(
+        """CREATE TABLE conversations (
+            id INTEGER PRIMARY KEY,
+            title TEXT NOT NULL,
+            system TEXT,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        )"""
+    )
+    db.execute(
+        """CREATE TABLE messages (
+            id INTEGER PRIMARY KEY,
+            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            role TEXT NOT NULL,
+            content TEXT NOT NULL,
+            created_at REAL NOT NULL
+        )"""
+    )
+    db.execute("CREATE INDEX messages_by_conversation ON messages(conversation_id, id)")
+
+
+def m002_reply_status(db: sqlite3.Connection) -> None:
+    # streaming | done | stopped | error: a reply cut short keeps its text with its status
+    db.execute("ALTER TABLE messages ADD COLUMN status TEXT NOT NULL DEFAULT 'done'")
+
+
+def m003_turn_metrics(db: sqlite3.Connection) -> None:
+    db.execute(
+        """CREATE TABLE turn_metrics (
+            message_id INTEGER PRIMARY KEY REFERENCES messages(id) ON DELETE CASCADE,
+            mode TEXT,
+            target TEXT,
+            draft TEXT,
+            new_tokens INTEGER,
+            tok_per_s REAL,
+            ttft_s REAL,
+            mean_accepted_length REAL,
+            acceptance_rate REAL,
+            cache_hit_rate REAL,
+            stats_json TEXT NOT NULL
+        )"""
+    )
+
+
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [m001_initial, m002_reply_status, m003_turn_metrics]
+
+
+def migrate(db: sqlite3.Connection) -> int:
+    """Apply the migrations this database has not seen; returns the schema version."""
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version > len(MIGRATIONS):
+        raise sqlite3.DatabaseError(f"schema version {version} is newer than this ssd-chat understands ({len(MIGRATIONS)})")
+    for i, step in enumerate(MIGRATIONS[version:], start=version + 1):
+        with db:
+            step(db)
+            db.execute(f"PRAGMA user_version = {i}")
+    return len(MIGRATIONS)
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    id: int
+    title: str
+    system: str | None
+    created_at: float
+    updated_at: float
+    num_messages: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    id: int
+    role: str
+    content: str
+    status: str
+    created_at: float
+    metrics: dict[str, Any] | None = None
+
+
+def _title(text: str) -> str:
+    line = " ".join(text.split())
+    return line[:60] + ("…" if len(line) > 60 else "") or "(empty)"
+
+
+class History:
+    """The store.  ``History(None)`` is in-memory only (``--no-history`` style)."""
+
+    def __init__(self, path: Path | str | None = None, *, timeout_s: float = 2.0) -> None:
+        self.path = Path(path) if path is not None else None
+        self.warning: str | None = None
+        self.closed = False
+        self.db = self._open(timeout_s)
+
+    # -- opening -------------------------------------------------------------------------
+    def _open(self, timeout_s: float) -> sqlite3.Connection:
+        if self.path is None:
+            return self._memory()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, timeout=timeout_s, check_same_thread=False)
+            db.execute("PRAGMA foreign_keys = ON")
+            db.execute("PRAGMA journal_mode = WAL")
+            migrate(db)
+            db.execute("SELECT count(*) FROM conversations").fetchone()
+            return db
+        except (sqlite3.Error, OSError) as e:
+            self._degrade(f"could not open the chat history {self.path}: {_reason(e)}")
+            return self._memory()
+
+    @staticmethod
+    def _memory() -> sqlite3.Connection:
+        db = sqlite3.connect(":memory:", check_same_thread=False)
+        db.execute("PRAGMA foreign_keys = ON")
+        migrate(db)
+        return db
+
+    def _degrade(self, message: str) -> None:
+        self.warning = f"{message}; this chat is kept in memory only and will not be saved"
+
+    @property
+    def is_persistent(self) -> bool:
+        return self.warning is None and self.path is not None
+
+    def _write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        """Run a write; if the file database fails, carry on in memory (with a warning)."""
+        if self.closed:
+            return None
+        try:
+            with self.db:
+                return fn(self.db)
+        except sqlite3.Error as e:
+            if self.path is None or not self.is_persistent:
+                raise
+            self._degrade(f"could not write the chat history {self.path}: {_reason(e)}")
+            self.db = self._memory()
+            return None
+
+    # -- conversations -------------------------------------------------------------------
+    def new_conversation(self, title: str = "", system: str | None = None) -> int | None:
+        now = time.time()
+
+        def go(db: sqlite3.Connection) -> int:
+            cur = db.execute(
+                "INSERT INTO conversations(title, system, created_at, updated_at) VALUES (?,?,?,?)",
+                (_title(title) if title else "(new chat)", system, now, now),
+            )
+            return int(cur.lastrowid)
+
+        return self._write(go)
+
+    def set_system(self, conversation_id: int, system: str | None) -> None:
+        self._write(lambda db: db.execute("UPDATE conversations SET system=? WHERE id=?", (system, conversation_id)))
+
+    def list_conversations(self) -> list[Conversation]:
+        rows = self.db.execute(
+            """SELECT c.id, c.title, c.system, c.created_at, c.updated_at, count(m.id)
+               FROM conversations c LEFT JOIN messages m ON m.conversation_id = c.id
+               GROUP BY c.id ORDER BY c.updated_at DESC, c.id DESC"""
+        ).fetchall()
+        return [Conversation(*r) for r in rows]
+
+    def get_conversation(self, conversation_id: int) -> Conversation | None:
+        return next((c for c in self.list_conversations() if c.id == conversation_id), None)
+
+    def delete_conversation(self, conversation_id: int) -> bool:
+        cur = self._write(lambda db: db.execute("DELETE FROM conversations WHERE id=?", (conversation_id,)))
+        return bool(cur and cur.rowcount)
+
+    # -- messages ------------------------------------------------------------------------
+    def add_message(self, conversation_id: int | None, role: str, content: str, status: str = "done") -> int | None:
+        if conversation_id is None:
+            return None
+        now = time.time()
+
+        def go(db: sqlite3.Connection) -> int:
+            cur = db.execute(
+                "INSERT INTO messages(conversation_id, role, content, status, created_at) VALUES (?,?,?,?,?)",
+                (conversation_id, role, content, status, now),
+            )
+            db.execute("UPDATE conversations SET updated_at=? WHERE id=?", (now, conversation_id))
+            if role == "user":  # the first prompt names the chat
+                db.execute(
+                    "UPDATE conversations SET title=? WHERE id=? AND title='(new chat)'", (_title(content), conversation_id)
+                )
+            return int(cur.lastrowid)
+
+        return self._write(go)
+
+    def update_message(self, message_id: int | None, content: str, status: str) -> None:
+        """Save a reply's text so far (called while streaming, and when it ends)."""
+        if message_id is None:
+            return
+        self._write(lambda db: db.execute("UPDATE messages SET content=?, status=? WHERE id=?", (content, status, message_id)))
+
+    def save_metrics(self, message_id: int | None, stats: Any, target: str | None = None, draft: str | None = None) -> None:
+        """Store a reply's :class:`~ssd_chat.engine.events.Stats` (any dataclass or dict)."""
+        if message_id is None:
+            return
+        import dataclasses
+
+        d = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
+
+        def go(db: sqlite3.Connection) -> None:
+            db.execute(
+                """INSERT OR REPLACE INTO turn_metrics(message_id, mode, target, draft, new_tokens, tok_per_s, ttft_s,
+                   mean_accepted_length, acceptance_rate, cache_hit_rate, stats_json) VALUES (?,?,?,?,?,?,?,?,?,?,?)""",
+                (message_id, d.get("mode"), target, draft, d.get("new_tokens"), d.get("tok_per_s"), d.get("ttft_s"),
+                 d.get("mean_accepted_length"), d.get("acceptance_rate"), d.get("cache_hit_rate"), json.dumps(d)),
+            )
+
+        self._write(go)
+
+    def messages(self, conversation_id: int) -> list[Message]:
+        rows = self.db.execute(
+            """SELECT m.id, m.role, m.content, m.status, m.created_at, t.stats_json, t.target, t.draft
+               FROM messages m LEFT JOIN turn_metrics t ON t.message_id = m.id
+               WHERE m.conversation_id=? ORDER BY m.id""",
+            (conversation_id,),
+        ).fetchall()
+        out = []
+        for mid, role, content, status, created, stats_json, target, draft in rows:
+            metrics = None
+            if stats_json:
+                metrics = json.loads(stats_json)
+                metrics["target"], metrics["draft"] = target, draft
+            out.append(Message(mid, role, content, status, created, metrics))
+        return out
+
+    # -- export --------------------------------------------------------------------------
+    def export_markdown(self, conversation_id: int) -> str:
+        conv = self._need(conversation_id)
+        lines = [f"# {conv.title}", "", f"_ssd-chat conversation {conv.id}, {time.strftime('%Y-%m-%d %H:%M', time.localtime(conv.created_at))}_", ""]
+        if conv.system:
+            lines += ["**System:** " + conv.system, ""]
+        for m in self.messages(conversation_id):
+            who = {"user": "You", "assistant": "Assistant"}.get(m.role, m.role.title())
+            lines += [f"## {who}" + ("" if m.status == "done" else f" ({m.status})"), "", m.content, ""]
+            if m.metrics:
+                lines += [f"> {metrics_line(m.metrics)}", ""]
+        return "\n".join(lines)
+
+    def export_jsonl(self, conversation_id: int) -> str:
+        conv = self._need(conversation_id)
+        rows: list[dict[str, Any]] = [{"type": "conversation", "id": conv.id, "title": conv.title, "system": conv.system,
+                                       "created_at": conv.created_at}]
+        for m in self.messages(conversation_id):
+            rows.append({"type": "message", "role": m.role, "content": m.content, "status": m.status,
+                         "created_at": m.created_at, "metrics": m.metrics})
+        return "\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n"
+
+    def _need(self, conversation_id: int) -> Conversation:
+        conv = self.get_conversation(conversation_id)
+        if conv is None:
+            raise KeyError(f"no conversation with id {conversation_id}")
+        return conv
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.db.close()
+        except sqlite3.Error:
+            pass
+
+
+def metrics_line(m: dict[str, Any]) -> str:
+    """One line for a stored turn's metrics (the same fields the panel shows)."""
+
+    def f(key: str, spec: str, suffix: str = "") -> str | None:
+        v = m.get(key)
+        return None if v is None else format(v, spec) + suffix
+
+    parts = [m.get("mode") or "?", f"{m.get('new_tokens', 0)} tokens"]
+    for label, key, spec, suffix in (("", "tok_per_s", ".1f", " tok/s"), ("TTFT ", "ttft_s", ".2f", " s"),
+                                     ("τ ", "mean_accepted_length", ".2f", ""), ("acceptance ", "acceptance_rate", ".0%", ""),
+                                     ("cache hits ", "cache_hit_rate", ".0%", "")):
+        v = f(key, spec, suffix)
+        if v is not None:
+            parts.append(label + v)
+    return ", ".join(parts)
+
+
+def _reason(e: BaseException) -> str:
+    msg = str(e) or type(e).__name__
+    if "not a database" in msg or "malformed" in msg:
+        return f"the file is corrupt ({msg})"
+    if "locked" in msg:
+        return f"another program has it locked ({msg})"
+    return msg

@@ -1,0 +1,177 @@
+"""Event logs: write a session's event stream as JSONL, read it back, replay it at recorded timing.
+
+The file is one JSON object per line::
+
+    {"type": "Header", "format": "ssd-chat-events", "version": 1, "created": "...", "info": {...}}
+    {"type": "Turn", "turn": 0, "prompt": "...", "system": null, "settings": {...}}
+    {"type": "Token", "turn": 0, "id": 42, "text": "Hi", "source": "target", "t_s": 0.31}
+    {"type": "Round", "turn": 0, ...}
+    {"type": "Done", "turn": 0, "reason": "eos", "text": "...", "token_ids": [...], "stats": {...}}
+
+Events are :func:`ssd_chat.engine.events.to_dict` with a ``turn`` field; their ``t_s`` is
+seconds since that turn's request started, which is all a replay needs for its timing.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from .engine.events import Done, Error, Event, from_dict, to_dict
+
+FORMAT = "ssd-chat-events"
+VERSION = 1
+
+
+class RecordingError(ValueError):
+    """A recording cannot be read; ``str()`` names the file and line."""
+
+
+@dataclass
+class RecordedTurn:
+    prompt: str
+    system: str | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+
+
+@dataclass
+class Recording:
+    info: dict[str, Any]
+    turns: list[RecordedTurn]
+
+
+class Recorder:
+    """Appends a session's turns and events to a JSONL file (thread-safe, flushed per line)."""
+
+    def __init__(self, path: Path | str, info: dict[str, Any] | None = None) -> None:
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f: IO[str] | None = self.path.open("w", encoding="utf-8")
+        except OSError as e:
+            raise RecordingError(f"cannot write the recording {self.path}: {e.strerror or e}") from None
+        self._lock = threading.Lock()
+        self._turn = -1
+        self._write({"type": "Header", "format": FORMAT, "version": VERSION,
+                     "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "info": dict(info or {})})
+
+    def _write(self, obj: dict[str, Any]) -> None:
+        with self._lock:
+            if self._f is None:
+                return
+            self._f.write(json.dumps(obj, ensure_ascii=False) + "\n")
+            self._f.flush()
+
+    def turn(self, prompt: str, system: str | None = None, settings: dict[str, Any] | None = None) -> int:
+        """Start a new turn (a user prompt); the events that follow belong to it."""
+        self._turn += 1
+        self._write({"type": "Turn", "turn": self._turn, "prompt": prompt, "system": system, "settings": dict(settings or {})})
+        return self._turn
+
+    def vocab(self, tokens: dict[int, str]) -> None:
+        """Token texts for ids that appear only as predictions (so a replay can show them)."""
+        self._write({"type": "Vocab", "tokens": {str(k): v for k, v in tokens.items()}})
+
+    def event(self, ev: Event) -> None:
+        d = to_dict(ev)
+        d["turn"] = max(self._turn, 0)
+        self._write(d)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._f is not None:
+                self._f.close()
+                self._f = None
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def read(path: Path | str) -> Recording:
+    """Parse a recording; a bad file raises :class:`RecordingError` naming the line."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise RecordingError(f"no recording at {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecordingError(f"cannot read the recording {path}: {e}") from None
+    info: dict[str, Any] | None = None
+    turns: list[RecordedTurn] = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            kind = obj.get("type")
+            if kind == "Header":
+                if obj.get("format") != FORMAT:
+                    raise ValueError(f"not an ssd-chat event log (format {obj.get('format')!r})")
+                if int(obj.get("version", 0)) > VERSION:
+                    raise ValueError(f"recorded by a newer ssd-chat (version {obj.get('version')})")
+                info = dict(obj.get("info") or {})
+            elif kind == "Vocab":
+                if info is None:
+                    raise ValueError("vocabulary before the header line")
+                info.setdefault("vocab", {}).update({int(k): str(v) for k, v in dict(obj.get("tokens") or {}).items()})
+            elif kind == "Turn":
+                turns.append(RecordedTurn(str(obj.get("prompt", "")), obj.get("system"), dict(obj.get("settings") or {})))
+            else:
+                if info is None:
+                    raise ValueError("events before the header line")
+                if not turns:  # an event log written without turns (e.g. from `ask`)
+                    turns.append(RecordedTurn(""))
+                obj.pop("turn", None)
+                turns[-1].events.append(from_dict(obj))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise RecordingError(f"{path}, line {n}: {e}") from None
+    if info is None:
+        raise RecordingError(f"{path} is empty or not an ssd-chat event log")
+    return Recording(info, turns)
+
+
+def event_time(ev: Event) -> float | None:
+    """When an event happened within its turn (Done/Error have no time: they follow the last one)."""
+    return getattr(ev, "t_s", None)
+
+
+def replay(events: list[Event], speed: float = 1.0, stop: threading.Event | None = None,
+           clock: Any = time.perf_counter) -> Iterator[Event]:
+    """Yield ``events`` at their recorded times divided by ``speed``; ``stop`` ends it early.
+
+    A stopped replay ends with ``Done(reason="cancelled")`` carrying the text yielded so far,
+    just as a live engine does.
+    """
+    if not speed > 0:
+        raise ValueError(f"speed must be > 0, got {speed}")
+    stop = stop or threading.Event()
+    t0 = clock()
+    text, ids = "", []
+    from .engine.events import Token
+
+    for ev in events:
+        t = event_time(ev)
+        if t is not None:
+            wait = t / speed - (clock() - t0)
+            if wait > 0:
+                stop.wait(wait)  # returns early when stopped
+        if stop.is_set() and not isinstance(ev, (Done, Error)):
+            from .engine.events import Stats
+
+            last_stats = next((e.stats for e in reversed(events) if isinstance(e, Done)), None)
+            stats = last_stats or Stats("replay", len(ids), 0, clock() - t0, 0.0, None, None, None, None, None)
+            yield Done("cancelled", text, tuple(ids), stats)
+            return
+        if isinstance(ev, Token):
+            text += ev.text
+            ids.append(ev.id)
+        yield ev

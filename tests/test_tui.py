@@ -1,0 +1,461 @@
+"""Pilot tests of the chat app, driven by scripted event streams (no model)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ssd_chat.engine.events import Done, Error, Event, Round, Token
+from ssd_chat.engine.metrics import Metrics
+from ssd_chat.history import History
+from ssd_chat.tui.app import ChatApp
+from ssd_chat.tui.backend import Backend
+from ssd_chat.tui.figures import Baseline, panel_values, speedup_vs
+from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
+from ssd_chat.tui.widgets.settings_dialog import SettingsDialog
+
+
+
+def plain(static) -> str:
+    """What a Static shows, as plain text."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=200, file=io.StringIO(), color_system=None)
+    console.print(static.content)
+    return console.file.getvalue()
+
+
+# -- scripted streams -------------------------------------------------------------------------
+def ssd_events(words: list[str], k: int = 3, hits: list[bool] | None = None, dt: float = 0.001) -> list[Event]:
+    """An SSD-shaped stream: rounds of up to k accepted draft tokens + one bonus token.
+
+    Round i accepts ``i % (k + 1)`` drafts; ``hits[i]`` says whether the outcome was cached.
+    """
+    events: list[Event] = []
+    metrics = Metrics("ssd")
+    ids = list(range(100, 100 + len(words)))
+    pos, r, t = 0, 0, 0.0
+    while pos < len(words):
+        acc = min(r % (k + 1), len(words) - pos - 1)
+        hit = (hits[r % len(hits)] if hits else True)
+        for j in range(acc + 1):
+            t += dt
+            ev = Token(ids[pos], words[pos], "draft" if j < acc else "target", t)
+            metrics.add(ev)
+            events.append(ev)
+            pos += 1
+        bonus = ids[pos - 1]
+        predicted = tuple((j, (bonus if (hit and j == acc) else 900 + j, 950 + j)) for j in range(k + 1))
+        rd = Round(r, tuple(range(1, k + 1)), acc, bonus, acc + 1, 0.0005, 0.002, t, cache_hit=hit,
+                   predicted=predicted, wait_s=0.0001, speculator_busy_s=0.001)
+        metrics.add(rd)
+        events.append(rd)
+        r += 1
+    metrics.sd_estimate_s = 0.004 * r
+    events.append(Done("eos", "".join(words), tuple(ids), metrics.stats(t + dt)))
+    return events
+
+
+class FakeBackend(Backend):
+    """Replies with scripted streams; with ``block=True`` the first reply stops mid-way until Esc sets the stop flag."""
+
+    def __init__(self, replies: list[list[Event]], block: bool = False, mode: str = "ssd") -> None:
+        self.replies = list(replies)
+        self.block = block
+        self.calls: list[list[dict]] = []
+        self.info_ = {"mode": mode, "k": 3, "target": "fake-target", "target_device": "cpu", "draft": "fake-draft",
+                      "draft_device": "cpu:1"}
+        self.blocked = threading.Event()
+        self.closed = False
+        self.thread_ended = threading.Event()
+
+    def info(self):
+        return dict(self.info_)
+
+    def stream(self, messages, params, stop):
+        self.calls.append(messages)
+        events = self.replies.pop(0)
+        text, ids = "", []
+        try:
+            for n, ev in enumerate(events):
+                if self.block and len(self.calls) == 1 and n == len(events) // 2:
+                    self.blocked.set()
+                    stop.wait(30)
+                if stop.is_set():
+                    yield Done("cancelled", text + "<held>", tuple(ids), Metrics(self.info_["mode"]).stats(0.1))
+                    return
+                if isinstance(ev, Token):
+                    text += ev.text
+                    ids.append(ev.id)
+                yield ev
+        finally:
+            self.thread_ended.set()
+
+    def reconfigure(self, **changes):
+        if changes.get("mode") == "bogus":
+            raise ValueError("unknown mode 'bogus'")
+        self.info_.update(changes)
+
+    def token_text(self, token_id):
+        return {900: "x", 901: "y"}.get(token_id)
+
+    def close(self):
+        self.closed = True
+
+
+async def wait_until(pilot, predicate, timeout: float = 10.0) -> None:
+    """Poll rather than trust one pause()."""
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached in time")
+        await pilot.pause(0.02)
+
+
+WORDS = ["Hello", " there", "!", " Here", " is", " some", " **bold**", " text", " and", " a", " list", ":\n\n", "- one", "\n- two"]
+
+
+def replies_text(app: ChatApp) -> list[str]:
+    return [m.text for m in app.query(AssistantMessage)]
+
+
+class TestSend:
+    @pytest.mark.asyncio
+    async def test_prompt_streams_reply_into_chat_and_history(self, tmp_path):
+        backend = FakeBackend([ssd_events(WORDS)])
+        history = History(tmp_path / "h.db")
+        app = ChatApp(backend, history=history)
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await pilot.press(*"hi there")
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: app.current is not None and app.current.finished)
+            assert [u.text for u in app.query(UserMessage)] == ["hi there"]
+            assert replies_text(app) == ["".join(WORDS)]
+            md = app.query_one(AssistantMessage).body
+            assert "bold" in md.source and md.source == "".join(WORDS)
+            assert backend.calls[0][-1] == {"role": "user", "content": "hi there"}
+            assert app.prompt.text == ""
+        conv = History(tmp_path / "h.db").list_conversations()[0]
+        msgs = History(tmp_path / "h.db").messages(conv.id)
+        assert [(m.role, m.content, m.status) for m in msgs] == [("user", "hi there", "done"), ("assistant", "".join(WORDS), "done")]
+        assert msgs[1].metrics["mode"] == "ssd" and msgs[1].metrics["rounds"] > 0
+
+    @pytest.mark.asyncio
+    async def test_second_turn_sends_the_history(self):
+        backend = FakeBackend([ssd_events(["A", "B"]), ssd_events(["C"])])
+        app = ChatApp(backend, settings={"system": "be brief"})
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await app.submit("one")
+            await wait_until(pilot, lambda: app.current.finished)
+            await app.submit("two")
+            await wait_until(pilot, lambda: app.current.finished and app.current.prompt == "two")
+            assert backend.calls[1] == [
+                {"role": "system", "content": "be brief"}, {"role": "user", "content": "one"},
+                {"role": "assistant", "content": "AB"}, {"role": "user", "content": "two"}]
+
+    @pytest.mark.asyncio
+    async def test_multiline_entry_and_prompt_history(self):
+        backend = FakeBackend([ssd_events(["ok"]), ssd_events(["ok"])])
+        app = ChatApp(backend)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await pilot.press("a", "ctrl+j", "b")
+            assert app.prompt.text == "a\nb"
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: app.current is not None and app.current.finished)
+            assert backend.calls[0][-1]["content"] == "a\nb"
+            await pilot.press("up")
+            assert app.prompt.text == "a\nb"
+            await pilot.press("down", "down")
+            assert app.prompt.text == ""
+
+    @pytest.mark.asyncio
+    async def test_error_event_keeps_partial_text_and_app_stays_open(self):
+        events = [Token(1, "partial ", "target", 0.01), Error("boom: out of memory", "oom", "partial text", (1, 2))]
+        app = ChatApp(FakeBackend([events, ssd_events(["fine"])]))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await app.submit("go")
+            await wait_until(pilot, lambda: app.current.finished)
+            assert replies_text(app) == ["partial text"]
+            assert app.current.status == "error"
+            assert any("boom" in str(n.text) for n in app.query("Notice"))
+            await app.submit("again")
+            await wait_until(pilot, lambda: app.current.prompt == "again" and app.current.finished)
+            assert replies_text(app)[-1] == "fine"
+
+    @pytest.mark.asyncio
+    async def test_load_failure_is_shown_readably(self):
+        class Broken(FakeBackend):
+            def load(self, progress):
+                progress("loading target", 0.5)
+                from ssd_chat.engine.errors import ModelError
+
+                raise ModelError("model 'nope' not found: not an alias, hub id, folder or .gguf file")
+
+        app = ChatApp(Broken([]))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: app.load_error is not None)
+            assert "model 'nope' not found" in app.load_error
+            assert "Traceback" not in app.load_error
+            await app.submit("hello")  # refused politely
+            assert not app.query(AssistantMessage)
+
+
+class TestStop:
+    @pytest.mark.asyncio
+    async def test_escape_stops_mid_reply_keeps_partial_and_prompt(self, tmp_path):
+        backend = FakeBackend([ssd_events(WORDS), ssd_events(["next"])], block=True)
+        history = History(tmp_path / "h.db")
+        app = ChatApp(backend, history=history)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await app.submit("tell me")
+            await wait_until(pilot, lambda: backend.blocked.is_set())
+            await wait_until(pilot, lambda: app.current.text != "")
+            partial = app.current.text
+            await pilot.press("escape")
+            assert app.current.finished and app.current.status == "stopped"  # at once, not after the engine
+            assert partial and "".join(WORDS).startswith(partial)
+            assert app.prompt.text == "tell me"  # the prompt is back for editing
+            await wait_until(pilot, lambda: backend.thread_ended.is_set())
+            await wait_until(pilot, lambda: app.current.text.endswith("<held>"))  # Done.text is authoritative
+            assert app.messages[-1] == {"role": "assistant", "content": app.current.text}
+            # the app is still usable
+            await app.submit("go on")
+            await wait_until(pilot, lambda: app.current.prompt == "go on" and app.current.finished)
+        msgs = History(tmp_path / "h.db").messages(History(tmp_path / "h.db").list_conversations()[0].id)
+        assert msgs[1].status == "stopped" and msgs[1].content.startswith(partial)
+
+    @pytest.mark.asyncio
+    async def test_quit_while_streaming_ends_the_engine_thread(self):
+        backend = FakeBackend([ssd_events(WORDS)], block=True)
+        app = ChatApp(backend)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await app.submit("x")
+            await wait_until(pilot, lambda: backend.blocked.is_set())
+            await pilot.press("ctrl+c")
+            await pilot.pause()
+        assert backend.thread_ended.is_set()
+        assert backend.closed
+        assert app.return_code == 0
+
+
+class TestHistory:
+    @pytest.mark.asyncio
+    async def test_resume_a_saved_chat(self, tmp_path):
+        h = History(tmp_path / "h.db")
+        cid = h.new_conversation("old question", "sys")
+        h.add_message(cid, "user", "old question")
+        mid = h.add_message(cid, "assistant", "old *answer*")
+        h.add_message(cid, "user", "cut")
+        h.add_message(cid, "assistant", "half a rep", status="streaming")  # the app died mid-reply
+        h.close()
+        backend = FakeBackend([ssd_events(["new"])])
+        app = ChatApp(backend, history=History(tmp_path / "h.db"), resume=cid)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            assert [u.text for u in app.query(UserMessage)] == ["old question", "cut"]
+            assert replies_text(app) == ["old *answer*", "half a rep"]
+            assert "stopped" in app.query(AssistantMessage)[1]._meta_text
+            await app.submit("more")
+            await wait_until(pilot, lambda: app.current is not None and app.current.finished)
+            assert backend.calls[0][:3] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "old question"},
+                                            {"role": "assistant", "content": "old *answer*"}]
+        assert len(History(tmp_path / "h.db").messages(cid)) == 6
+        assert mid is not None
+
+    @pytest.mark.asyncio
+    async def test_corrupt_db_warns_and_chat_works_in_memory(self, tmp_path):
+        bad = tmp_path / "h.db"
+        bad.write_bytes(b"this is not sqlite at all" * 100)
+        app = ChatApp(FakeBackend([ssd_events(["ok"])]), history=History(bad))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            notices = [n.text for n in app.query("Notice")]
+            assert any("corrupt" in n and "in memory" in n for n in notices)
+            await app.submit("hi")
+            await wait_until(pilot, lambda: app.current.finished)
+            assert replies_text(app) == ["ok"]
+        assert bad.read_bytes().startswith(b"this is not sqlite")  # untouched
+
+
+class TestPanel:
+    @pytest.mark.asyncio
+    async def test_panel_values_equal_metrics_from_the_same_events(self):
+        events = ssd_events(WORDS, k=3, hits=[True, False, True])
+        m = Metrics("ssd")
+        for ev in events:
+            m.add(ev)
+        done = events[-1]
+        expected = m.stats(done.stats.elapsed_s)
+        app = ChatApp(FakeBackend([events]))
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await app.submit("q")
+            await wait_until(pilot, lambda: app.current.finished)
+            p = app.panel
+            assert p.stats == done.stats
+            assert p.values["tau"] == f"{expected.mean_accepted_length:.2f}"
+            assert p.values["acceptance"] == f"{expected.acceptance_rate:.1%}"
+            assert p.values["cache_hit"] == f"{expected.cache_hit_rate:.1%}"
+            assert p.values["tau_hit_miss"] == f"{expected.accepted_length_on_hit:.2f} / {expected.accepted_length_on_miss:.2f}"
+            assert p.values["tok_per_s"] == f"{expected.tok_per_s:.1f}"
+            assert p.values["vs_sd"].endswith("est.")
+            rounds = [e for e in events if isinstance(e, Round)]
+            assert list(p.accepted_lengths) == [r.accepted + 1 for r in rounds]
+            assert sum(p.histogram.values()) == len(rounds)
+            rendered = plain(p.query_one("#figures"))
+            assert p.values["tau"] in rendered
+            info = plain(p.query_one("#setup"))
+            assert "SSD" in info and "fake-target" in info and "cpu:1" in info
+
+    @pytest.mark.asyncio
+    async def test_live_values_update_while_streaming(self):
+        backend = FakeBackend([ssd_events(WORDS)], block=True)
+        app = ChatApp(backend)
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await app.submit("q")
+            await wait_until(pilot, lambda: backend.blocked.is_set())
+            await wait_until(pilot, lambda: app.panel.live and app.panel.stats is not None and app.panel.stats.rounds > 0)
+            assert app.panel.stats == app.current.metrics.stats(app.current.last_t_s)
+            await pilot.press("escape")
+
+    def test_speedups_name_their_source(self):
+        events = ssd_events(WORDS)
+        s = events[-1].stats
+        sd = speedup_vs(s, "sd")
+        assert sd.kind == "estimated" and sd.value == pytest.approx(s.sd_estimate_s / (s.verify_s + s.draft_s + s.wait_s))
+        ar = speedup_vs(s, "ar")
+        assert ar.kind == "estimated" and ar.value > 0
+        meas = speedup_vs(s, "ar", Baseline("ar", s.tok_per_s / 2, "bench"))
+        assert meas.kind == "measured" and meas.value == pytest.approx(2.0)
+        assert panel_values(s, {"ar": Baseline("ar", s.tok_per_s / 2, "bench")})["vs_ar"] == "2.00× meas."
+        ar_stats = Metrics("ar").stats(1.0)
+        assert speedup_vs(ar_stats, "ar").value is None and panel_values(ar_stats)["vs_ar"] == "—"
+
+
+class TestCacheView:
+    @pytest.mark.asyncio
+    async def test_cache_view_shows_a_hit_and_a_miss(self):
+        events = ssd_events(WORDS, k=3, hits=[True, False])
+        app = ChatApp(FakeBackend([events]))
+        async with app.run_test(size=(160, 50)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await app.submit("q")
+            await wait_until(pilot, lambda: app.current.finished)
+            rows = list(app.cache.rows)
+            assert {r.hit for r in rows} == {True, False}
+            hit = next(r for r in rows if r.hit)
+            miss = next(r for r in rows if r.hit is False)
+            # the hit's predicted candidates for j=accepted include the bonus token, the miss's do not
+            assert hit.bonus_id in dict(hit.predicted)[hit.accepted]
+            assert miss.bonus_id not in dict(miss.predicted)[miss.accepted]
+            assert hit.bonus_text == WORDS[hit.bonus_id - 100].replace("\n", "\\n")
+            text = plain(app.cache)
+            assert "hit" in text and "miss" in text
+            # candidate ids the backend can decode show as text, others as #id
+            assert "x" in str(app.cache.predicted_cell(miss)) and "#950" in str(app.cache.predicted_cell(miss))
+
+
+class TestSettings:
+    @pytest.mark.asyncio
+    async def test_switch_mode_k_temperature_between_turns(self):
+        backend = FakeBackend([ssd_events(["a"])])
+        app = ChatApp(backend)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await app.submit("/mode sd")
+            await app.submit("/k 6")
+            await app.submit("/temp 0.7")
+            assert backend.info_["mode"] == "sd" and backend.info_["k"] == 6
+            assert app.params["temperature"] == 0.7
+            await app.submit("/k zero")
+            assert any("k must be a whole number" in n.text for n in app.query("Notice"))
+            await app.submit("/mode bogus")
+            assert backend.info_["mode"] == "sd"
+            assert "SD" in plain(app.panel.query_one("#setup"))
+
+    @pytest.mark.asyncio
+    async def test_settings_dialog_applies_and_rejects_bad_values(self):
+        backend = FakeBackend([])
+        app = ChatApp(backend)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await pilot.press("ctrl+o")
+            await pilot.pause()
+            from textual.widgets import Input
+
+            k = app.screen.query_one("#k", Input)
+            k.value = "99"
+            await pilot.click("#apply")
+            await pilot.pause()
+            assert "between 1 and 32" in str(app.screen.query_one("#settings-error").content)
+            k.value = "5"
+            k.focus()
+            await pilot.press("enter")  # Enter in a field applies too
+            await wait_until(pilot, lambda: backend.info_["k"] == 5)
+            assert not isinstance(app.screen, SettingsDialog)
+
+    @pytest.mark.asyncio
+    async def test_new_chat_copy_and_system_prompt(self):
+        backend = FakeBackend([ssd_events(["copy", " me"]), ssd_events(["b"])])
+        app = ChatApp(backend)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await app.submit("a")
+            await wait_until(pilot, lambda: app.current.finished)
+            await pilot.press("ctrl+y")
+            assert app.clipboard_text == "copy me"
+            await pilot.press("ctrl+s")
+            await pilot.pause()
+            app.screen.query_one("#system-text").text = "You are terse."
+            await pilot.press("ctrl+s")
+            await wait_until(pilot, lambda: app.system == "You are terse.")
+            await pilot.press("ctrl+n")
+            await wait_until(pilot, lambda: not app.query(UserMessage))
+            assert app.messages == []
+            await app.submit("b")
+            await wait_until(pilot, lambda: app.current.finished)
+            assert backend.calls[1] == [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "b"}]
+
+    @pytest.mark.asyncio
+    async def test_token_colouring_is_off_by_default_and_toggles(self):
+        app = ChatApp(FakeBackend([ssd_events(WORDS)]))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await app.submit("q")
+            await wait_until(pilot, lambda: app.current.finished)
+            msg = app.query_one(AssistantMessage)
+            assert not msg.has_class("-colour")
+            await pilot.press("ctrl+t")
+            assert msg.has_class("-colour")
+            spans = msg._coloured().spans
+            styles = {str(s.style) for s in spans}
+            assert {"green", "bold yellow"} <= styles
+
+
+def test_q_types_into_the_prompt_not_quit():
+    """'q' quits only when the prompt is not focused (checked through the binding, not by running)."""
+    from ssd_chat.tui.app import ChatApp as A
+
+    assert any(b.key == "q" and b.action == "quit" and not b.priority for b in A.BINDINGS)
+
+
+@pytest.mark.asyncio
+async def test_q_in_prompt_is_text():
+    app = ChatApp(FakeBackend([]))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.ready)
+        await pilot.press("q")
+        assert app.prompt.text == "q"
+        assert app.is_running

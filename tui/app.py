@@ -1,0 +1,611 @@
+"""The chat app: transcript + prompt on the left, live speculation panel and cache view on the right.
+
+Engine work runs in thread workers that only post messages; handlers here touch the widgets.
+Token text is coalesced and written to the screen by a 20 Hz timer, so hundreds of tokens per
+second cost ~20 Markdown appends per second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from textual import on, work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.message import Message
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Footer, Header, Static
+
+from ..engine.events import Done, Error, Event, Notice, Round, Token
+from ..engine.metrics import Metrics
+from ..engine.params import SamplingParams
+from ..history import History, metrics_line
+from .backend import Backend
+from .figures import Baseline
+from .widgets.cache_view import CacheView
+from .widgets.chat_log import AssistantMessage, ChatLog
+from .widgets.chats_dialog import ChatsDialog
+from .widgets.load_status import LoadStatus
+from .widgets.metrics_panel import MetricsPanel
+from .widgets.prompt_input import PromptInput
+from .widgets.settings_dialog import SettingsDialog, parse_settings
+from .widgets.system_prompt import SystemPromptDialog
+
+FRAME_S = 0.05  # screen updates while streaming: 20 per second
+SAVE_EVERY_S = 1.0  # a streaming reply is saved this often (a crash keeps what streamed)
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
+
+HELP = """Keys: Enter send · Shift+Enter / Ctrl+J new line · ↑/↓ prompt history · Esc stop the reply ·
+Ctrl+N new chat · Ctrl+Y copy last reply · Ctrl+S system prompt · Ctrl+O settings (mode, k, fan-out, temperature) ·
+Ctrl+R chats · Ctrl+T token colours · Ctrl+P command palette · Ctrl+C quit.
+Commands: /mode ar|sd|ssd · /k N · /fan-out SPEC · /temp X · /max N · /system TEXT · /new · /copy · /chats · /colour · /help"""
+
+
+def readable(e: BaseException) -> str:
+    from ..engine.errors import SSDChatError
+
+    if isinstance(e, (SSDChatError, ValueError, FileNotFoundError)):
+        return str(e) or type(e).__name__
+    return f"{type(e).__name__}: {e}"
+
+
+@dataclass
+class Turn:
+    """One prompt and its streaming reply."""
+
+    index: int
+    prompt: str
+    stop: threading.Event
+    widget: AssistantMessage
+    message_id: int | None
+    metrics: Metrics
+    pending: list[Event] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    status: str = "streaming"
+    last_save: float = 0.0
+    last_t_s: float = 0.0
+
+
+class ChatApp(App[int]):
+    CSS_PATH = "app.tcss"
+    TITLE = "ssd-chat"
+    BINDINGS = [
+        Binding("ctrl+c", "quit", "Quit", priority=True),
+        Binding("ctrl+q", "quit", "Quit", show=False, priority=True),
+        Binding("q", "quit", "Quit", show=False),
+        Binding("escape", "stop", "Stop reply"),
+        # priority: the prompt box (a TextArea) has its own ctrl+y etc.; off while a dialog is open
+        Binding("ctrl+n", "new_chat", "New chat", priority=True),
+        Binding("ctrl+y", "copy_reply", "Copy reply", priority=True),
+        Binding("ctrl+s", "system_prompt", "System", priority=True),
+        Binding("ctrl+o", "settings", "Settings", priority=True),
+        Binding("ctrl+r", "chats", "Chats", priority=True),
+        Binding("ctrl+t", "toggle_colour", "Colours", priority=True),
+    ]
+    MAIN_SCREEN_ACTIONS = {"new_chat", "copy_reply", "system_prompt", "settings", "chats", "toggle_colour", "stop"}
+
+    class ReplyEvent(Message):
+        def __init__(self, turn: int, event: Event) -> None:
+            super().__init__()
+            self.turn, self.event = turn, event
+
+    class LoadProgress(Message):
+        def __init__(self, stage: str, frac: float | None) -> None:
+            super().__init__()
+            self.stage, self.frac = stage, frac
+
+    class Loaded(Message):
+        def __init__(self, error: str | None) -> None:
+            super().__init__()
+            self.error = error
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        settings: dict[str, Any] | None = None,
+        history: History | None = None,
+        recorder: Any = None,
+        resume: int | None = None,
+        script: Iterable[str] = (),
+        type_delay_s: float = 0.03,
+        baselines: Iterable[Baseline] = (),
+    ) -> None:
+        super().__init__()
+        settings = dict(settings or {})
+        self.backend = backend
+        self.history = history if history is not None else History(None)
+        self.recorder = recorder
+        self.system: str | None = settings.get("system") or None
+        self.params: dict[str, Any] = {k: settings[k] for k in SAMPLING_KEYS if settings.get(k) is not None}
+        self.colour = bool(settings.get("colour_tokens"))
+        self.messages: list[dict[str, str]] = []
+        self.conversation_id: int | None = None
+        self.resume_id = resume
+        self.script = list(script) or list(backend.scripted_prompts)
+        self.type_delay_s = type_delay_s
+        self.baselines = list(baselines)
+        self.ready = False
+        self.load_error: str | None = None
+        self.current: Turn | None = None
+        self.turn_count = 0
+        self.clipboard_text: str | None = None
+        self._reply_worker: Any = None
+        self._token_text: dict[int, str] = {}
+        self._seen_ids: set[int] = set()
+        self._quitting = False
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in self.MAIN_SCREEN_ACTIONS and isinstance(self.screen, ModalScreen):
+            return False  # let the dialog have its keys (ctrl+s saves the system prompt there)
+        return True
+
+    # -- layout --------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Header(show_clock=False)
+        with Vertical(id="main"):
+            yield LoadStatus(id="load")
+            yield ChatLog(id="chat")
+            yield PromptInput(id="prompt")
+        with Vertical(id="side"):
+            yield Static("Speculation", classes="side-title")
+            yield MetricsPanel(id="panel")
+            yield Static("Speculation cache (latest rounds)", classes="side-title")
+            yield CacheView(id="cache")
+        yield Footer()
+
+    @property
+    def chat(self) -> ChatLog:
+        return self.query_one("#chat", ChatLog)
+
+    @property
+    def panel(self) -> MetricsPanel:
+        return self.query_one("#panel", MetricsPanel)
+
+    @property
+    def cache(self) -> CacheView:
+        return self.query_one("#cache", CacheView)
+
+    @property
+    def prompt(self) -> PromptInput:
+        return self.query_one("#prompt", PromptInput)
+
+    async def on_mount(self) -> None:
+        self.sub_title = "loading…"
+        for b in self.baselines:
+            self.panel.set_measured(b)
+        self.cache.token_text = self._lookup_text
+        self.prompt.focus()
+        self.set_interval(FRAME_S, self._flush_pending)
+        if self.history.warning:
+            await self._warn(self.history.warning)
+        if self.resume_id is not None:
+            await self.resume(self.resume_id)
+        self.load_backend()
+
+    # -- loading -------------------------------------------------------------------------
+    @work(thread=True, group="load", exit_on_error=False)
+    def load_backend(self) -> None:
+        try:
+            self.backend.load(lambda stage, frac: self.post_message(self.LoadProgress(stage, frac)))
+        except BaseException as e:  # noqa: BLE001 - shown in the app, never as a traceback
+            self.post_message(self.Loaded(f"could not load the model: {readable(e)}"))
+            return
+        self.post_message(self.Loaded(None))
+
+    def on_chat_app_load_progress(self, msg: LoadProgress) -> None:
+        self.query_one(LoadStatus).set_stage(msg.stage, msg.frac)
+
+    async def on_chat_app_loaded(self, msg: Loaded) -> None:
+        load = self.query_one(LoadStatus)
+        if msg.error:
+            self.load_error = msg.error
+            load.fail(msg.error)
+            self.sub_title = "load failed"
+            await self.chat.add_notice(msg.error + " — press Ctrl+C to quit", "error")
+            return
+        load.display = False
+        self.ready = True
+        self._update_info()
+        info = self.backend.info()
+        self.sub_title = f"{(info.get('mode') or '?').upper()} · {info.get('target') or ''}"
+        if self.script:
+            self.type_next_prompt()
+
+    def _update_info(self) -> None:
+        info = dict(self.backend.info())
+        info.setdefault("temperature", self.params.get("temperature", 0.0))
+        self.panel.set_info(info)
+
+    # -- sending -------------------------------------------------------------------------
+    @on(PromptInput.Submitted)
+    async def on_prompt_submitted(self, event: PromptInput.Submitted) -> None:
+        await self.submit(event.text)
+
+    async def submit(self, text: str) -> None:
+        text = text.strip("\n")
+        if text.startswith("/"):
+            self.prompt.remember(text)
+            self.prompt.set_text("")
+            await self.command(text)
+            return
+        if not self.ready:
+            await self.chat.add_notice(self.load_error or "the model is still loading; your prompt stays in the box", "warning")
+            return
+        if self.current is not None and not self.current.finished:
+            self.notify("a reply is still streaming — Esc stops it", severity="warning")
+            return
+        if self._reply_worker is not None and self._reply_worker.is_running:
+            try:  # the engine checks the stop flag every step: this is short
+                await asyncio.wait_for(self._reply_worker.wait(), 10)
+            except Exception:  # noqa: BLE001
+                if self._reply_worker.is_running:
+                    await self.chat.add_notice("the previous reply has not stopped yet; try again in a moment", "warning")
+                    return
+        try:
+            params = SamplingParams(**self.params)
+        except ValueError as e:
+            await self.chat.add_notice(str(e), "error")
+            return
+        self.prompt.remember(text)
+        self.prompt.set_text("")
+        await self.chat.add_user(text)
+        widget = await self.chat.add_assistant(colour=self.colour)
+        self.chat.anchor()
+        if self.conversation_id is None:
+            self.conversation_id = self.history.new_conversation(text, self.system)
+        self.history.add_message(self.conversation_id, "user", text)
+        mid = self.history.add_message(self.conversation_id, "assistant", "", status="streaming")
+        await self._check_history()
+        info = self.backend.info()
+        turn = Turn(self.turn_count, text, threading.Event(), widget, mid, Metrics(info.get("mode") or "?"))
+        self.turn_count += 1
+        self.current = turn
+        self.prompt.add_class("-busy")
+        self._update_info()
+        self.panel.show(None, live=True)
+        if self.recorder is not None:
+            self.recorder.turn(text, self.system, {**info, **self.params})
+        msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages + [
+            {"role": "user", "content": text}]
+        self._reply_worker = self.run_reply(turn.index, msgs, params, turn.stop)
+
+    @work(thread=True, group="reply", exit_on_error=False)
+    def run_reply(self, turn: int, messages: list[dict[str, str]], params: SamplingParams, stop: threading.Event) -> None:
+        """The engine loop: iterate the event stream and post each event to the UI."""
+        try:
+            for ev in self.backend.stream(messages, params, stop):
+                self._emit(turn, ev)
+        except BaseException as e:  # noqa: BLE001 - becomes an Error event, with the partial text kept
+            self._emit(turn, Error(readable(e), "runtime"))
+
+    def _emit(self, turn: int, ev: Event) -> None:
+        if self.recorder is not None:
+            self.recorder.event(ev)
+        self.post_message(self.ReplyEvent(turn, ev))
+
+    # -- receiving -----------------------------------------------------------------------
+    async def on_chat_app_reply_event(self, msg: ReplyEvent) -> None:
+        t = self.current
+        ev = msg.event
+        if t is None or msg.turn != t.index:
+            return
+        if self._quitting:
+            return
+        if t.status != "streaming":  # stopped with Esc: only the final text matters (Done.text is authoritative)
+            if isinstance(ev, (Done, Error)) and ev.text.startswith(t.text) and len(ev.text) > len(t.text):
+                t.text = ev.text
+                await t.widget.finish(ev.text, t.status, t.widget._meta_text)
+                self.history.update_message(t.message_id, ev.text, t.status)
+                if self.messages and self.messages[-1]["role"] == "assistant":
+                    self.messages[-1]["content"] = ev.text
+            return
+        t.pending.append(ev)
+        if isinstance(ev, (Done, Error)):
+            await self._flush_pending()
+
+    async def _flush_pending(self) -> None:
+        """Apply pending events to the screen (called 20 times a second and at the end of a reply)."""
+        t = self.current
+        if t is None or t.status != "streaming" or not t.pending:
+            return
+        events, t.pending = t.pending, []
+        pieces: list[tuple[str, str]] = []
+        rounds: list[tuple[Round, str | None]] = []
+        end: Done | Error | None = None
+        for ev in events:
+            if isinstance(ev, Token):
+                t.metrics.add(ev)
+                pieces.append((ev.text, ev.source))
+                if ev.text:
+                    self._token_text[ev.id] = ev.text
+                t.last_t_s = ev.t_s
+            elif isinstance(ev, Round):
+                t.metrics.add(ev)
+                rounds.append((ev, self._token_text.get(ev.bonus_id) if ev.bonus_id is not None else None))
+                self._seen_ids.update(c for _, cands in (ev.predicted or ()) for c in cands)
+                if ev.bonus_id is not None:
+                    self._seen_ids.add(ev.bonus_id)
+                t.last_t_s = max(t.last_t_s, ev.t_s)
+            elif isinstance(ev, Notice):
+                await self.chat.add_notice(ev.message, ev.level)
+            elif isinstance(ev, (Done, Error)):
+                end = ev
+        if pieces:
+            await t.widget.append(pieces)
+            t.text = t.widget.text
+        if rounds:
+            self.panel.add_rounds([r for r, _ in rounds])
+            self.cache.add_rounds(rounds)
+        if end is None:
+            self.panel.show(t.metrics.stats(t.last_t_s), live=True)
+            now = time.monotonic()
+            if now - t.last_save >= SAVE_EVERY_S:
+                t.last_save = now
+                self.history.update_message(t.message_id, t.text, "streaming")
+        elif isinstance(end, Done):
+            status = "done" if end.reason in ("eos", "stop", "length") else "stopped"
+            self.panel.show(end.stats, live=False)
+            info = self.backend.info()
+            self.history.save_metrics(t.message_id, end.stats, info.get("target"), info.get("draft"))
+            meta = metrics_line(dataclasses.asdict(end.stats)) + ("" if status == "done" else f" · {status}")
+            await self._finish(t, end.text, status, meta)
+        else:
+            self.panel.show(t.metrics.stats(t.last_t_s), live=False)
+            await self.chat.add_notice(f"the reply failed: {end.message} (what streamed is kept)", "error")
+            await self._finish(t, end.text or t.text, "error", f"error: {end.message}")
+
+    async def _finish(self, t: Turn, text: str, status: str, meta: str) -> None:
+        """The reply is over (done, stopped or failed): keep it everywhere.  ``finished`` is set last."""
+        t.status, t.text = status, text
+        self.messages += [{"role": "user", "content": t.prompt}, {"role": "assistant", "content": text}]
+        self.history.update_message(t.message_id, text, status)
+        await t.widget.finish(text, status, meta)
+        self.prompt.remove_class("-busy")
+        await self._check_history()
+        t.finished = True
+        if self.script and not self._quitting:
+            self.type_next_prompt()
+
+    # -- actions -------------------------------------------------------------------------
+    async def action_stop(self) -> None:
+        """Esc: stop the reply now; keep what streamed, and put the prompt back in the box."""
+        t = self.current
+        if t is None or t.status != "streaming":
+            return
+        t.stop.set()
+        self.script.clear()
+        pending = [e for e in t.pending if not isinstance(e, (Done, Error))]
+        done = next((e for e in t.pending if isinstance(e, (Done, Error))), None)
+        t.pending = pending
+        await self._flush_pending()
+        if done is not None:  # it had already finished: let it end normally
+            t.pending = [done]
+            await self._flush_pending()
+            return
+        stats = t.metrics.stats(t.last_t_s)
+        self.panel.show(stats, live=False)
+        await self._finish(t, t.text, "stopped", metrics_line(dataclasses.asdict(stats)) + " · stopped (Esc)")
+        if not self.prompt.text.strip():
+            self.prompt.set_text(t.prompt)
+
+    async def action_quit(self) -> None:
+        """Ctrl+C / q: stop any reply, wait for the engine thread, release models, exit."""
+        if self._quitting:
+            return
+        self._quitting = True
+        self.script.clear()
+        if self.current is not None and self.current.status == "streaming":
+            await self.action_stop()
+        w = self._reply_worker
+        if w is not None and w.is_running:
+            try:
+                await asyncio.wait_for(w.wait(), 15)
+            except Exception:  # noqa: BLE001
+                pass
+        await self._release()
+        self.exit(0)
+
+    async def _release(self) -> None:
+        if self.recorder is not None:
+            vocab = {i: s for i in sorted(self._seen_ids) if (s := self._lookup_text(i)) is not None}
+            if vocab:
+                self.recorder.vocab(vocab)
+            self.recorder.close()
+        try:
+            await asyncio.to_thread(self.backend.close)
+        except Exception:  # noqa: BLE001 - closing must not raise at exit
+            pass
+        self.history.close()
+
+    async def action_new_chat(self) -> None:
+        if self.current is not None and not self.current.finished:
+            self.notify("stop the reply first (Esc)", severity="warning")
+            return
+        await self.chat.clear()
+        self.messages = []
+        self.conversation_id = None
+        self.current = None
+        self.panel.reset()
+        self.cache.clear()
+        await self.chat.add_notice("new chat")
+
+    def last_reply(self) -> str | None:
+        return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), None)
+
+    def action_copy_reply(self) -> None:
+        text = self.last_reply()
+        if text is None:
+            self.notify("no reply to copy yet")
+            return
+        self.clipboard_text = text
+        self.copy_to_clipboard(text)
+        self.notify(f"copied the last reply ({len(text)} characters)")
+
+    def action_system_prompt(self) -> None:
+        def done(value: str | None) -> None:
+            if value is not None:
+                self.run_worker(self.set_system(value), exclusive=False)
+
+        self.push_screen(SystemPromptDialog(self.system), done)
+
+    async def set_system(self, value: str) -> None:
+        self.system = value or None
+        if self.conversation_id is not None:
+            self.history.set_system(self.conversation_id, self.system)
+        await self.chat.add_notice(f"system prompt: {self.system}" if self.system else "system prompt cleared")
+
+    def action_settings(self) -> None:
+        current = {**self.backend.info(), **self.params}
+
+        def done(changes: dict | None) -> None:
+            if changes:
+                self.run_worker(self.apply_settings(changes), exclusive=False)
+
+        self.push_screen(SettingsDialog(current), done)
+
+    async def apply_settings(self, changes: dict[str, Any]) -> bool:
+        """Apply mode / k / fan-out (engine, no reload) and sampling settings from the next reply on."""
+        if self.current is not None and not self.current.finished:
+            await self.chat.add_notice("settings change between replies: stop this one first (Esc)", "warning")
+            return False
+        engine_changes = {k: v for k, v in changes.items() if k in ("mode", "k", "fan_out")}
+        sampling = {k: v for k, v in changes.items() if k in SAMPLING_KEYS}
+        if engine_changes:
+            try:
+                self.backend.reconfigure(**engine_changes)
+            except Exception as e:  # noqa: BLE001 - shown, the old settings stay
+                await self.chat.add_notice(f"cannot change {', '.join(engine_changes)}: {readable(e)}", "error")
+                return False
+        self.params.update(sampling)
+        self._update_info()
+        desc = ", ".join(f"{k.replace('_', '-')} {v if v is not None else 'default'}" for k, v in changes.items())
+        await self.chat.add_notice(f"from the next reply: {desc}")
+        return True
+
+    def action_chats(self) -> None:
+        def done(cid: int | None) -> None:
+            if cid is not None:
+                self.run_worker(self.resume(cid), exclusive=False)
+
+        self.push_screen(ChatsDialog(self.history), done)
+
+    async def resume(self, conversation_id: int) -> bool:
+        """Show a saved chat and continue it."""
+        if self.current is not None and not self.current.finished:
+            await self.chat.add_notice("stop the reply first (Esc)", "warning")
+            return False
+        conv = self.history.get_conversation(conversation_id)
+        if conv is None:
+            await self.chat.add_notice(f"no saved chat with id {conversation_id} (see `ssd-chat chats list`)", "error")
+            return False
+        await self.chat.clear()
+        self.current = None
+        self.panel.reset()
+        self.cache.clear()
+        self.conversation_id, self.system, self.messages = conv.id, conv.system, []
+        await self.chat.add_notice(f"resumed chat {conv.id}: {conv.title}")
+        for m in self.history.messages(conv.id):
+            if m.role == "user":
+                await self.chat.add_user(m.content)
+            elif m.role == "assistant":
+                status = "stopped" if m.status == "streaming" else m.status  # "streaming": the app died mid-reply
+                meta = (metrics_line(m.metrics) if m.metrics else "") + ("" if status == "done" else f" · {status}")
+                w = await self.chat.add_assistant(m.content, status, meta, self.colour)
+                w.remove_class("-streaming")
+            else:
+                continue
+            self.messages.append({"role": m.role, "content": m.content})
+        self.chat.anchor()
+        return True
+
+    def action_toggle_colour(self) -> None:
+        self.colour = not self.colour
+        self.chat.set_colour(self.colour)
+        self.notify("token colours " + ("on: green = accepted draft tokens, yellow = target (bonus) tokens" if self.colour else "off"))
+
+    # -- slash commands ------------------------------------------------------------------
+    async def command(self, line: str) -> None:
+        name, _, arg = line[1:].partition(" ")
+        name, arg = name.lower(), arg.strip()
+        keys = {"mode": "mode", "k": "k", "fan-out": "fan_out", "fanout": "fan_out", "temp": "temperature",
+                "temperature": "temperature", "max": "max_new_tokens", "max-new-tokens": "max_new_tokens"}
+        if name in keys:
+            if not arg and keys[name] != "fan_out":
+                await self.chat.add_notice(f"usage: /{name} VALUE", "warning")
+                return
+            try:
+                changes = parse_settings({keys[name]: arg})
+            except ValueError as e:
+                await self.chat.add_notice(str(e), "error")
+                return
+            await self.apply_settings(changes)
+        elif name == "system":
+            await self.set_system(arg)
+        elif name == "new":
+            await self.action_new_chat()
+        elif name == "copy":
+            self.action_copy_reply()
+        elif name == "chats":
+            self.action_chats()
+        elif name in ("colour", "color"):
+            self.action_toggle_colour()
+        elif name == "help":
+            await self.chat.add_notice(HELP)
+        else:
+            await self.chat.add_notice(f"unknown command '/{name}' — /help lists them", "warning")
+
+    # -- the demo: prompts that type themselves ------------------------------------------
+    @work(group="typing", exclusive=True)
+    async def type_next_prompt(self) -> None:
+        if not self.script or self._quitting:
+            return
+        text = self.script.pop(0)
+        await asyncio.sleep(0.4)
+        typed = ""
+        for ch in text:
+            if self._quitting or (self.current is not None and not self.current.finished):
+                return
+            typed += ch
+            self.prompt.set_text(typed)
+            await asyncio.sleep(self.type_delay_s)
+        await asyncio.sleep(0.2)
+        await self.submit(text)
+        if text.startswith("/") and self.script:  # commands produce no reply: go on
+            self.type_next_prompt()
+
+    # -- helpers -------------------------------------------------------------------------
+    def _lookup_text(self, token_id: int) -> str | None:
+        return self._token_text.get(token_id) or self.backend.token_text(token_id)
+
+    async def _warn(self, message: str) -> None:
+        await self.chat.add_notice("warning: " + message, "warning")
+        self.notify(message, severity="warning", timeout=8)
+
+    async def _check_history(self) -> None:
+        w = self.history.warning
+        if w and w != getattr(self, "_shown_warning", None):
+            self._shown_warning = w
+            await self._warn(w)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("New chat", "Start a new conversation (Ctrl+N)", self.action_new_chat)
+        yield SystemCommand("Copy last reply", "Copy the last reply to the clipboard (Ctrl+Y)", self.action_copy_reply)
+        yield SystemCommand("System prompt", "Change the system prompt (Ctrl+S)", self.action_system_prompt)
+        yield SystemCommand("Settings", "Mode, k, fan-out, temperature, max tokens (Ctrl+O)", self.action_settings)
+        for m in ("ar", "sd", "ssd"):
+            yield SystemCommand(f"Switch to {m.upper()}", f"Decode the next reply with {m.upper()} (models stay loaded)",
+                                lambda m=m: self.run_worker(self.apply_settings({"mode": m})))
+        yield SystemCommand("Chats", "Resume or delete a saved chat (Ctrl+R)", self.action_chats)
+        yield SystemCommand("Toggle token colours", "Colour accepted draft vs target tokens (Ctrl+T)", self.action_toggle_colour)
+        yield SystemCommand("Stop reply", "Stop the reply and keep what streamed (Esc)", self.action_stop)
+        yield SystemCommand("Help", "Keys and commands", lambda: self.run_worker(self.chat.add_notice(HELP)))

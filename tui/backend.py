@@ -1,0 +1,191 @@
+"""What the chat app drives: a live engine, a recorded session, or (in tests) a scripted fake.
+
+Every backend turns a conversation into the engine's one event stream; the app never
+looks further in.  All methods but :meth:`Backend.stream`'s iteration are called from the
+UI thread or from the app's load worker; iteration happens in the reply worker thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..engine.events import Event
+from ..engine.params import SamplingParams
+
+Progress = Callable[[str, "float | None"], None]
+
+
+class Backend:
+    """The interface (and a do-nothing base)."""
+
+    #: True when the backend replays prompts of its own (the app types them in)
+    scripted_prompts: tuple[str, ...] = ()
+
+    def load(self, progress: Progress) -> None:
+        """Get ready (load models).  Raise an exception with a readable ``str()`` on failure."""
+
+    def info(self) -> dict[str, Any]:
+        """mode, k, fan_out, target, draft, target_device, draft_device: what is actually in use."""
+        return {}
+
+    def stream(self, messages: list[dict[str, str]], params: SamplingParams, stop: threading.Event) -> Iterator[Event]:
+        raise NotImplementedError
+
+    def reconfigure(self, **changes: Any) -> None:
+        """Switch mode / k / fan_out between replies without reloading models."""
+        raise ValueError("this session cannot change its settings")
+
+    def token_text(self, token_id: int) -> str | None:
+        """The text of one token id (for the speculation-cache view), if known."""
+        return None
+
+    def close(self) -> None:
+        """Release models and worker processes (called once, on quit)."""
+
+
+def quiet_libraries() -> None:
+    """No tqdm bars or library warnings over the full-screen app."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except Exception:  # noqa: BLE001 - cosmetic only
+        pass
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+ENGINE_KEYS = ("target", "draft", "mode", "k", "target_device", "draft_device", "dtype", "fan_out", "budget",
+               "saguaro_c", "fallback", "trust_remote_code")
+
+
+class EngineBackend(Backend):
+    """The real engine, configured from resolved settings (``ssd_chat.config.resolve``)."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+        self.engine: Any = None
+
+    def load(self, progress: Progress) -> None:
+        quiet_libraries()
+        from ..engine import Engine, EngineConfig
+
+        cfg = EngineConfig(**{k: self.values[k] for k in ENGINE_KEYS if self.values.get(k) is not None})
+        self.engine = Engine.load(cfg, progress=progress, tqdm_class=_tqdm_to(progress))
+
+    def info(self) -> dict[str, Any]:
+        e = self.engine
+        if e is None:
+            return {"mode": self.values.get("mode"), "target": self.values.get("target")}
+        c = e.config
+        uses_draft = c.mode != "ar" and e.draft is not None
+        return {
+            "mode": c.mode, "k": c.k if c.mode != "ar" else None, "fan_out": c.fan_out if c.mode == "ssd" else None,
+            "target": e.target.name, "target_device": e.target.placement.label,
+            "draft": e.draft.name if uses_draft else None,
+            "draft_device": e.draft.placement.label if uses_draft else None,
+        }
+
+    def stream(self, messages: list[dict[str, str]], params: SamplingParams, stop: threading.Event) -> Iterator[Event]:
+        from dataclasses import replace
+
+        ids, extra_stop = self.engine.prompt_ids(messages)
+        if extra_stop:
+            params = replace(params, stop=tuple(params.stop) + tuple(extra_stop))
+        return self.engine.stream(ids, params, stop)
+
+    def reconfigure(self, **changes: Any) -> None:
+        self.engine.reconfigure(**changes)
+
+    def token_text(self, token_id: int) -> str | None:
+        try:
+            return self.engine.tokenizer.decode([token_id])
+        except Exception:  # noqa: BLE001
+            return None
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+def _tqdm_to(progress: Progress) -> Any:
+    """A tqdm class whose bars report to ``progress`` instead of the terminal (hub downloads)."""
+    try:
+        from tqdm.auto import tqdm as base
+    except ImportError:  # pragma: no cover
+        return None
+
+    class AppTqdm(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = False
+            kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115 - closed in close()
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            out = super().update(n)
+            if self.total:
+                progress(f"downloading {self.desc or ''}".strip(), min(1.0, self.n / self.total))
+            return out
+
+        def close(self) -> None:
+            f = self.fp
+            super().close()
+            try:
+                f.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    return AppTqdm
+
+
+class ReplayBackend(Backend):
+    """Plays a recorded session: each reply is the next recorded turn, at recorded timing / speed."""
+
+    def __init__(self, recording: Any, speed: float = 1.0) -> None:
+        if not speed > 0:
+            raise ValueError(f"--speed must be > 0, got {speed}")
+        self.recording = recording
+        self.speed = speed
+        self._next = 0
+        self.scripted_prompts = tuple(t.prompt for t in recording.turns)
+        self._vocab: dict[int, str] = {int(k): v for k, v in (recording.info.get("vocab") or {}).items()}
+
+    def load(self, progress: Progress) -> None:
+        progress("replaying a recorded session (no model loaded)", 1.0)
+
+    def info(self) -> dict[str, Any]:
+        i = dict(self.recording.info)
+        i.pop("vocab", None)
+        i["replay"] = True
+        if self._next and self._next <= len(self.recording.turns):
+            i.update(self.recording.turns[self._next - 1].settings)
+        return i
+
+    def stream(self, messages: list[dict[str, str]], params: SamplingParams, stop: threading.Event) -> Iterator[Event]:
+        from ..recorder import replay
+
+        if self._next >= len(self.recording.turns):
+            from ..engine.events import Error
+
+            return iter([Error("the recording has no more turns", "replay")])
+        turn = self.recording.turns[self._next]
+        self._next += 1
+        return replay(turn.events, self.speed, stop)
+
+    def token_text(self, token_id: int) -> str | None:
+        return self._vocab.get(token_id)

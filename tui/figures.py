@@ -1,0 +1,86 @@
+"""The numbers the side panel shows, computed from :class:`~ssd_chat.engine.events.Stats` only.
+
+Each figure names its source.  Speedups are *estimated* from this reply's own round timings
+unless a measured baseline (``bench`` or race mode on this hardware) has been given:
+
+* critical path  = verify_s + draft_s + wait_s  (time the reply spent in rounds)
+* vs SD (est.)   = sd_estimate_s / critical path   (SSD: the engine's estimate of SD on the same rounds)
+* vs AR (est.)   = tokens emitted in rounds x (verify_s / rounds) / critical path
+                   (one target forward per token, costed as one verification — memory-bound regime)
+* vs X (measured) = this reply's tok/s / X's measured tok/s
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..engine.events import Stats
+
+
+@dataclass(frozen=True, slots=True)
+class Baseline:
+    """A measured decode rate for a mode on this hardware (from ``bench`` or a race)."""
+
+    mode: str  # "ar" | "sd"
+    tok_per_s: float
+    source: str  # e.g. "bench 2026-11-29"
+
+
+@dataclass(frozen=True, slots=True)
+class Speedup:
+    value: float | None
+    kind: str  # "measured" | "estimated" | "n/a"
+    note: str = ""
+
+
+def critical_path_s(s: Stats) -> float | None:
+    if s.verify_s is None:
+        return None
+    return s.verify_s + (s.draft_s or 0.0) + (s.wait_s or 0.0)
+
+
+def speedup_vs(s: Stats | None, baseline_mode: str, measured: Baseline | None = None) -> Speedup:
+    """Speedup of this reply over ``baseline_mode`` ("ar" or "sd")."""
+    if s is None:
+        return Speedup(None, "n/a")
+    if s.mode == baseline_mode or (baseline_mode == "sd" and s.mode == "ar"):
+        return Speedup(None, "n/a", f"this reply is {s.mode.upper()}")
+    if measured is not None and measured.tok_per_s > 0 and s.tok_per_s is not None:
+        return Speedup(s.tok_per_s / measured.tok_per_s, "measured", measured.source)
+    crit = critical_path_s(s)
+    if not crit or crit <= 0 or not s.rounds:
+        return Speedup(None, "n/a", "no rounds yet")
+    if baseline_mode == "sd":
+        if s.sd_estimate_s is None:
+            return Speedup(None, "n/a", "no SD estimate")
+        return Speedup(s.sd_estimate_s / crit, "estimated", "from round timings")
+    emitted = (s.mean_accepted_length or 1.0) * s.rounds
+    return Speedup(emitted * (s.verify_s / s.rounds) / crit, "estimated", "from round timings")
+
+
+def fmt(v: float | None, spec: str, suffix: str = "") -> str:
+    return "—" if v is None else format(v, spec) + suffix
+
+
+def fmt_speedup(sp: Speedup) -> str:
+    if sp.value is None:
+        return "—"
+    return f"{sp.value:.2f}× {'meas.' if sp.kind == 'measured' else 'est.'}"
+
+
+def panel_values(s: Stats | None, measured: dict[str, Baseline] | None = None) -> dict[str, str]:
+    """The panel's figures as displayed strings, keyed by field name."""
+    measured = measured or {}
+    if s is None:
+        return {k: "—" for k in ("tok_per_s", "ttft", "tau", "acceptance", "cache_hit", "tau_hit_miss", "vs_sd", "vs_ar", "tokens")}
+    return {
+        "tok_per_s": fmt(s.tok_per_s, ".1f"),
+        "ttft": fmt(s.ttft_s, ".2f", " s"),
+        "tau": fmt(s.mean_accepted_length, ".2f"),
+        "acceptance": fmt(s.acceptance_rate, ".1%"),
+        "cache_hit": fmt(s.cache_hit_rate, ".1%"),
+        "tau_hit_miss": f"{fmt(s.accepted_length_on_hit, '.2f')} / {fmt(s.accepted_length_on_miss, '.2f')}",
+        "vs_sd": fmt_speedup(speedup_vs(s, "sd", measured.get("sd"))),
+        "vs_ar": fmt_speedup(speedup_vs(s, "ar", measured.get("ar"))),
+        "tokens": f"{s.new_tokens} in {s.rounds} rounds" if s.rounds else f"{s.new_tokens}",
+    }

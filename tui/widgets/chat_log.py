@@ -1,0 +1,134 @@
+"""The transcript: user prompts, streaming assistant replies (Markdown), notices."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import Markdown, Static
+from textual.widgets.markdown import MarkdownStream
+
+# token colouring (off by default): accepted draft tokens vs the target's own (bonus / AR) tokens
+DRAFT_STYLE = "green"
+TARGET_STYLE = "bold yellow"
+
+
+class UserMessage(Static):
+    """A prompt as the user wrote it (plain text: no Markdown surprises)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(Text(text), classes="message user", markup=False)
+        self.text = text
+
+
+class Notice(Static):
+    """A line from the app (warnings, errors, settings changes)."""
+
+    def __init__(self, text: str, level: str = "info") -> None:
+        super().__init__(Text(text), classes=f"notice -{level}", markup=False)
+        self.text = text
+
+
+class AssistantMessage(Vertical):
+    """A reply: Markdown while streaming (coalesced through a MarkdownStream), a status line at the end.
+
+    ``segments`` keeps each token's text and source so the reply can be shown coloured
+    by who produced each token (``-colour`` class).
+    """
+
+    DEFAULT_CLASSES = "message assistant"
+
+    def __init__(self, text: str = "", status: str = "streaming", meta: str = "", colour: bool = False) -> None:
+        super().__init__()
+        self.text = text
+        self.status = status
+        self.segments: list[tuple[str, str]] = [(text, "target")] if text else []
+        self._meta_text = meta
+        self._stream: MarkdownStream | None = None
+        self._body = Markdown(text, classes="body")
+        self._colour_view = Static(self._coloured(), classes="coloured", markup=False)
+        self._meta = Static(meta, classes="meta", markup=False)
+        self.set_class(colour, "-colour")
+        self.set_class(status == "streaming", "-streaming")
+
+    def compose(self):
+        yield self._body
+        yield self._colour_view
+        yield self._meta
+
+    def _coloured(self) -> Text:
+        out = Text()
+        for text, source in self.segments:
+            out.append(text, style=DRAFT_STYLE if source == "draft" else TARGET_STYLE)
+        return out
+
+    @property
+    def body(self) -> Markdown:
+        return self._body
+
+    async def append(self, pieces: list[tuple[str, str]]) -> None:
+        """Add streamed token texts ``[(text, source), ...]`` (one call per UI frame)."""
+        delta = "".join(t for t, _ in pieces)
+        self.segments.extend(pieces)
+        if not delta:
+            return
+        self.text += delta
+        if self._stream is None:
+            self._stream = Markdown.get_stream(self.body)
+        await self._stream.write(delta)
+        if self.has_class("-colour"):
+            self._colour_view.update(self._coloured())
+
+    async def finish(self, text: str, status: str, meta: str = "") -> None:
+        """The reply ended: show the authoritative full text once, and its status line."""
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        if text.startswith(self.text) and len(text) > len(self.text):
+            self.segments.append((text[len(self.text):], "target"))  # held back for stop-string matching
+        elif text != self.text:
+            self.segments = [(text, "target")]
+        self.text = text
+        self.status = status
+        await self.body.update(text)
+        self._colour_view.update(self._coloured())
+        self.set_meta(meta)
+        self.remove_class("-streaming")
+        self.set_class(status != "done", f"-{status}")
+
+    def set_meta(self, meta: str) -> None:
+        self._meta_text = meta
+        self._meta.update(meta)
+
+    def set_colour(self, on: bool) -> None:
+        self.set_class(on, "-colour")
+        if on:
+            self._colour_view.update(self._coloured())
+
+
+class ChatLog(VerticalScroll):
+    """The scrolling transcript; it follows new text unless the user has scrolled up."""
+
+    def on_mount(self) -> None:
+        self.anchor()
+
+    async def add_user(self, text: str) -> UserMessage:
+        w = UserMessage(text)
+        await self.mount(w)
+        return w
+
+    async def add_assistant(self, text: str = "", status: str = "streaming", meta: str = "", colour: bool = False) -> AssistantMessage:
+        w = AssistantMessage(text, status, meta, colour)
+        await self.mount(w)
+        return w
+
+    async def add_notice(self, text: str, level: str = "info") -> Notice:
+        w = Notice(text, level)
+        await self.mount(w)
+        return w
+
+    async def clear(self) -> None:
+        await self.remove_children()
+
+    def set_colour(self, on: bool) -> None:
+        for m in self.query(AssistantMessage):
+            m.set_colour(on)

@@ -1,0 +1,129 @@
+"""The live side panel: what runs where, and how well speculation is going (this reply)."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Sparkline, Static
+
+from ...engine.events import Round, Stats
+from ..figures import Baseline, panel_values
+
+LABELS = [
+    ("tok_per_s", "tok/s", "decode rate: (tokens - 1) / (t_last - t_first)"),
+    ("ttft", "TTFT", "time to first token"),
+    ("tau", "τ accepted len", "1 + accepted / rounds (bonus included)"),
+    ("acceptance", "acceptance", "accepted draft tokens / drafted"),
+    ("cache_hit", "cache hits", "SSD: rounds whose outcome was pre-speculated / rounds"),
+    ("tau_hit_miss", "τ hit / miss", "mean accepted length on cache hits / misses"),
+    ("vs_sd", "vs SD", "speedup over plain speculative decoding"),
+    ("vs_ar", "vs AR", "speedup over autoregressive decoding"),
+    ("tokens", "tokens", "tokens this reply, verification rounds"),
+]
+
+
+class MetricsPanel(Vertical):
+    """Mode and devices, the figures of :func:`ssd_chat.tui.figures.panel_values`, and accepted-length pictures."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.info: dict = {}
+        self.stats: Stats | None = None
+        self.values: dict[str, str] = panel_values(None)
+        self.measured: dict[str, Baseline] = {}
+        self.accepted_lengths: deque[int] = deque(maxlen=60)  # accepted + 1 per round, latest last
+        self.histogram: Counter[int] = Counter()
+        self.live = False
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="setup", markup=False)
+        yield Static(id="figures", markup=False)
+        yield Static("accepted length per round", classes="caption")
+        yield Sparkline([], id="sparkline")
+        yield Static(id="histogram", markup=False)
+
+    def on_mount(self) -> None:
+        self._render_setup()
+        self._render_figures()
+
+    # -- inputs --------------------------------------------------------------------------
+    def set_info(self, info: dict) -> None:
+        self.info = dict(info)
+        self._render_setup()
+
+    def set_measured(self, baseline: Baseline) -> None:
+        """Hook for measured baselines (bench / race results on this hardware)."""
+        self.measured[baseline.mode] = baseline
+        self._render_figures()
+
+    def add_rounds(self, rounds: list[Round]) -> None:
+        for r in rounds:
+            self.accepted_lengths.append(r.accepted + 1)
+            self.histogram[r.accepted + 1] += 1
+        if rounds:
+            self._render_pictures()
+
+    def show(self, stats: Stats | None, live: bool) -> None:
+        self.stats, self.live = stats, live
+        self.values = panel_values(stats, self.measured)
+        self._render_figures()
+
+    # -- rendering -----------------------------------------------------------------------
+    def _render_setup(self) -> None:
+        i = self.info
+        t = Table.grid(padding=(0, 1))
+        t.add_column(style="bold", no_wrap=True)
+        t.add_column()
+        mode = (i.get("mode") or "?").upper()
+        if i.get("k"):
+            mode += f"  k={i['k']}"
+        if i.get("fan_out"):
+            mode += f"  fan-out {i['fan_out']}"
+        if i.get("replay"):
+            mode += "  (replay)"
+        t.add_row("mode", mode)
+        t.add_row("target", f"{i.get('target') or '?'}" + (f" @ {i['target_device']}" if i.get("target_device") else ""))
+        if i.get("draft"):
+            t.add_row("draft", f"{i['draft']}" + (f" @ {i['draft_device']}" if i.get("draft_device") else ""))
+        if i.get("temperature") is not None:
+            t.add_row("temp", f"{i['temperature']:g}")
+        if self.is_mounted:
+            self.query_one("#setup", Static).update(t)
+
+    def _render_figures(self) -> None:
+        t = Table.grid(padding=(0, 1))
+        t.add_column(style="bold", no_wrap=True)
+        t.add_column(no_wrap=True)
+        for key, label, _ in LABELS:
+            t.add_row(label, self.values[key])
+        state = "streaming…" if self.live else ("last reply" if self.stats else "no reply yet")
+        t.add_row(Text("", style="dim"), Text(state, style="dim italic"))
+        if self.is_mounted:
+            self.query_one("#figures", Static).update(t)
+            self.set_class(self.live, "-live")
+
+    def _render_pictures(self) -> None:
+        if not self.is_mounted:
+            return
+        self.query_one("#sparkline", Sparkline).data = list(self.accepted_lengths)
+        total = sum(self.histogram.values()) or 1
+        width = 16
+        lines = Text()
+        for n in range(1, max(self.histogram) + 1):
+            c = self.histogram.get(n, 0)
+            lines.append(f"{n:>2} ", style="bold")
+            lines.append("█" * round(width * c / total), style="cyan")
+            lines.append(f" {c}\n", style="dim")
+        self.query_one("#histogram", Static).update(lines)
+
+    def reset(self) -> None:
+        self.accepted_lengths.clear()
+        self.histogram.clear()
+        self.show(None, False)
+        if self.is_mounted:
+            self.query_one("#sparkline", Sparkline).data = []
+            self.query_one("#histogram", Static).update("")

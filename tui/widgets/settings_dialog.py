@@ -1,0 +1,95 @@
+"""Switch mode, k, fan-out, temperature and reply length between turns (models stay loaded)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Select
+
+FIELDS = [("k", "k (draft tokens per round)"), ("fan_out", "fan-out (geometric, uniform:F, 3,2,1)"),
+          ("temperature", "temperature (0 = greedy)"), ("max_new_tokens", "max new tokens")]
+
+
+def parse_settings(raw: dict[str, str]) -> dict[str, Any]:
+    """Validate the dialog's text fields; raises ValueError with a readable message."""
+    out: dict[str, Any] = {}
+    if raw.get("mode"):
+        if raw["mode"] not in ("ar", "sd", "ssd"):
+            raise ValueError(f"unknown mode '{raw['mode']}' (ar, sd or ssd)")
+        out["mode"] = raw["mode"]
+    if raw.get("k", "").strip():
+        try:
+            k = int(raw["k"])
+        except ValueError:
+            raise ValueError(f"k must be a whole number, got '{raw['k']}'") from None
+        if not 1 <= k <= 32:
+            raise ValueError(f"k must be between 1 and 32, got {k}")
+        out["k"] = k
+    if "fan_out" in raw:
+        out["fan_out"] = raw["fan_out"].strip() or None
+    if raw.get("temperature", "").strip():
+        try:
+            t = float(raw["temperature"])
+        except ValueError:
+            raise ValueError(f"temperature must be a number, got '{raw['temperature']}'") from None
+        if not t >= 0:
+            raise ValueError(f"temperature must be >= 0, got {t}")
+        out["temperature"] = t
+    if raw.get("max_new_tokens", "").strip():
+        try:
+            n = int(raw["max_new_tokens"])
+        except ValueError:
+            raise ValueError(f"max new tokens must be a whole number, got '{raw['max_new_tokens']}'") from None
+        if n < 1:
+            raise ValueError(f"max new tokens must be at least 1, got {n}")
+        out["max_new_tokens"] = n
+    return out
+
+
+class SettingsDialog(ModalScreen[dict | None]):
+    """Returns the changed settings, or None when cancelled."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, current: dict[str, Any]) -> None:
+        super().__init__()
+        self.current = current
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label("Settings for the next reply (models stay loaded)", classes="dialog-title")
+            with Grid(id="settings-grid"):
+                yield Label("mode")
+                yield Select([(m.upper(), m) for m in ("ar", "sd", "ssd")], value=self.current.get("mode") or "ar",
+                             allow_blank=False, id="mode")
+                for key, label in FIELDS:
+                    yield Label(label)
+                    v = self.current.get(key)
+                    yield Input("" if v is None else str(v), id=key)
+            yield Label("", id="settings-error")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Apply", variant="primary", id="apply")
+                yield Button("Cancel", id="cancel")
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+    def _apply(self) -> None:
+        raw = {"mode": str(self.query_one("#mode", Select).value)}
+        raw.update({key: self.query_one(f"#{key}", Input).value for key, _ in FIELDS})
+        try:
+            values = parse_settings(raw)
+        except ValueError as e:
+            self.query_one("#settings-error", Label).update(str(e))
+            return
+        self.dismiss({k: v for k, v in values.items() if v != self.current.get(k)})
+
+    def on_input_submitted(self) -> None:
+        self._apply()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self._apply() if event.button.id == "apply" else self.action_cancel()
