@@ -335,7 +335,7 @@ def run_bench(
     ``encode(engine, prompt) -> (ids, extra_stop)`` defaults to the chat template."""
     from .engine import Engine, SamplingParams
     from .engine.chat import messages_for
-    from .engine.events import Done, Error, Round, Token
+    from .engine.events import Done, Error, Notice, Round, Token
 
     encode = encode or (lambda eng, p: eng.prompt_ids(messages_for(p.text)))
     out = BenchRun()
@@ -381,6 +381,7 @@ def run_bench(
                 "prefill_s": None, "rounds": 0, "drafted": 0, "accepted": 0, "ssd_rounds": 0, "hits": 0,
                 "draft_s": 0.0, "verify_s": 0.0, "wait_s": 0.0, "wait_on_hit_s": 0.0, "verify_on_hit_s": 0.0,
                 "speculator_busy_s": 0.0, "fallback_rounds": 0, "reason": None, "error": None, "background_cpu_s": None,
+                "notices": [],
             }
             t0 = time.perf_counter()
             token_ids: list[int] = []
@@ -407,6 +408,8 @@ def run_bench(
                     token_ids = list(ev.token_ids)
                     rec.update(new_tokens=s.new_tokens, tok_per_s=s.tok_per_s, ttft_s=s.ttft_s, prefill_s=s.prefill_s,
                                reason=ev.reason)
+                elif isinstance(ev, Notice):
+                    rec["notices"].append(f"{ev.level}: {ev.message}")
                 elif isinstance(ev, Error):
                     rec["error"] = ev.message
                     token_ids = list(ev.token_ids)
@@ -504,6 +507,10 @@ def build_report(result: BenchRun, plans: list[Plan], settings: BenchSettings, p
         placements[proto] = {p.mode: {**{k: v for k, v in asdict(p).items() if k not in ("protocol", "mode")}, "slot": p.slot_id,
                                       "description": p.describe()} for p in pp}
         placements_text[proto] = "; ".join(f"{p.mode.upper()}: {p.describe()}" for p in pp)
+    shared = {p.slot_id for p in plans if p.protocol == "paper"} & {p.slot_id for p in plans if p.protocol == "equal"}
+    if shared:
+        modes = sorted({p.mode for p in plans if p.slot_id in shared})
+        notes = [*notes, f"{', '.join(m.upper() for m in modes)} has the same placement under both protocols: its runs are measured once and reported under both"]
     if hasattr(os, "getloadavg"):
         machine = {**machine, "loadavg_end": list(os.getloadavg())}
     fams: dict[str, int] = {}
@@ -652,6 +659,7 @@ def make_bench_command() -> Callable[..., None]:
         pool = None
         try:
             cli.quiet_libraries()
+            machine = machine_info(hw)  # before the run: its load average says how quiet the machine was
             pool = ModelPool(values, plans, progress=None if quiet else (lambda s: err.print(f"[dim]{s}…[/]")))
             base_cfg = pool.base_config
             result = run_bench(base_cfg, pool.models_for, prompt_list, plans, settings,
@@ -664,7 +672,7 @@ def make_bench_command() -> Callable[..., None]:
         models = pool.describe()
         report = build_report(result, plans, settings, prompt_list, prompt_source, models,
                               {"k": base_cfg.k, "fan_out": base_cfg.fan_out, "budget": base_cfg.budget, "saguaro_c": base_cfg.saguaro_c,
-                               "fallback": base_cfg.fallback}, machine_info(hw), notes, pool.decode)
+                               "fallback": base_cfg.fallback}, machine, notes, pool.decode)
         from . import bench_report as br
 
         br.render(report, console)

@@ -95,7 +95,9 @@ def summarize_mode(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "wait_on_hit_over_verify": (
             (sum(r["wait_on_hit_s"] for r in ok) / hits) / (hit_rounds_verify / hits) if hits and hit_rounds_verify else None
         ),
+        "speculator_busy_s_per_round": (sum(r["speculator_busy_s"] for r in ok) / ssd_rounds) if ssd_rounds else None,
         "fallback_rounds": sum(r["fallback_rounds"] for r in ok),
+        "notices": sorted({n for r in runs for n in r.get("notices", [])}),
         "background_cpu_frac": (sum(background) / wall) if background and wall else None,
     }
 
@@ -235,9 +237,7 @@ def render(report: dict[str, Any], console: Any) -> None:
         console.print(f"[bold yellow]mode {mode} skipped[/]: {why}")
     for proto, p in report["protocols"].items():
         console.print(f"\n[bold]protocol {proto}[/]: {report['placements_text'][proto]}")
-        table = Table(caption="tok/s: decode rate per reply (median, IQR, range); TTFT: median; acc. len: mean accepted length "
-                      "(bonus included); accept: acceptance rate; hits: SSD cache-hit rate; = AR: greedy replies identical to AR's",
-                      caption_justify="left")
+        table = Table()
         for col, just in (("mode", "left"), ("tok/s", "right"), ("IQR", "right"), ("range", "right"),
                           ("TTFT s", "right"), ("acc. len", "right"), ("accept", "right"),
                           ("hits", "right"), ("runs", "right"), ("= AR", "center")):
@@ -273,8 +273,13 @@ def render(report: dict[str, Any], console: Any) -> None:
         if ssd and ssd["wait_on_hit_over_verify"] is not None:
             console.print(
                 f"  SSD verifier wait on a hit: {ssd['wait_on_hit_s_per_hit'] * 1e3:.2f} ms = {ssd['wait_on_hit_over_verify']:.1%} of a verify pass"
+                f" ({ssd['verify_s_per_round'] * 1e3:.1f} ms); speculator busy {_f(ssd['speculator_busy_s_per_round'] and ssd['speculator_busy_s_per_round'] * 1e3, '.1f', ' ms')} per round"
                 + (f"; {ssd['fallback_rounds']} fallback rounds" if ssd["fallback_rounds"] else "")
             )
+        for mode, m in p["modes"].items():
+            for n in m.get("notices", []):
+                if n.startswith("warning"):
+                    console.print(f"  [bold yellow]{mode} notice[/]: {n.removeprefix('warning: ')}")
         for mode, m in p["modes"].items():
             if m["background_cpu_frac"] is not None and m["background_cpu_frac"] > 0.05:
                 console.print(f"  [yellow]warning[/]: during {mode} runs other processes of this app used {m['background_cpu_frac']:.0%} of a core")
@@ -303,6 +308,8 @@ def render(report: dict[str, Any], console: Any) -> None:
                 f"wait on hit {_f(w['value'], '.1%')} of verify (< 10 %: {mark(w)}); "
                 f"channel round trip {_f(c['value'], '.3f', ' ms')} (< 1 ms: {mark(c)})"
             )
+    console.print("[dim]tok/s: decode rate per reply (median, IQR, range); TTFT: median; acc. len: mean accepted length (bonus "
+                  "included); accept: acceptance rate; hits: SSD cache-hit rate; = AR: greedy replies identical to AR's[/]")
     fams = sorted({f for p in report["protocols"].values() for m in p["modes"].values() for f in m["tok_per_s_by_family"]})
     if len(fams) > 1:
         table = Table(title="median decode tok/s by prompt family", title_justify="left")
@@ -344,6 +351,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
             hi.append(t["p75"] - t["median"])
         bars = ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=mode.upper(), color=colours.get(mode))
         ax.bar_label(bars, fmt="%.1f", fontsize=8, padding=2)
+        if mode == "ssd":  # the physical bound: SD's median x (1 + draft/verify)
+            for x, proto in zip(xs, [p for p in protos if report["protocols"][p]["modes"].get("ssd")]):
+                pr = report["protocols"][proto]
+                b, sd = pr["bound"], pr["modes"].get("sd")
+                if b and sd and sd["tok_per_s"]["median"]:
+                    y = sd["tok_per_s"]["median"] * b["ssd_over_sd_max"]
+                    ax.plot([x - width / 2, x + width / 2], [y, y], "k--", lw=1)
+                    ax.annotate("bound", (x, y), fontsize=7, ha="center", va="bottom")
     ax.set_xticks(range(len(protos)), [f"{p} protocol" for p in protos])
     ax.set_ylabel("decode tok/s (median, IQR)")
     ratio_txt = []

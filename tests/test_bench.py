@@ -340,7 +340,7 @@ def _rec(mode, pid, tps, rounds=0, draft_s=0.0, verify_s=0.0, **kw):
     r = {"run_id": f"{mode}|x|{pid}|0", "mode": mode, "prompt_id": pid, "family": "f", "repeat": 0, "tok_per_s": tps,
          "ttft_s": 0.1, "elapsed_s": 1.0, "new_tokens": 10, "rounds": rounds, "drafted": 3 * rounds, "accepted": rounds,
          "ssd_rounds": 0, "hits": 0, "draft_s": draft_s, "verify_s": verify_s, "wait_s": 0.0, "wait_on_hit_s": 0.0,
-         "verify_on_hit_s": 0.0, "fallback_rounds": 0, "error": None, "background_cpu_s": None}
+         "verify_on_hit_s": 0.0, "speculator_busy_s": 0.0, "fallback_rounds": 0, "error": None, "background_cpu_s": None}
     r.update(kw)
     return r
 
