@@ -507,6 +507,7 @@ def build_report(result: BenchRun, plans: list[Plan], settings: BenchSettings, p
         placements[proto] = {p.mode: {**{k: v for k, v in asdict(p).items() if k not in ("protocol", "mode")}, "slot": p.slot_id,
                                       "description": p.describe()} for p in pp}
         placements_text[proto] = "; ".join(f"{p.mode.upper()}: {p.describe()}" for p in pp)
+    br.with_equal_bound(protocols)
     shared = {p.slot_id for p in plans if p.protocol == "paper"} & {p.slot_id for p in plans if p.protocol == "equal"}
     if shared:
         modes = sorted({p.mode for p in plans if p.slot_id in shared})
@@ -594,6 +595,7 @@ def make_bench_command() -> Callable[..., None]:
         max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", "-n", min=1, help=f"New tokens per reply (default {DEFAULT_MAX_NEW}).", show_default=False)] = None,
         json_file: Annotated[Optional[Path], typer.Option("--json", help="Write the full report (summaries, ratios, every run) as JSON.", show_default=False, dir_okay=False)] = None,
         plot_file: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG plot of the results.", show_default=False, dir_okay=False)] = None,
+        markdown_file: Annotated[Optional[Path], typer.Option("--markdown", help="Write the summary as Markdown tables (for a README).", show_default=False, dir_okay=False)] = None,
         protocol: Annotated[str, typer.Option("--protocol", help="paper (SSD adds a device for the draft), equal (every mode gets the same hardware) or both.")] = "both",
         repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs per prompt and configuration.")] = 1,
         stop_at_eos: Annotated[bool, typer.Option("--stop-at-eos", help="End replies at EOS (default: ignore EOS and generate exactly --max-new-tokens, as the paper does).")] = False,
@@ -684,6 +686,10 @@ def make_bench_command() -> Callable[..., None]:
         if plot_file is not None:
             br.plot(report, plot_file)
             console.print(f"plot written to {plot_file}")
+        if markdown_file is not None:
+            markdown_file.parent.mkdir(parents=True, exist_ok=True)
+            markdown_file.write_text(br.markdown(report))
+            console.print(f"Markdown written to {markdown_file}")
         failed = sum(m["failed"] for p in report["protocols"].values() for m in p["modes"].values())
         mismatched = any(p["exactness"]["checked"] and not p["exactness"].get("all_identical", True) for p in report["protocols"].values())
         if mismatched:

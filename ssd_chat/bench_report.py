@@ -168,10 +168,12 @@ def summarize_protocol(name: str, runs_by_mode: dict[str, list[dict[str, Any]]],
                 "paired_median": paired_ratio(runs_by_mode[a], runs_by_mode[b]),
             }
     bound: dict[str, Any] | None = None
-    if "sd" in modes and modes["sd"]["verify_s_per_round"]:
+    # the bound needs SD on the hardware of SSD's verifier: the paper protocol (see with_equal_bound for the other)
+    if name == "paper" and "sd" in modes and modes["sd"]["verify_s_per_round"]:
         d, v = modes["sd"]["draft_s_per_round"], modes["sd"]["verify_s_per_round"]
+        sd_med = modes["sd"]["tok_per_s"]["median"]
         bound = {"sd_draft_s_per_round": d, "sd_verify_s_per_round": v, "ssd_over_sd_max": 1 + d / v,
-                 "measured_over_bound": None}
+                 "ssd_tok_per_s_max": sd_med * (1 + d / v) if sd_med else None, "measured_over_bound": None}
         if "ssd/sd" in ratios and ratios["ssd/sd"]["of_medians"] is not None:
             bound["measured_over_bound"] = ratios["ssd/sd"]["of_medians"] / bound["ssd_over_sd_max"]
     out = {
@@ -184,6 +186,26 @@ def summarize_protocol(name: str, runs_by_mode: dict[str, list[dict[str, Any]]],
     if name == "paper":
         out["targets"] = targets(modes, ratios, greedy, channel_rtt_ms)
     return out
+
+
+def with_equal_bound(protocols: dict[str, Any]) -> None:
+    """Under ``equal``, SD has more hardware than SSD's verifier, so its own draft/verify split does not bound SSD.
+    SSD's ceiling in tok/s is the same as under ``paper`` (same placement): SD(paper) × (1 + draft/verify);
+    relative to this protocol's SD that is ceiling / SD(equal)."""
+    paper, equal = protocols.get("paper"), protocols.get("equal")
+    if equal is None or "sd" not in equal["modes"] or "ssd" not in equal["modes"]:
+        return
+    pb = paper["bound"] if paper else None
+    sd_med = equal["modes"]["sd"]["tok_per_s"]["median"]
+    if not pb or not pb.get("ssd_tok_per_s_max") or not sd_med:
+        equal["bound"] = None
+        return
+    mx = pb["ssd_tok_per_s_max"] / sd_med
+    r = equal["ratios"].get("ssd/sd", {}).get("of_medians")
+    equal["bound"] = {"sd_draft_s_per_round": pb["sd_draft_s_per_round"], "sd_verify_s_per_round": pb["sd_verify_s_per_round"],
+                      "ssd_tok_per_s_max": pb["ssd_tok_per_s_max"], "ssd_over_sd_max": mx,
+                      "measured_over_bound": (r / mx) if r is not None else None,
+                      "source": "SSD's ceiling from the paper protocol's SD (same verifier placement) / this protocol's SD"}
 
 
 def targets(modes: dict[str, Any], ratios: dict[str, Any], greedy: bool, channel_rtt_ms: float | None) -> dict[str, Any]:
@@ -264,10 +286,15 @@ def render(report: dict[str, Any], console: Any) -> None:
         if parts:
             console.print("  ratios of medians: " + ", ".join(parts))
         b = p["bound"]
-        if b is not None:
+        if b is not None and "source" not in b:
             console.print(
                 f"  physical bound: SSD/SD ≤ 1 + draft/verify = 1 + {b['sd_draft_s_per_round'] * 1e3:.1f} ms / {b['sd_verify_s_per_round'] * 1e3:.1f} ms "
-                f"= {b['ssd_over_sd_max']:.2f}×; measured/bound {_f(b['measured_over_bound'], '.0%')}"
+                f"= {b['ssd_over_sd_max']:.2f}× (SSD ≤ {_f(b['ssd_tok_per_s_max'], '.1f')} tok/s); measured/bound {_f(b['measured_over_bound'], '.0%')}"
+            )
+        elif b is not None:
+            console.print(
+                f"  physical bound: SSD ≤ {b['ssd_tok_per_s_max']:.1f} tok/s (paper protocol's SD × (1 + draft/verify)), i.e. SSD/SD ≤ "
+                f"{b['ssd_over_sd_max']:.2f}× against this protocol's SD; measured/bound {_f(b['measured_over_bound'], '.0%')}"
             )
         ssd = p["modes"].get("ssd")
         if ssd and ssd["wait_on_hit_over_verify"] is not None:
@@ -389,3 +416,61 @@ def plot(report: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# --- output: Markdown (for the README) ----------------------------------------------------------
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The summary as Markdown tables: one row per protocol and mode, then ratios, bound and targets."""
+    s, models = report["settings"], report["models"]
+    lines = [
+        f"Target `{models['target']['name']}`, draft `{models['draft']['name'] if models.get('draft') else '–'}`, k={s['k']}, "
+        f"{s['max_new_tokens']} new tokens per reply{' (EOS ignored)' if s['ignore_eos'] else ''}, "
+        f"{'greedy' if s['temperature'] == 0 else 'temperature ' + str(s['temperature'])}, {s['prompts']['count']} prompts "
+        f"({', '.join(f'{n} {f}' for f, n in s['prompts']['families'].items())}) × {s['repeats']} repeat(s); "
+        f"machine: {report['machine']['summary']}.",
+        "",
+        "| protocol | mode | placement | decode tok/s median (IQR) | TTFT s | mean accepted length | acceptance | cache hits | greedy = AR |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for proto, p in report["protocols"].items():
+        ex = p["exactness"]
+        for mode, m in p["modes"].items():
+            t = m["tok_per_s"]
+            if not ex["checked"]:
+                eq = "n/a"
+            elif mode == "ar":
+                eq = "reference"
+            else:
+                e = ex["modes"].get(mode, {})
+                eq = f"{e.get('identical')}/{e.get('compared')}"
+            lines.append(
+                f"| {proto} | {mode.upper()} | {report['placements'][proto][mode]['description']} | "
+                f"**{_f(t['median'], '.1f')}** ({_f(t['p25'], '.1f')}–{_f(t['p75'], '.1f')}) | {_f(m['ttft_s']['median'], '.2f')} | "
+                f"{_f(m['mean_accepted_length'], '.2f')} | {_f(m['acceptance_rate'], '.0%')} | {_f(m['cache_hit_rate'], '.0%')} | {eq} |"
+            )
+    lines += ["", "| protocol | SSD/SD | SSD/AR | SD/AR | physical bound on SSD/SD: 1 + draft/verify of SD | SSD/SD ÷ bound |", "|---|---|---|---|---|---|"]
+    for proto, p in report["protocols"].items():
+        r, b = p["ratios"], p["bound"]
+
+        def ratio(key: str) -> str:
+            v = r.get(key)
+            return "–" if v is None else f"{_f(v['of_medians'], '.2f', '×')} (paired {_f(v['paired_median'], '.2f', '×')})"
+
+        if b is None:
+            bound = "–"
+        elif "source" in b:
+            bound = f"SSD ≤ {b['ssd_tok_per_s_max']:.1f} tok/s (from paper) = {b['ssd_over_sd_max']:.2f}× this SD"
+        else:
+            bound = (f"1 + {b['sd_draft_s_per_round'] * 1e3:.0f} ms / {b['sd_verify_s_per_round'] * 1e3:.0f} ms "
+                     f"= {b['ssd_over_sd_max']:.2f}× (SSD ≤ {_f(b['ssd_tok_per_s_max'], '.1f')} tok/s)")
+        lines.append(f"| {proto} | {ratio('ssd/sd')} | {ratio('ssd/ar')} | {ratio('sd/ar')} | {bound} | "
+                     f"{_f(b['measured_over_bound'] if b else None, '.0%')} |")
+    fams = sorted({f for p in report["protocols"].values() for m in p["modes"].values() for f in m["tok_per_s_by_family"]})
+    if len(fams) > 1:
+        lines += ["", "| protocol / mode | " + " | ".join(fams) + " |", "|---|" + "---|" * len(fams)]
+        for proto, p in report["protocols"].items():
+            for mode, m in p["modes"].items():
+                lines.append(f"| {proto} / {mode.upper()} | " + " | ".join(_f(m["tok_per_s_by_family"].get(f), ".1f") for f in fams) + " |")
+    return "\n".join(lines) + "\n"

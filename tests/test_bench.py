@@ -260,10 +260,28 @@ def test_ratios_and_bound_come_from_the_same_runs(race):
         assert len(runs["ar"]) == len(PROMPTS)
         for a, b in br.RATIOS:
             assert proto["ratios"][f"{a}/{b}"]["of_medians"] == pytest.approx(med[a] / med[b])
-        sd = runs["sd"]
-        bound = 1 + sum(r["draft_s"] for r in sd) / sum(r["verify_s"] for r in sd)
-        assert proto["bound"]["ssd_over_sd_max"] == pytest.approx(bound)
-        assert proto["bound"]["measured_over_bound"] == pytest.approx(med["ssd"] / med["sd"] / bound)
+    # the bound: SD's draft/verify split on SSD's verifier hardware (paper), and the same SSD ceiling under equal
+    paper_sd = [r for r in result.runs if r["slot"] == report["placements"]["paper"]["sd"]["slot"]]
+    bound = 1 + sum(r["draft_s"] for r in paper_sd) / sum(r["verify_s"] for r in paper_sd)
+    ceiling = statistics.median(r["tok_per_s"] for r in paper_sd) * bound
+    ssd_med = statistics.median(r["tok_per_s"] for r in result.runs if r["mode"] == "ssd")
+    for name, proto in report["protocols"].items():
+        sd_med = statistics.median(r["tok_per_s"] for r in result.runs if r["slot"] == report["placements"][name]["sd"]["slot"])
+        b = proto["bound"]
+        assert b["ssd_tok_per_s_max"] == pytest.approx(ceiling)
+        assert b["ssd_over_sd_max"] == pytest.approx(ceiling / sd_med)
+        assert b["measured_over_bound"] == pytest.approx(ssd_med / ceiling)
+    assert report["protocols"]["paper"]["bound"]["ssd_over_sd_max"] == pytest.approx(bound)
+
+
+def test_markdown_summary(race):
+    _, report = race
+    md = br.markdown(report)
+    for proto in ("paper", "equal"):
+        for mode in ("AR", "SD", "SSD"):
+            assert f"| {proto} | {mode} |" in md
+    med = report["protocols"]["paper"]["modes"]["ssd"]["tok_per_s"]["median"]
+    assert f"**{med:.1f}**" in md and "3/3" in md
 
 
 def test_greedy_exactness_is_asserted(race):
