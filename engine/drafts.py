@@ -6,6 +6,8 @@
 * ``int8``      an int8 dynamic-quantized copy (per-channel weights, CPU only):
                  ~79 % greedy acceptance on SmolLM2-135M at ~65 % of a target step
 * ``layers:N``  the target's embedding, first N layers, final norm and head (weights shared)
+* a folder with a ``draft.json`` manifest: a draft trained for this target by
+  ``ssd-chat draft train`` (see draft_model.py); its shared part is rebuilt from the target
 """
 
 from __future__ import annotations
@@ -24,11 +26,17 @@ _LAYERS = re.compile(r"^layers:(\d+)$")
 
 
 def is_derived(name: str) -> bool:
-    return name in ("copy", "int8") or bool(_LAYERS.match(name))
+    from .draft_model import is_draft_dir
+
+    return name in ("copy", "int8") or bool(_LAYERS.match(name)) or is_draft_dir(name)
 
 
 def derive(name: str, target: LoadedModel) -> LoadedModel:
     """Build the derived draft ``name`` from ``target``."""
+    from . import draft_model
+
+    if draft_model.is_draft_dir(name):
+        return draft_model.load(name, target)
     base = target.model
     if name == "copy":
         model = copy.deepcopy(base)

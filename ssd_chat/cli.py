@@ -134,6 +134,9 @@ def main_callback(
     max_new_tokens: MaxNew = None, target_device: TargetDevice = None, draft_device: DraftDevice = None,
     dtype: Dtype = None, fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None,
     fallback: Fallback = None, trust_remote_code: TrustRemote = None, system: System = None,
+    record: Annotated[Optional[str], typer.Option("--record", help="Write the app session's event stream to this JSONL file (replay: ssd-chat demo --replay FILE).", show_default=False)] = None,
+    db: Annotated[Optional[str], typer.Option("--db", help="Chat history database (default: $XDG_DATA_HOME/ssd-chat/history.db).", show_default=False)] = None,
+    resume: Annotated[Optional[int], typer.Option("--resume", help="Reopen saved chat ID in the app (see `ssd-chat chats list`).", show_default=False)] = None,
     version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
 ) -> None:
     """Open the chat app (no subcommand), or run one of the commands below."""
@@ -284,6 +287,13 @@ def models(json_out: Annotated[bool, typer.Option("--json", help="Machine-readab
 from .bench import make_bench_command  # noqa: E402 - needs the option aliases above
 
 app.command("bench")(make_bench_command())
+from .draft_cmd import draft_app  # noqa: E402
+
+app.add_typer(draft_app, name="draft")
+
+from .commands import register as _register_app_commands  # noqa: E402 - demo, config, chats
+
+_register_app_commands(app)
 
 
 def main() -> None:

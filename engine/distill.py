@@ -1,0 +1,508 @@
+"""Training a draft by distillation from its target (``ssd-chat draft train``).
+
+Pipeline, every stage cached in a work folder so an interrupted run resumes:
+
+1. **data**: the target answers each training prompt (under its chat template, as the
+   app will prompt it), greedily by default, in padded batches.
+2. **teacher pass**: one teacher-forced target forward per answer records the output of
+   the shared trunk (the draft's input) and the target's final hidden state (from which
+   its exact logits over the reduced vocabulary are recomputed during training).
+3. **vocabulary**: the tokens the target emits in its answers (most frequent first),
+   topped up with the tokens of highest total teacher probability, up to ``num_vocab``.
+4. **training**: KL(target || draft) over the reduced vocabulary (the target distribution
+   renormalised on it) at every answer position, AdamW with warm-up and cosine decay;
+   held-out top-1 agreement is reported as training goes.  The batch order is a function
+   of (seed, step), so a resumed run continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import chat, draft_model, kv
+from .draft_model import DraftShape
+from .errors import ModelError, ParamError
+from .models import LoadedModel, cache_dir
+
+ProgressFn = Callable[[str, int, int, dict[str, float]], None]  # (stage, done, total, info)
+
+
+def _no_progress(stage: str, done: int, total: int, info: dict[str, float]) -> None:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    """How a draft is shaped and trained.  ``init_from`` None: the target's last layer."""
+
+    num_shared: int = 2
+    init_from: tuple[int, ...] | None = None
+    num_vocab: int = 8192
+    steps: int = 300
+    batch_size: int = 8
+    lr: float = 3e-4
+    warmup: int = 20
+    max_new_tokens: int = 192
+    gen_batch: int = 16
+    temperature: float = 0.0  # of the target's training answers (0: greedy)
+    eval_every: int = 25
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_shared < 0:
+            raise ParamError(f"--layers must be >= 0, got {self.num_shared}")
+        if self.num_vocab < 2:
+            raise ParamError(f"--vocab must be at least 2, got {self.num_vocab}")
+        for name in ("steps", "batch_size", "max_new_tokens", "gen_batch", "eval_every"):
+            if getattr(self, name) < 1:
+                raise ParamError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ParamError(f"--lr must be > 0, got {self.lr}")
+        if self.temperature < 0:
+            raise ParamError(f"--temperature must be >= 0, got {self.temperature}")
+
+    def shape(self, num_target_layers: int) -> DraftShape:
+        return DraftShape(self.num_shared, self.init_from if self.init_from is not None else (num_target_layers - 1,))
+
+
+@dataclass(slots=True)
+class Example:
+    ids: torch.Tensor  # [T] prompt + answer
+    start: int  # index of the first answer token
+
+
+@dataclass(slots=True)
+class Features:
+    trunk: list[torch.Tensor]  # per example [T-1, H]: the draft's input (output of the shared layers)
+    final: list[torch.Tensor]  # per example [T-1, H]: the target's final normed hidden state
+    top1: list[torch.Tensor] | None = None  # per example [T-1]: the target's greedy next token (see with_top1)
+
+
+@dataclass(slots=True)
+class TrainResult:
+    draft: torch.nn.Module
+    shape: DraftShape
+    history: list[dict[str, float]] = field(default_factory=list)
+    heldout_agreement: float = 0.0
+    vocab_coverage: float = 0.0
+
+
+# --- prompts ----------------------------------------------------------------------------------
+
+
+def load_prompts(path: str | Path | None = None, heldout: bool = False) -> list[str]:
+    """Prompts from a JSON-lines file (``{"prompt": ...}`` per line) or the packaged set."""
+    if path is None:
+        name = "distill_heldout.jsonl" if heldout else "distill_prompts.jsonl"
+        text = files("ssd_chat.assets").joinpath(name).read_text()
+        where = name
+    else:
+        try:
+            text = Path(path).expanduser().read_text()
+        except OSError as e:
+            raise ParamError(f"cannot read prompt file '{path}': {e.strerror or e}") from e
+        where = str(path)
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            out.append(str(row["prompt"]) if isinstance(row, dict) else str(row))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ParamError(f"{where}:{n}: expected a JSON object with a \"prompt\" field") from e
+    if not out:
+        raise ParamError(f"{where} holds no prompts")
+    return out
+
+
+def prompt_ids(target: LoadedModel, prompts: list[str]) -> list[list[int]]:
+    return [chat.prompt_ids(target.tokenizer, chat.messages_for(p))[0] for p in prompts]
+
+
+# --- stage 1: the target's answers, with the teacher's hidden states -----------------------------
+
+
+@torch.no_grad()
+def generate(target: LoadedModel, prompts: list[list[int]], cfg: TrainConfig, capture: tuple[int, ...] | None = None,
+             progress: ProgressFn = _no_progress) -> tuple[list[Example], dict[int, Features]]:
+    """The target's answers to ``prompts`` (batched, left-padded), each cut after its first EOS.
+
+    While it generates, forward hooks record for every position but the last the output of
+    the first ``n`` target layers (the draft's input, for each ``n`` in ``capture``) and the
+    target's final normed hidden state (its exact logits, recomputed in training): no second
+    teacher pass is needed."""
+    model, dev = target.model, target.device
+    capture = tuple(capture) if capture is not None else (cfg.num_shared,)
+    inner, layers, norm, _ = draft_model._parts(model)
+    eos = sorted(target.eos_ids)
+    pad = eos[0] if eos else 0
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    examples: list[Example | None] = [None] * len(prompts)
+    per: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [None] * len(prompts) for n in capture}  # type: ignore[misc]
+    gen = {"do_sample": cfg.temperature > 0, "max_new_tokens": cfg.max_new_tokens, "pad_token_id": pad,
+           "eos_token_id": eos or None}
+    if cfg.temperature > 0:
+        gen.update(temperature=cfg.temperature, top_p=1.0, top_k=0)
+    calls: dict[Any, list[torch.Tensor]] = {n: [] for n in capture}
+    calls["final"] = []
+
+    def hook(key: Any) -> Callable[..., None]:
+        def fn(mod: Any, args: Any, out: Any) -> None:
+            calls[key].append((out[0] if isinstance(out, tuple) else out).float().cpu())
+        return fn
+
+    hooks = [norm.register_forward_hook(hook("final"))]
+    for n in capture:
+        mod = inner.embed_tokens if n == 0 else layers[n - 1]
+        hooks.append(mod.register_forward_hook(hook(n)))
+    torch.manual_seed(cfg.seed)
+    try:
+        for b in range(0, len(order), cfg.gen_batch):
+            idx = order[b : b + cfg.gen_batch]
+            width = max(len(prompts[i]) for i in idx)
+            ids = torch.full((len(idx), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            for r, i in enumerate(idx):
+                ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+                mask[r, width - len(prompts[i]) :] = 1
+            for v in calls.values():
+                v.clear()
+            seqs = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), **gen).cpu()
+            steps = {k: torch.cat(v, dim=1) for k, v in calls.items()}  # [B, width + fed answer tokens, H]
+            for r, i in enumerate(idx):
+                answer = seqs[r, width:].tolist()
+                for j, t in enumerate(answer):
+                    if t in target.eos_ids:
+                        answer = answer[: j + 1]
+                        break
+                ex = Example(torch.tensor(prompts[i] + answer, dtype=torch.long), len(prompts[i]))
+                examples[i] = ex
+                lo, hi = width - len(prompts[i]), width + len(answer) - 1  # every position but the last
+                for n in capture:
+                    per[n][i] = (steps[n][r, lo:hi].clone(), steps["final"][r, lo:hi].clone())
+            progress("answers", min(b + cfg.gen_batch, len(order)), len(order), {})
+    finally:
+        for hk in hooks:
+            hk.remove()
+    out = {n: Features([t for t, _ in per[n]], [f for _, f in per[n]]) for n in capture}
+    return [e for e in examples if e is not None], out
+
+
+@torch.no_grad()
+def with_top1(target: LoadedModel, feats: Features) -> Features:
+    """``feats`` plus the target's greedy next token at every position (full vocabulary)."""
+    head = target.model.get_output_embeddings()
+    top1 = [head(f.to(head.weight.device, head.weight.dtype)).argmax(-1).cpu() for f in feats.final]
+    return Features(feats.trunk, feats.final, top1)
+
+
+# --- stage 3: vocabulary ------------------------------------------------------------------------
+
+
+def choose_vocab(target: LoadedModel, examples: list[Example], feats: Features, num_vocab: int) -> torch.Tensor:
+    """Token ids of the reduced vocabulary, sorted."""
+    head = target.model.get_output_embeddings()
+    vocab_size = int(head.weight.shape[0])
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    mass = torch.zeros(vocab_size, dtype=torch.float64)
+    with torch.no_grad():
+        for ex, fin in zip(examples, feats.final):
+            answer = ex.ids[ex.start :]
+            counts += torch.bincount(answer, minlength=vocab_size).double()
+            h = fin[ex.start - 1 : len(ex.ids) - 1].to(head.weight.device, head.weight.dtype)
+            mass += torch.softmax(head(h).float(), -1).sum(0).double().cpu()
+    for e in target.eos_ids:
+        if e < vocab_size:
+            counts[e] += 1e9  # always proposable
+    score = counts * 1e6 + mass  # emitted tokens first (by frequency), then by teacher probability
+    k = min(num_vocab, vocab_size)
+    return torch.sort(torch.topk(score, k).indices).values
+
+
+# --- stage 4: training --------------------------------------------------------------------------
+
+
+def _batch(feats: Features, examples: list[Example], idx: list[int], dev: torch.device, dt: torch.dtype):
+    width = max(len(examples[i].ids) for i in idx)
+    hid = feats.trunk[0].shape[-1]
+    trunk = torch.zeros((len(idx), width, hid), dtype=dt)
+    final = torch.zeros((len(idx), width, hid), dtype=dt)
+    nxt = torch.zeros((len(idx), width), dtype=torch.long)  # the target's greedy next token (else the data's)
+    mask = torch.zeros((len(idx), width), dtype=torch.bool)
+    for r, i in enumerate(idx):
+        ex, n = examples[i], len(examples[i].ids)
+        trunk[r, : n - 1] = feats.trunk[i]  # features exist for every position but the last
+        final[r, : n - 1] = feats.final[i]
+        nxt[r, : n - 1] = feats.top1[i] if feats.top1 is not None else ex.ids[1:]
+        mask[r, ex.start - 1 : n - 1] = True  # positions whose next token is an answer token
+    pos = torch.arange(width)[None].expand(len(idx), -1)
+    return trunk.to(dev), final.to(dev), nxt.to(dev), mask.to(dev), pos.to(dev)
+
+
+def _forward(tail: torch.nn.Module, head: draft_model.ReducedHead, trunk, pos, mask) -> torch.Tensor:
+    """Draft logits over the reduced vocabulary at the masked positions: [P, V']."""
+    h = tail(inputs_embeds=trunk, position_ids=pos, use_cache=False).last_hidden_state
+    return head.sub_logits(h[mask])
+
+
+def _teacher_logits(head: draft_model.ReducedHead, final, mask) -> torch.Tensor:
+    with torch.no_grad():
+        return final[mask] @ head.rows.T + head.fixed_bias
+
+
+def kl_loss(draft_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean KL(teacher || draft) over positions, both over the reduced vocabulary."""
+    t_logp = F.log_softmax(teacher_logits.float(), -1)
+    d_logp = F.log_softmax(draft_logits.float(), -1)
+    return (t_logp.exp() * (t_logp - d_logp)).sum(-1).mean()
+
+
+@torch.no_grad()
+def heldout_metrics(draft: torch.nn.Module, feats: Features, examples: list[Example], batch: int = 8) -> dict[str, float]:
+    """On held-out data: teacher-forced top-1 agreement with the target's greedy token (``feats.top1``;
+    without it, the data's next token), the KL, and the share of answer tokens in the reduced vocabulary."""
+    tail, head = draft_model.tail(draft), draft.lm_head
+    dev, dt = head.rows.device, head.rows.dtype
+    agree = total = 0
+    kl_sum = 0.0
+    ids_cpu = head.ids.cpu()
+    for b in range(0, len(examples), batch):
+        idx = list(range(b, min(b + batch, len(examples))))
+        trunk, final, nxt, mask, pos = _batch(feats, examples, idx, dev, dt)
+        logits = _forward(tail, head, trunk, pos, mask)
+        guess = head.ids[logits.argmax(-1)]
+        agree += int((guess == nxt[mask]).sum())
+        total += int(mask.sum())
+        kl_sum += float(kl_loss(logits, _teacher_logits(head, final, mask))) * int(mask.sum())
+    covered = sum(int(torch.isin(ex.ids[ex.start :], ids_cpu).sum()) for ex in examples)
+    return {"agreement": agree / max(total, 1), "kl": kl_sum / max(total, 1), "coverage": covered / max(total, 1)}
+
+
+def _lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def _order(n: int, step: int, batch: int, seed: int) -> list[int]:
+    """The examples of training step ``step``: epochs are seeded permutations."""
+    per_epoch = max(1, n // batch)
+    epoch, k = divmod(step, per_epoch)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(n, generator=g).tolist()
+    return perm[k * batch : (k + 1) * batch] if n >= batch else perm
+
+
+def _save_checkpoint(path: Path, draft, optim, step: int, history: list[dict[str, float]], key: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"key": key, "step": step, "history": history, "optim": optim.state_dict(),
+                "state": {n: p.detach().cpu() for n, p in draft_model.trainable_state(draft).items()}}, tmp)
+    os.replace(tmp, path)
+
+
+def train_draft(
+    target: LoadedModel,
+    train: tuple[list[Example], Features],
+    heldout: tuple[list[Example], Features],
+    vocab_ids: torch.Tensor,
+    cfg: TrainConfig,
+    checkpoint: Path | None = None,
+    progress: ProgressFn = _no_progress,
+) -> TrainResult:
+    """Build a draft for ``target`` and train it; resumes from ``checkpoint`` if it matches ``cfg``."""
+    model = target.model
+    shape = cfg.shape(model.config.num_hidden_layers)
+    if heldout[1].top1 is None:
+        heldout = (heldout[0], with_top1(target, heldout[1]))
+    torch.manual_seed(cfg.seed)
+    draft = draft_model.build(model, shape, vocab_ids)
+    head = draft.lm_head
+    tail = draft_model.tail(draft)
+    tail.train()
+    params = draft_model.trainable_parameters(draft)
+    optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    key = _config_key(cfg, vocab_ids)
+    history: list[dict[str, float]] = []
+    start = 0
+    if checkpoint is not None and checkpoint.is_file():
+        ck = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        if ck.get("key") == key:
+            with torch.no_grad():
+                for n, p in draft_model.trainable_state(draft).items():
+                    p.copy_(ck["state"][n])
+            optim.load_state_dict(ck["optim"])
+            start, history = int(ck["step"]), list(ck["history"])
+    examples, feats = train
+    dev, dt = head.rows.device, head.rows.dtype
+    info = dict(history[-1]) if history else {}
+    progress("training", start, cfg.steps, info)
+    for step in range(start, cfg.steps):
+        idx = _order(len(examples), step, cfg.batch_size, cfg.seed)
+        trunk, final, _, mask, pos = _batch(feats, examples, idx, dev, dt)
+        loss = kl_loss(_forward(tail, head, trunk, pos, mask), _teacher_logits(head, final, mask))
+        for g in optim.param_groups:
+            g["lr"] = _lr_at(step, cfg)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optim.step()
+        info["loss"] = float(loss.detach())
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            tail.eval()
+            m = heldout_metrics(draft, heldout[1], heldout[0])
+            tail.train()
+            info.update({"agreement": m["agreement"], "heldout_kl": m["kl"]})
+            history.append({"step": done, "loss": info["loss"], **m})
+            if checkpoint is not None:
+                _save_checkpoint(checkpoint, draft, optim, done, history, key)
+        progress("training", done, cfg.steps, dict(info))
+    tail.eval()
+    for p in params:
+        p.requires_grad_(False)
+    final_m = heldout_metrics(draft, heldout[1], heldout[0])
+    return TrainResult(draft.eval(), shape, history, final_m["agreement"], final_m["coverage"])
+
+
+def _config_key(cfg: TrainConfig, vocab_ids: torch.Tensor) -> str:
+    d = asdict(cfg)
+    d.pop("eval_every")
+    h = hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode())
+    h.update(vocab_ids.cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# --- the whole pipeline -------------------------------------------------------------------------
+
+
+def work_dir(target: LoadedModel, cfg: TrainConfig, prompts: list[str], heldout: list[str]) -> Path:
+    """Default cache folder for one (target, data settings) pair."""
+    h = hashlib.sha256()
+    h.update(draft_model.shared_hash(target.model, 0).encode())
+    h.update(json.dumps([prompts, heldout, cfg.max_new_tokens, cfg.temperature, cfg.seed]).encode())
+    return cache_dir() / "distill" / h.hexdigest()[:16]
+
+
+def _cached(path: Path, make: Callable[[], Any]) -> Any:
+    if path.is_file():
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        except Exception:  # noqa: BLE001 - a torn file from an interrupted run: rebuild it
+            path.unlink(missing_ok=True)
+    obj = make()
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+    return obj
+
+
+def run(
+    target: LoadedModel,
+    out: Path,
+    cfg: TrainConfig,
+    prompts: list[str] | None = None,
+    heldout: list[str] | None = None,
+    work: Path | None = None,
+    fresh: bool = False,
+    progress: ProgressFn = _no_progress,
+) -> tuple[TrainResult, Path]:
+    """Train a draft for ``target`` and save it in ``out``; every stage is cached in ``work``."""
+    prompts = prompts if prompts is not None else load_prompts()
+    heldout = heldout if heldout is not None else load_prompts(heldout=True)
+    draft_model.check_shape(target.model, cfg.shape(target.model.config.num_hidden_layers))
+    work = Path(work) if work is not None else work_dir(target, cfg, prompts, heldout)
+    work.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        for f in work.glob("*.pt"):
+            f.unlink()
+    t0 = time.perf_counter()
+    def make() -> dict[str, Any]:
+        tr, trf = generate(target, prompt_ids(target, prompts), cfg, progress=progress)
+        he, hef = generate(target, prompt_ids(target, heldout), cfg, progress=progress)
+        return {"train": (tr, trf[cfg.num_shared]), "heldout": (he, hef[cfg.num_shared])}
+
+    data = _cached(work / f"answers-{cfg.num_shared}.pt", make)
+    (train_ex, train_f), (held_ex, held_f) = data["train"], data["heldout"]
+    vocab = choose_vocab(target, train_ex, train_f, cfg.num_vocab)
+    result = train_draft(target, (train_ex, train_f), (held_ex, held_f), vocab, cfg, work / "checkpoint.pt", progress)
+    n_answer = sum(len(e.ids) - e.start for e in train_ex)
+    extra = {
+        "name": Path(out).name,
+        "training": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
+                     "init_from": list(result.shape.init_from), "num_prompts": len(prompts),
+                     "num_answer_tokens": n_answer, "train_s": round(time.perf_counter() - t0, 1)},
+        "heldout": {"num_prompts": len(heldout), "teacher_forced_agreement": round(result.heldout_agreement, 4),
+                    "vocab_coverage": round(result.vocab_coverage, 4)},
+    }
+    draft_model.save(result.draft, Path(out), target.name, target.model, extra)
+    return result, work
+
+
+# --- measuring a draft in real (incremental, cached) decoding ------------------------------------
+
+
+@torch.inference_mode()
+def measure(target: LoadedModel, draft: LoadedModel, prompts: list[str] | list[list[int]], max_new_tokens: int = 128,
+            ks: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
+    """Greedy decoding of each prompt by the target, with the draft fed the same tokens through
+    its own KV cache: top-1 agreement as SD sees it, the greedy SD tokens per target forward
+    implied for each k (``prompts``: texts, or token ids), and the draft / target cost of one cached single-token step, timed
+    back to back in this process (a ratio, robust to a busy machine)."""
+    matches: list[list[bool]] = []
+    t_target = t_draft = 0.0
+    steps = 0
+    for ids in [p if isinstance(p, list) else prompt_ids(target, [p])[0] for p in prompts]:
+        tc, dc = kv.new_cache(target.model), kv.new_cache(draft.model)
+        x = torch.tensor(ids, device=target.device)
+        tl = kv.forward(target.model, x, tc, last_only=True)[-1]
+        dl = kv.forward(draft.model, x, dc, last_only=True)[-1]
+        row = []
+        for _ in range(max_new_tokens):
+            tok = int(tl.argmax())
+            row.append(int(dl.argmax()) == tok)
+            if tok in target.eos_ids:
+                break
+            nxt = torch.tensor([tok], device=target.device)
+            a = time.perf_counter()
+            tl = kv.forward(target.model, nxt, tc)[-1]
+            b = time.perf_counter()
+            dl = kv.forward(draft.model, nxt, dc)[-1]
+            c = time.perf_counter()
+            t_target += b - a
+            t_draft += c - b
+            steps += 1
+        matches.append(row)
+    n = sum(len(r) for r in matches)
+    out: dict[str, Any] = {
+        "num_prompts": len(prompts), "num_tokens": n,
+        "agreement": sum(map(sum, matches)) / max(n, 1),
+        "draft_cost": t_draft / max(t_target, 1e-9),
+        "target_step_ms": 1000 * t_target / max(steps, 1), "draft_step_ms": 1000 * t_draft / max(steps, 1),
+    }
+    for k in ks:
+        tokens = rounds = 0
+        for row in matches:
+            i = 0
+            while i < len(row):
+                a = 0
+                while a < k and i + a < len(row) and row[i + a]:
+                    a += 1
+                tokens += min(a + 1, len(row) - i)
+                i += a + 1
+                rounds += 1
+        out[f"tokens_per_round_k{k}"] = tokens / max(rounds, 1)
+    return out

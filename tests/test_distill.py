@@ -1,0 +1,251 @@
+"""Trained drafts: distillation on a tiny random target, the draft folder format, use in SD."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from conftest import CharTokenizer, as_loaded, tiny_llama
+from ssd_chat.engine import distill, draft_model, drafts, kv
+from ssd_chat.engine.engine import Engine, EngineConfig, default_draft
+from ssd_chat.engine.errors import ModelError, ParamError
+from ssd_chat.engine.events import Done
+from ssd_chat.engine.params import SamplingParams
+
+
+def _target(seed: int = 0):
+    """A 4-layer random Llama whose upper layers matter: a draft made of its first layer
+    plus a copy of its last layer starts far from it (about half agreement)."""
+    m = tiny_llama(seed=seed, layers=4, hidden=32)
+    with torch.no_grad():
+        m.model.embed_tokens.weight.div_(4.0)  # undo the fixture's input sharpening ...
+        m.model.norm.weight.mul_(16.0)  # ... and sharpen the output instead
+        for layer in m.model.layers[1:]:
+            layer.mlp.down_proj.weight.mul_(8.0)
+            layer.self_attn.o_proj.weight.mul_(8.0)
+    return as_loaded(m, CharTokenizer(64), f"tiny-{seed}")
+
+
+CFG = distill.TrainConfig(num_shared=1, init_from=(3,), num_vocab=64, steps=60, batch_size=8, lr=1e-2, warmup=5,
+                          max_new_tokens=16, gen_batch=64, temperature=1.0, eval_every=20, seed=0)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(64) for _ in range(rng.randint(3, 9))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """One tiny end-to-end run (seconds): answers, vocabulary, training."""
+    target = _target()
+    examples, feats = distill.generate(target, _prompts(256), CFG, capture=(1,))
+    feats = feats[1]
+    held = (examples[:32], distill.with_top1(target, distill.Features(feats.trunk[:32], feats.final[:32])))
+    train = (examples[32:], distill.Features(feats.trunk[32:], feats.final[32:]))
+    vocab = distill.choose_vocab(target, train[0], train[1], CFG.num_vocab)
+    before = distill.heldout_metrics(draft_model.build(target.model, CFG.shape(4), vocab), held[1], held[0])
+    result = distill.train_draft(target, train, held, vocab, CFG)
+    return target, result, before, held
+
+
+def test_training_reduces_the_distillation_loss_and_raises_agreement(trained):
+    _, result, before, _ = trained
+    after = result.history[-1]
+    assert [h["step"] for h in result.history] == [20, 40, 60]
+    assert after["kl"] < 0.5 * before["kl"], (before, after)
+    assert after["agreement"] > before["agreement"] + 0.05, (before, after)
+    assert result.heldout_agreement == pytest.approx(after["agreement"])
+
+
+def test_training_is_deterministic_and_resumes_from_its_checkpoint(tmp_path):
+    target = _target()
+    cfg = distill.TrainConfig(**{**{f: getattr(CFG, f) for f in CFG.__slots__}, "steps": 12, "eval_every": 4})
+    examples, feats = distill.generate(target, _prompts(64, seed=1), cfg, capture=(1,))
+    feats = feats[1]
+    held = (examples[:8], distill.Features(feats.trunk[:8], feats.final[:8]))
+    train = (examples[8:], distill.Features(feats.trunk[8:], feats.final[8:]))
+    vocab = distill.choose_vocab(target, *train, cfg.num_vocab)
+    whole = distill.train_draft(target, train, held, vocab, cfg)
+    # stop after 8 steps (the checkpoint is written every 4), then resume to 12
+    ck = tmp_path / "ck.pt"
+    seen: list[int] = []
+
+    def stop_at_8(stage, done, total, info):
+        seen.append(done)
+        if done == 8:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        distill.train_draft(target, train, held, vocab, cfg, ck, stop_at_8)
+    resumed_from: list[int] = []
+    resumed = distill.train_draft(target, train, held, vocab, cfg, ck, lambda s, d, t, i: resumed_from.append(d))
+    assert resumed_from[0] == 8
+    a, b = draft_model.trainable_state(whole.draft), draft_model.trainable_state(resumed.draft)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-12)
+
+
+def test_features_recorded_while_generating_equal_a_teacher_forced_pass():
+    target = _target()
+    examples, feats = distill.generate(target, _prompts(6, seed=3), CFG, capture=(1, 2))
+    for i in (0, 5):
+        ids = examples[i].ids
+        for n in (1, 2):
+            trunk, final = draft_model.trunk_output(target.model, ids[None], n)
+            torch.testing.assert_close(feats[n].trunk[i], trunk[0, :-1].float(), rtol=0, atol=1e-6)
+            torch.testing.assert_close(feats[n].final[i], final[0, :-1].float(), rtol=0, atol=1e-6)
+
+
+def test_training_path_equals_the_cached_inference_path(trained):
+    target, result, _, held = trained
+    draft = result.draft
+    ids = held[0][0].ids
+    vocab = draft.lm_head.ids
+    full = kv.forward(draft, ids, kv.new_cache(draft))  # one prefill
+    cache = kv.new_cache(draft)
+    steps = torch.cat([kv.forward(draft, ids[:5], cache)] + [kv.forward(draft, ids[j : j + 1], cache) for j in range(5, len(ids))])
+    assert len(cache.layers) == 2  # one shared layer + one new layer
+    torch.testing.assert_close(steps, full, rtol=0, atol=1e-9)
+    assert torch.isinf(full).sum(-1).eq(64 - len(vocab)).all()  # -inf outside the reduced vocabulary
+    trunk, _ = draft_model.trunk_output(target.model, ids[None], 1)
+    tail = draft_model.tail(draft)
+    with torch.no_grad():
+        h = tail(inputs_embeds=trunk, position_ids=torch.arange(len(ids))[None], use_cache=False).last_hidden_state
+        sub = draft.lm_head.sub_logits(h[0])
+    torch.testing.assert_close(sub, full[:, vocab], rtol=0, atol=1e-9)
+
+
+def test_save_and_load_round_trip_gives_identical_logits(trained, tmp_path):
+    target, result, _, held = trained
+    draft_model.save(result.draft, tmp_path / "d", target.name, target.model, dtype=torch.float64)
+    manifest = json.loads((tmp_path / "d" / draft_model.MANIFEST).read_text())
+    assert manifest["target"]["name"] == target.name and manifest["num_shared"] == 1 and manifest["init_from"] == [3]
+    assert drafts.is_derived(str(tmp_path / "d"))
+    loaded = drafts.derive(str(tmp_path / "d"), target)
+    ids = held[0][1].ids
+    want = kv.forward(result.draft, ids, kv.new_cache(result.draft))
+    got = kv.forward(loaded.model, ids, kv.new_cache(loaded.model))
+    assert torch.equal(want, got)
+    # the shared trunk is the target's own modules, not a copy
+    assert loaded.model.model.embed_tokens is target.model.model.embed_tokens
+    assert loaded.model.model.layers[0] is target.model.model.layers[0]
+    # the folder holds only the draft's own tensors: no embedding, no shared layer
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(tmp_path / "d" / draft_model.WEIGHTS)))
+    assert names == set(draft_model.trainable_state(result.draft)) | {"vocab_ids"}
+    # the default half-precision save stays close
+    draft_model.save(result.draft, tmp_path / "h", target.name, target.model)
+    half = drafts.derive(str(tmp_path / "h"), target)
+    torch.testing.assert_close(kv.forward(half.model, ids, kv.new_cache(half.model))[:, result.draft.lm_head.ids],
+                               want[:, result.draft.lm_head.ids], rtol=0, atol=0.05)
+
+
+def test_a_draft_refuses_a_target_it_was_not_trained_for(trained, tmp_path):
+    target, result, _, _ = trained
+    draft_model.save(result.draft, tmp_path / "d", target.name, target.model)
+    other = _target(seed=1)
+    with pytest.raises(ModelError, match="was trained for target 'tiny-0' and does not fit 'tiny-1'"):
+        drafts.derive(str(tmp_path / "d"), other)
+    # one changed weight in a shared layer is enough
+    changed = _target()
+    with torch.no_grad():
+        changed.model.model.layers[0].mlp.up_proj.weight[0, 0] += 1.0
+    with pytest.raises(ModelError, match="does not fit"):
+        drafts.derive(str(tmp_path / "d"), changed)
+    # ... but a change above the shared layers is not (the draft never reads them)
+    above = _target()
+    with torch.no_grad():
+        above.model.model.layers[2].mlp.up_proj.weight[0, 0] += 1.0
+    drafts.derive(str(tmp_path / "d"), above)
+
+
+def test_a_broken_draft_folder_is_a_clear_error(tmp_path):
+    (tmp_path / draft_model.MANIFEST).write_text("{not json")
+    with pytest.raises(ModelError, match="not a readable ssd-chat draft"):
+        drafts.derive(str(tmp_path), _target())
+    (tmp_path / draft_model.MANIFEST).write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(ModelError, match="not an ssd-chat draft manifest"):
+        drafts.derive(str(tmp_path), _target())
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_sd_with_the_trained_draft_equals_ar(trained, tmp_path, k):
+    target, result, _, _ = trained
+    draft_model.save(result.draft, tmp_path / "d", target.name, target.model)
+    draft = drafts.derive(str(tmp_path / "d"), target)
+    params = SamplingParams(max_new_tokens=40)
+    for prompt in _prompts(3, seed=9):
+        out = {}
+        for mode in ("ar", "sd"):
+            engine = Engine(EngineConfig(mode=mode, k=k), target, draft)
+            done = [e for e in engine.stream(prompt, params) if isinstance(e, Done)]
+            out[mode] = done[0].token_ids
+        assert len(out["ar"]) == 40
+        assert out["sd"] == out["ar"]
+
+
+def test_measure_counts_agreement_and_tokens_per_round():
+    target = _target()
+    same = as_loaded(target.model, target.tokenizer, "copy")  # the target itself: every token agrees
+    stats = distill.measure(target, same, [[0, 1, 2], [7, 4, 11, 11, 14]], max_new_tokens=12, ks=(2, 4))
+    assert stats["agreement"] == 1.0 and stats["num_tokens"] == 24
+    assert stats["tokens_per_round_k2"] == pytest.approx(24 / 8)  # rounds of 3 tokens per 12-token reply
+    assert stats["tokens_per_round_k4"] == pytest.approx(24 / 6)  # 5 + 5 + 2
+
+
+def test_bad_shapes_and_prompt_files_are_clear_errors(tmp_path):
+    target = _target()
+    with pytest.raises(ModelError, match="the target has 4 layers"):
+        draft_model.check_shape(target.model, draft_model.DraftShape(4, (3,)))
+    with pytest.raises(ModelError, match="layers 0-3"):
+        draft_model.check_shape(target.model, draft_model.DraftShape(1, (7,)))
+    with pytest.raises(ParamError, match="--vocab"):
+        distill.TrainConfig(num_vocab=1)
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "hi"}\nnot json\n')
+    with pytest.raises(ParamError, match="p.jsonl:2"):
+        distill.load_prompts(bad)
+    with pytest.raises(ParamError, match="cannot read prompt file"):
+        distill.load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_packaged_prompt_sets_are_disjoint():
+    train, held = distill.load_prompts(), distill.load_prompts(heldout=True)
+    assert len(train) >= 300 and len(held) >= 30
+    assert not set(train) & set(held)
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from ssd_chat.cli import app
+
+    r = CliRunner().invoke(app, ["draft", "train", "--out", str(tmp_path / "d"), "--prompts", str(tmp_path / "none.jsonl")])
+    assert r.exit_code == 2
+    assert r.stderr.strip().startswith("ssd-chat: error: cannot read prompt file") and "Traceback" not in r.output
+    r = CliRunner().invoke(app, ["draft", "train", "--out", str(tmp_path / "d"), "--init-from", "x"])
+    assert r.exit_code == 2 and "--init-from" in r.stderr
+
+
+# --- the shipped draft for the packaged target ----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_shipped_draft_is_the_default_and_decodes_exactly(smollm2):
+    name = default_draft(smollm2.name)
+    assert draft_model.is_draft_dir(name), name
+    draft = drafts.derive(name, smollm2)
+    stats = distill.measure(smollm2, draft, distill.load_prompts(heldout=True)[:4], max_new_tokens=48)
+    assert stats["agreement"] >= 0.5, stats
+    prompt = distill.prompt_ids(smollm2, ["Write a haiku about snow."])[0]
+    params = SamplingParams(max_new_tokens=32)
+    out = {}
+    for mode in ("ar", "sd"):
+        engine = Engine(EngineConfig(mode=mode, k=3), smollm2, draft)
+        out[mode] = [e for e in engine.stream(prompt, params) if isinstance(e, Done)][0].token_ids
+    assert out["sd"] == out["ar"]
