@@ -1,0 +1,59 @@
+"""Open the chat app from resolved settings (``ssd-chat`` with no subcommand, and ``ssd-chat demo``).
+
+Kept apart from ``cli.py`` so the CLI imports Textual and torch only when the app opens.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+
+def open_history(values: dict[str, Any]):
+    from .history import History, default_db_path
+
+    return History(Path(values.get("db") or default_db_path()))
+
+
+def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str] = (), type_delay_s: float = 0.03) -> int:
+    """Run the app until the user quits; returns the exit status (0, or 1 when loading failed).
+
+    ``values`` are resolved settings (:func:`ssd_chat.config.resolve`) plus the pass-through
+    options ``record`` (JSONL path), ``resume`` (chat id) and ``db``.
+    """
+    from .recorder import Recorder, RecordingError
+    from .tui.backend import EngineBackend, quiet_libraries
+
+    quiet_libraries()
+    recorder = None
+    if values.get("record"):
+        try:
+            info = {k: values.get(k) for k in ("mode", "target", "draft", "k", "fan_out", "target_device", "draft_device")}
+            recorder = Recorder(values["record"], info)
+        except RecordingError as e:
+            sys.stderr.write(f"ssd-chat: error: {e}\n")
+            return 1
+    from .tui.app import ChatApp
+
+    app = ChatApp(
+        backend if backend is not None else EngineBackend(values),
+        settings=values,
+        history=open_history(values),
+        recorder=recorder,
+        resume=values.get("resume"),
+        script=script,
+        type_delay_s=type_delay_s,
+    )
+    try:
+        result = app.run()
+    finally:
+        if recorder is not None:
+            recorder.close()
+    if app.history.warning:
+        sys.stderr.write(f"ssd-chat: warning: {app.history.warning}\n")
+    if app.load_error:
+        sys.stderr.write(f"ssd-chat: error: {app.load_error}\n")
+        return 1
+    return int(result or 0)

