@@ -23,6 +23,75 @@ def demo_prompts() -> list[str]:
     return [f.read_text(encoding="utf-8").strip() for f in files if f.read_text(encoding="utf-8").strip()]
 
 
+def run_headless(values: dict, prompts: list[str]) -> int:
+    """The scripted session on the real engine without the app; ``values["record"]`` gets the event log."""
+    import threading
+
+    from . import cli
+    from .engine.errors import SSDChatError
+    from .engine.events import Done, Error, Round, Token
+    from .recorder import Recorder, RecordingError
+    from .session import Session
+    from .tui.backend import EngineBackend
+    from .tui.widgets.settings_dialog import parse_settings
+
+    try:
+        params = cli.sampling_params(values)
+        backend = EngineBackend(values)
+        backend.engine = cli.load_engine(values)
+    except SSDChatError as e:
+        raise _fail(str(e)) from None
+    rec = None
+    try:
+        if values.get("record"):
+            rec = Recorder(values["record"], backend.info())
+        session = Session(backend.engine, system=values.get("system"))
+        seen: set[int] = set()
+        for p in prompts:
+            if p.startswith("/"):
+                name, _, arg = p[1:].partition(" ")
+                key = {"mode": "mode", "k": "k", "fan-out": "fan_out", "temp": "temperature", "max": "max_new_tokens"}.get(name)
+                if key is None:
+                    raise _fail(f"unknown demo command {p!r}")
+                change = parse_settings({key: arg.strip()})
+                if key in ("mode", "k", "fan_out"):
+                    backend.reconfigure(**change)
+                else:
+                    from dataclasses import replace
+
+                    params = replace(params, **change)
+                typer.echo(f"[{p}]", err=True)
+                continue
+            typer.echo(f"\n> {p}")
+            if rec is not None:
+                rec.turn(p, values.get("system"), {**backend.info(), "temperature": params.temperature})
+            streamed = ""
+            for ev in session.stream(p, params, threading.Event()):
+                if rec is not None:
+                    rec.event(ev)
+                if isinstance(ev, Token):
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+                    streamed += ev.text
+                elif isinstance(ev, Round):
+                    seen.update(c for _, cands in (ev.predicted or ()) for c in cands)
+                elif isinstance(ev, Done):
+                    sys.stdout.write(ev.text[len(streamed):] + "\n")
+                    typer.echo(cli.format_stats(ev.stats), err=True)
+                elif isinstance(ev, Error):
+                    raise _fail(ev.message)
+        if rec is not None:
+            rec.vocab({i: t for i in sorted(seen) if (t := backend.token_text(i)) is not None})
+            typer.echo(f"recorded to {values['record']}", err=True)
+    except (SSDChatError, RecordingError, ValueError) as e:
+        raise _fail(str(e)) from None
+    finally:
+        if rec is not None:
+            rec.close()
+        backend.close()
+    return 0
+
+
 def register(app: typer.Typer) -> None:
     """Add ``demo``, ``config`` and ``chats`` to the ``ssd-chat`` app."""
     from . import cli
@@ -36,6 +105,7 @@ def register(app: typer.Typer) -> None:
         speed: Annotated[float, typer.Option("--speed", help="Replay speed: 2 = twice as fast as recorded.")] = 1.0,
         record: Annotated[Optional[Path], typer.Option("--record", help="Also write this session's events to a JSONL file.", show_default=False)] = None,
         type_delay: Annotated[float, typer.Option("--type-delay", help="Seconds per typed character of the scripted prompts.")] = 0.03,
+        headless: Annotated[bool, typer.Option("--headless", help="Run the scripted session without the app (prints the replies; with --record, makes a replayable recording).")] = False,
         target: Target = None, draft: Draft = None, mode: Mode = None, k: K = None,
         temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
         max_new_tokens: MaxNew = None, target_device: TargetDevice = None, draft_device: DraftDevice = None,
@@ -48,7 +118,7 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter("must be > 0", param_hint="--speed")
         if type_delay < 0:
             raise typer.BadParameter("must be >= 0", param_hint="--type-delay")
-        local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "replay", "speed", "type_delay")}
+        local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "replay", "speed", "type_delay", "headless")}
         merged = cli._merge(ctx, local)
         from .tui_launch import launch
 
@@ -72,6 +142,8 @@ def register(app: typer.Typer) -> None:
             values = cli.settings(merged)
         except ConfigError as e:
             raise _fail(str(e)) from None
+        if headless:
+            raise typer.Exit(run_headless(values, demo_prompts()))
         raise typer.Exit(launch(values, script=demo_prompts(), type_delay_s=type_delay))
 
     # -- config --------------------------------------------------------------------------

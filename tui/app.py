@@ -150,33 +150,35 @@ class ChatApp(App[int]):
 
     # -- layout --------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
+        self._chat, self._panel = ChatLog(id="chat"), MetricsPanel(id="panel")
+        self._cache, self._prompt = CacheView(id="cache"), PromptInput(id="prompt")
         yield Header(show_clock=False)
         with Vertical(id="main"):
             yield LoadStatus(id="load")
-            yield ChatLog(id="chat")
-            yield PromptInput(id="prompt")
+            yield self._chat
+            yield self._prompt
         with Vertical(id="side"):
             yield Static("Speculation", classes="side-title")
-            yield MetricsPanel(id="panel")
+            yield self._panel
             yield Static("Speculation cache (latest rounds)", classes="side-title")
-            yield CacheView(id="cache")
+            yield self._cache
         yield Footer()
 
     @property
     def chat(self) -> ChatLog:
-        return self.query_one("#chat", ChatLog)
+        return self._chat
 
     @property
     def panel(self) -> MetricsPanel:
-        return self.query_one("#panel", MetricsPanel)
+        return self._panel
 
     @property
     def cache(self) -> CacheView:
-        return self.query_one("#cache", CacheView)
+        return self._cache
 
     @property
     def prompt(self) -> PromptInput:
-        return self.query_one("#prompt", PromptInput)
+        return self._prompt
 
     async def on_mount(self) -> None:
         self.sub_title = "loading…"

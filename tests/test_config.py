@@ -1,0 +1,99 @@
+"""Settings precedence (CLI > env > file > default), their sources, and readable errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from ssd_chat import config
+from ssd_chat.cli import app
+
+
+def write(tmp_path, text: str):
+    d = tmp_path / "cfg"
+    d.mkdir(exist_ok=True)
+    (d / "config.toml").write_text(text)
+    return d
+
+
+def test_precedence_cli_env_file_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(write(tmp_path, 'mode = "sd"\nk = 5\ntemperature = 0.5\nmax-new-tokens = 64\n')))
+    monkeypatch.setenv("SSD_CHAT_K", "7")
+    monkeypatch.setenv("SSD_CHAT_TEMPERATURE", "0.9")
+    values, sources = config.resolve({"temperature": 0.1, "mode": None, "record": "x.jsonl"})
+    assert (values["temperature"], sources["temperature"]) == (0.1, "cli")
+    assert (values["k"], sources["k"]) == (7, "env")
+    assert (values["mode"], sources["mode"]) == ("sd", "file")
+    assert (values["max_new_tokens"], sources["max_new_tokens"]) == (64, "file")
+    assert (values["target"], sources["target"]) == ("smollm2-135m-gguf", "default")
+    assert values["record"] == "x.jsonl"  # non-settings pass through
+    assert config.describe_source("k", "env") == "env SSD_CHAT_K"
+
+
+def test_xdg_location(tmp_path, monkeypatch):
+    monkeypatch.delenv("SSD_CHAT_CONFIG_DIR")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    assert config.config_file() == tmp_path / "ssd-chat" / "config.toml"
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("k = 'many'\n", "'k' must be an integer"),
+    ("colour_tokens = 3\n", "true or false"),
+    ("bogus = 1\n", "unknown setting 'bogus'"),
+    ("k = \n", "cannot read config file"),
+])
+def test_bad_file_values_are_named(tmp_path, monkeypatch, text, needle):
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(write(tmp_path, text)))
+    with pytest.raises(config.ConfigError) as e:
+        config.resolve({})
+    assert needle in str(e.value)
+
+
+def test_bad_env_value_is_named(monkeypatch):
+    monkeypatch.setenv("SSD_CHAT_MAX_NEW_TOKENS", "lots")
+    with pytest.raises(config.ConfigError, match="SSD_CHAT_MAX_NEW_TOKENS.*must be an integer"):
+        config.resolve({})
+
+
+def test_set_and_unset_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(tmp_path / "c"))
+    config.set_value("mode", "ssd")
+    config.set_value("temperature", "0.7")
+    config.set_value("system", 'say "hi"\nplease')
+    assert config.read_file() == {"mode": "ssd", "temperature": 0.7, "system": 'say "hi"\nplease'}
+    config.set_value("mode", None)
+    assert "mode" not in config.read_file()
+    with pytest.raises(config.ConfigError, match="unknown setting"):
+        config.set_value("nope", "1")
+
+
+def test_config_command_shows_values_and_sources(tmp_path, monkeypatch):
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(write(tmp_path, "k = 3\n")))
+    monkeypatch.setenv("SSD_CHAT_MODE", "sd")
+    r = CliRunner().invoke(app, ["--temperature", "0.2", "config", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["temperature"] == {"value": 0.2, "source": "cli"}
+    assert data["mode"] == {"value": "sd", "source": "env"}
+    assert data["k"] == {"value": 3, "source": "file"}
+    assert data["top_p"]["source"] == "default"
+    table = CliRunner().invoke(app, ["config"])
+    assert "env SSD_CHAT_MODE" in table.stdout and "file " in table.stdout
+
+
+def test_config_command_bad_file_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(write(tmp_path, "k = 'x'\n")))
+    r = CliRunner().invoke(app, ["config"])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert "'k' must be an integer" in r.stderr
+
+
+def test_config_set_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(tmp_path / "c"))
+    r = CliRunner().invoke(app, ["config", "set", "max-new-tokens", "99"])
+    assert r.exit_code == 0, r.output
+    assert config.read_file()["max_new_tokens"] == 99
+    r = CliRunner().invoke(app, ["config", "set", "k", "abc"])
+    assert r.exit_code == 1 and "must be an integer" in r.stderr

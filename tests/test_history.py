@@ -1,0 +1,121 @@
+"""Chat history: migrations, save/resume/delete/export, and a damaged database never stopping the chat."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+from ssd_chat.engine.events import Stats
+from ssd_chat.history import MIGRATIONS, History, data_dir, default_db_path, migrate
+
+
+def stats(**kw) -> Stats:
+    base = dict(mode="ssd", new_tokens=10, rounds=4, elapsed_s=1.0, prefill_s=0.1, ttft_s=0.2, tok_per_s=12.5,
+                acceptance_rate=0.5, mean_accepted_length=2.5, cache_hit_rate=0.75)
+    base.update(kw)
+    return Stats(**base)
+
+
+def test_location_follows_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("SSD_CHAT_DATA_DIR", str(tmp_path / "d"))
+    assert default_db_path() == tmp_path / "d" / "history.db"
+    monkeypatch.delenv("SSD_CHAT_DATA_DIR")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "x"))
+    assert data_dir() == tmp_path / "x" / "ssd-chat"
+
+
+def test_migrations_run_once_in_order_and_upgrade_an_old_db(tmp_path):
+    path = tmp_path / "h.db"
+    db = sqlite3.connect(path)
+    MIGRATIONS[0](db)  # a database from the first version
+    db.execute("PRAGMA user_version = 1")
+    db.execute("INSERT INTO conversations(title, system, created_at, updated_at) VALUES ('old', NULL, 1, 1)")
+    db.execute("INSERT INTO messages(conversation_id, role, content, created_at) VALUES (1, 'user', 'hi', 1)")
+    db.commit()
+    db.close()
+    h = History(path)
+    assert h.warning is None
+    assert h.db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
+    assert [(m.role, m.content, m.status) for m in h.messages(1)] == [("user", "hi", "done")]
+    assert migrate(h.db) == len(MIGRATIONS)  # idempotent
+    h.close()
+
+
+def test_save_resume_metrics_delete(tmp_path):
+    h = History(tmp_path / "h.db")
+    cid = h.new_conversation("", "be nice")
+    h.add_message(cid, "user", "What is  a\nhash table?")
+    mid = h.add_message(cid, "assistant", "", status="streaming")
+    h.update_message(mid, "A map", "streaming")
+    h.update_message(mid, "A map from keys", "stopped")
+    h.save_metrics(mid, stats(), "smollm2", "int8")
+    h.close()
+    h = History(tmp_path / "h.db")
+    [conv] = h.list_conversations()
+    assert conv.title == "What is a hash table?" and conv.system == "be nice" and conv.num_messages == 2
+    msgs = h.messages(cid)
+    assert msgs[1].content == "A map from keys" and msgs[1].status == "stopped"
+    assert msgs[1].metrics["mean_accepted_length"] == 2.5 and msgs[1].metrics["target"] == "smollm2"
+    assert h.delete_conversation(cid) and not h.delete_conversation(cid)
+    assert h.list_conversations() == []
+    assert h.db.execute("SELECT count(*) FROM messages").fetchone()[0] == 0  # cascaded
+
+
+def test_export_markdown_and_jsonl(tmp_path):
+    h = History(tmp_path / "h.db")
+    cid = h.new_conversation("q", "sys")
+    h.add_message(cid, "user", "q")
+    mid = h.add_message(cid, "assistant", "**answer**")
+    h.save_metrics(mid, stats())
+    md = h.export_markdown(cid)
+    assert "## You" in md and "**answer**" in md and "**System:** sys" in md
+    assert "τ 2.50" in md and "cache hits 75%" in md
+    rows = [json.loads(line) for line in h.export_jsonl(cid).splitlines()]
+    assert rows[0]["type"] == "conversation" and rows[2]["metrics"]["cache_hit_rate"] == 0.75
+    try:
+        h.export_markdown(999)
+    except KeyError as e:
+        assert "999" in str(e)
+    else:
+        raise AssertionError("expected KeyError")
+
+
+def test_corrupt_file_gives_warning_and_memory_store(tmp_path):
+    bad = tmp_path / "h.db"
+    bad.write_bytes(b"garbage" * 1000)
+    h = History(bad)
+    assert h.warning and "corrupt" in h.warning and "in memory" in h.warning and str(bad) in h.warning
+    cid = h.new_conversation("x")
+    h.add_message(cid, "user", "still works")
+    assert h.messages(cid)[0].content == "still works"
+    assert bad.read_bytes() == b"garbage" * 1000
+
+
+def test_locked_db_gives_warning(tmp_path):
+    path = tmp_path / "h.db"
+    History(path).close()
+    other = sqlite3.connect(path)
+    other.execute("PRAGMA locking_mode = EXCLUSIVE")
+    other.execute("BEGIN EXCLUSIVE")
+    h = History(path, timeout_s=0.1)
+    assert h.warning and "locked" in h.warning
+    assert h.new_conversation("works in memory") is not None
+    other.rollback()
+    other.close()
+
+
+def test_write_failure_later_degrades_to_memory(tmp_path):
+    path = tmp_path / "h.db"
+    h = History(path)
+    cid = h.new_conversation("a")
+    h.db.execute("DROP TABLE messages")  # simulate a damaged file under our feet
+    assert h.add_message(cid, "user", "x") is None
+    assert h.warning and "could not write" in h.warning
+    cid2 = h.new_conversation("b")
+    assert h.add_message(cid2, "user", "kept") is not None
+
+
+def test_unwritable_location(tmp_path):
+    (tmp_path / "file").write_text("")
+    h = History(tmp_path / "file" / "h.db")  # parent is a file
+    assert h.warning and "in memory" in h.warning

@@ -1,0 +1,116 @@
+"""Event logs: write, read back the same events, replay at recorded timing, and play in the app."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ssd_chat.cli import app as cli_app
+from ssd_chat.engine.events import Done, Round, Token
+from ssd_chat.recorder import Recorder, RecordingError, read, replay
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_tui import AssistantMessage, UserMessage, plain, ssd_events, wait_until  # noqa: E402
+
+WORDS = ["Speculative", " decoding", " drafts", " tokens", " and", " verifies", " them", "."]
+
+
+def make_recording(path: Path, turns: list[tuple[str, list]]) -> None:
+    with Recorder(path, {"mode": "ssd", "target": "t", "draft": "d", "k": 3}) as rec:
+        for prompt, events in turns:
+            rec.turn(prompt, None, {"mode": "ssd", "k": 3})
+            for ev in events:
+                rec.event(ev)
+        rec.vocab({900: "x", 950: "zz"})
+
+
+def test_round_trip_gives_the_same_events(tmp_path):
+    e1, e2 = ssd_events(WORDS, hits=[True, False]), ssd_events(["Yes", "."])
+    make_recording(tmp_path / "r.jsonl", [("first", e1), ("second", e2)])
+    rec = read(tmp_path / "r.jsonl")
+    assert [t.prompt for t in rec.turns] == ["first", "second"]
+    assert rec.turns[0].events == e1 and rec.turns[1].events == e2
+    assert rec.info["mode"] == "ssd" and rec.info["vocab"] == {900: "x", 950: "zz"}
+    lines = (tmp_path / "r.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["format"] == "ssd-chat-events"
+    assert all("turn" in json.loads(line) for line in lines[2:-1])
+
+
+def test_replay_keeps_recorded_timing_scaled_by_speed():
+    events = [Token(1, "a", "target", 0.0), Token(2, "b", "target", 0.3), Token(3, "c", "target", 0.6)]
+    events.append(Done("length", "abc", (1, 2, 3), ssd_events(["x"])[-1].stats))
+    now = [0.0]
+    slept: list[float] = []
+
+    class FakeStop(threading.Event):
+        def wait(self, timeout=None):
+            slept.append(round(timeout, 6))
+            now[0] += timeout
+            return False
+
+    out = list(replay(events, speed=2.0, stop=FakeStop(), clock=lambda: now[0]))
+    assert out == events
+    assert slept == [0.15, 0.15]  # 0.3 s apart at speed 2
+
+
+def test_replay_stops_with_a_cancelled_done():
+    events = [Token(1, "a", "target", 0.0), Token(2, "b", "target", 5.0), Done("eos", "ab", (1, 2), ssd_events(["x"])[-1].stats)]
+    stop = threading.Event()
+    threading.Timer(0.05, stop.set).start()
+    t0 = time.monotonic()
+    out = list(replay(events, 1.0, stop))
+    assert time.monotonic() - t0 < 4
+    assert out[0] == events[0] and isinstance(out[-1], Done) and out[-1].reason == "cancelled" and out[-1].text == "a"
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("", "empty or not an ssd-chat event log"),
+    ('{"type": "Header", "format": "other"}\n', "not an ssd-chat event log"),
+    ('{"type": "Header", "format": "ssd-chat-events", "version": 1}\nnot json\n', "line 2"),
+    ('{"type": "Header", "format": "ssd-chat-events", "version": 1}\n{"type": "Nope"}\n', "line 2"),
+    ('{"type": "Token", "id": 1, "text": "a"}\n', "before the header"),
+])
+def test_bad_files_are_reported_with_their_line(tmp_path, content, needle):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(content)
+    with pytest.raises(RecordingError, match=needle):
+        read(p)
+    with pytest.raises(RecordingError, match="no recording"):
+        read(tmp_path / "missing.jsonl")
+
+
+def test_demo_replay_of_a_bad_file_is_one_line(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text("{}")
+    r = CliRunner().invoke(cli_app, ["demo", "--replay", str(p)])
+    assert r.exit_code == 1 and "Traceback" not in r.output and "line 1" in r.stderr
+    r = CliRunner().invoke(cli_app, ["demo", "--replay", str(p), "--speed", "0"])
+    assert r.exit_code == 2
+
+
+@pytest.mark.asyncio
+async def test_replay_in_the_app_types_prompts_and_shows_recorded_rounds(tmp_path):
+    from ssd_chat.tui.app import ChatApp
+    from ssd_chat.tui.backend import ReplayBackend
+
+    e1, e2 = ssd_events(WORDS, hits=[True, False]), ssd_events(["Fine", "."], hits=[False])
+    make_recording(tmp_path / "r.jsonl", [("first question", e1), ("second", e2)])
+    backend = ReplayBackend(read(tmp_path / "r.jsonl"), speed=50.0)
+    app = ChatApp(backend, type_delay_s=0.0)
+    async with app.run_test(size=(150, 45)) as pilot:
+        await wait_until(pilot, lambda: len(app.messages) == 4 and app.current.finished, timeout=20)
+        assert [u.text for u in app.query(UserMessage)] == ["first question", "second"]
+        assert [m.text for m in app.query(AssistantMessage)] == ["".join(WORDS), "Fine."]
+        assert app.panel.stats == e2[-1].stats
+        assert "(replay)" in plain(app.panel.query_one("#setup"))
+        rounds = [e for e in e1 + e2 if isinstance(e, Round)]
+        assert [r.index for r in app.cache.rows][-3:] == [r.index for r in rounds][-3:]
+        # candidate ids are named from the recording's vocabulary
+        miss = next(r for r in app.cache.rows if r.hit is False)
+        assert "zz" in str(app.cache.predicted_cell(miss))
