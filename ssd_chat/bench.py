@@ -610,7 +610,7 @@ def make_bench_command() -> Callable[..., None]:
     ) -> None:
         """Race AR, SD and SSD on the same prompts, models and hardware; report tok/s, TTFT, acceptance and ratios.
 
-        Exit status: 0 on success, 2 on bad usage, 1 on a failure or when a greedy SD/SSD reply differs from AR's.
+        Exit status: 0 on success, 2 on bad usage, 1 on a failure, 3 when a greedy SD/SSD reply differs from AR's.
         """
         from rich.console import Console
 
@@ -696,7 +696,7 @@ def make_bench_command() -> Callable[..., None]:
             err.print("[bold red]ssd-chat: error: greedy SD/SSD output differs from AR (see GREEDY MISMATCH above)[/]")
         if failed:
             err.print(f"[bold red]ssd-chat: error: {failed} run(s) failed (see the JSON for the messages)[/]")
-        raise typer.Exit(1 if mismatched or failed else 0)
+        raise typer.Exit(1 if failed else 3 if mismatched else 0)
 
     return bench_command
 
