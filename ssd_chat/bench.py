@@ -486,6 +486,15 @@ def machine_info(hw: Hardware) -> dict[str, Any]:
             "platform": platform.platform(), "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
 
+def busy_note(machine: dict[str, Any], hw: Hardware) -> str | None:
+    """A warning when other work is running: timings on a busy CPU are noise."""
+    load = (machine.get("loadavg_start") or [0.0])[0]
+    if hw.num_gpus == 0 and load > 0.5 * len(hw.cpu_cores):
+        return (f"the machine is busy (load average {load:.1f} on {len(hw.cpu_cores)} cores before the run): "
+                "other processes compete for the cores this benchmark pins, so its timings are noisy")
+    return None
+
+
 def build_report(result: BenchRun, plans: list[Plan], settings: BenchSettings, prompts: list[BenchPrompt],
                  prompt_source: str, models: dict[str, Any], base: dict[str, Any], machine: dict[str, Any],
                  notes: list[str], decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
@@ -662,6 +671,10 @@ def make_bench_command() -> Callable[..., None]:
         try:
             cli.quiet_libraries()
             machine = machine_info(hw)  # before the run: its load average says how quiet the machine was
+            busy = busy_note(machine, hw)
+            if busy:
+                notes.append(busy)
+                err.print(f"[yellow]note[/]: {busy}")
             pool = ModelPool(values, plans, progress=None if quiet else (lambda s: err.print(f"[dim]{s}…[/]")))
             base_cfg = pool.base_config
             result = run_bench(base_cfg, pool.models_for, prompt_list, plans, settings,

@@ -386,6 +386,13 @@ def test_bound_targets_and_paired_ratios_by_hand():
     assert "targets" not in br.summarize_protocol("equal", runs, True, {})
 
 
+def test_busy_machine_note():
+    from ssd_chat.bench import busy_note
+
+    assert busy_note({"loadavg_start": [3.0, 2.0, 1.0]}, TWO_CORES).startswith("the machine is busy (load average 3.0 on 2 cores")
+    assert busy_note({"loadavg_start": [0.4, 2.0, 1.0]}, TWO_CORES) is None
+
+
 def test_first_divergence():
     assert br.first_divergence((1, 2, 3), (1, 2, 3)) is None
     assert br.first_divergence((1, 2, 3), (1, 5, 3)) == 1
