@@ -65,8 +65,10 @@ def _read_jsonl(text: str, source: str, default_family: str) -> list[BenchPrompt
             obj = {"prompt": obj}
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
             raise BenchError(f"{source} line {n}: expected an object with a non-empty \"prompt\" string (or a JSON string)")
-        out.append(BenchPrompt(str(obj.get("id") or f"{default_family}-{len(out) + 1:02d}"),
-                               str(obj.get("family") or default_family), obj["prompt"]))
+        pid = str(obj.get("id") or f"{default_family}-{len(out) + 1:02d}")
+        if any(p.id == pid for p in out):  # ids key the comparison with AR: keep them unique
+            pid = f"{pid}-line{n}"
+        out.append(BenchPrompt(pid, str(obj.get("family") or default_family), obj["prompt"]))
     return out
 
 

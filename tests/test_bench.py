@@ -50,6 +50,9 @@ def test_prompt_files(tmp_path):
     ps, source = load_prompts(str(f))
     assert [(p.text, p.family) for p in ps] == [("one", "x"), ("two", "mine"), ("three", "mine")]
     assert ps[2].id == "p3" and source == str(f)
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"id": "a", "prompt": "one"}\n{"id": "a", "prompt": "two"}\n')
+    assert len({p.id for p in load_prompts(str(dup))[0]}) == 2
     t = tmp_path / "lines.txt"
     t.write_text("a question\n\nanother\n")
     assert [p.text for p in load_prompts(str(t), limit=1)[0]] == ["a question"]
