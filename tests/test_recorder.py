@@ -112,5 +112,47 @@ async def test_replay_in_the_app_types_prompts_and_shows_recorded_rounds(tmp_pat
         rounds = [e for e in e1 + e2 if isinstance(e, Round)]
         assert [r.index for r in app.cache.rows][-3:] == [r.index for r in rounds][-3:]
         # candidate ids are named from the recording's vocabulary
-        miss = next(r for r in app.cache.rows if r.hit is False)
+        miss = next(r for r in app.cache.rows if r.hit is False and r.predicted)
         assert "zz" in str(app.cache.predicted_cell(miss))
+
+
+def shipped() -> list[Path]:
+    import ssd_chat.assets
+
+    return sorted((Path(ssd_chat.assets.__file__).parent / "recordings").glob("*.jsonl"))
+
+
+def test_shipped_recordings_are_real_ssd_runs_with_hits_and_misses():
+    assert shipped(), "no recorded session in assets/recordings"
+    ssd_files = 0
+    for path in shipped():
+        rec = read(path)
+        events = [e for t in rec.turns for e in t.events]
+        rounds = [e for e in events if isinstance(e, Round)]
+        done = [e for e in events if isinstance(e, Done)]
+        assert len(done) == len(rec.turns) and all(d.text for d in done)
+        if rec.info.get("mode") == "ssd":
+            ssd_files += 1
+            assert {r.cache_hit for r in rounds if r.cache_hit is not None} == {True, False}
+            assert any(r.predicted for r in rounds)
+        # Token texts are a prefix of each Done's text (Done.text is authoritative)
+        for t in rec.turns:
+            streamed = "".join(e.text for e in t.events if isinstance(e, Token))
+            assert [e for e in t.events if isinstance(e, Done)][0].text.startswith(streamed)
+    assert ssd_files >= 1
+
+
+@pytest.mark.asyncio
+async def test_shipped_recording_plays_in_the_app():
+    from ssd_chat.tui.app import ChatApp
+    from ssd_chat.tui.backend import ReplayBackend
+
+    path = next(p for p in shipped() if read(p).info.get("mode") == "ssd")
+    rec = read(path)
+    app = ChatApp(ReplayBackend(rec, speed=1000.0), type_delay_s=0.0)
+    replies = [t for t in rec.turns if t.events]
+    async with app.run_test(size=(150, 45)) as pilot:
+        await wait_until(pilot, lambda: len(app.messages) == 2 * len(replies) and app.current.finished, timeout=60)
+        shown = [m.text for m in app.query(AssistantMessage)]
+        assert shown == [[e for e in t.events if isinstance(e, Done)][0].text for t in replies]
+        assert any(r.hit for r in app.cache.rows) or any(r.hit is False for r in app.cache.rows)

@@ -32,29 +32,35 @@ def plain(static) -> str:
 
 # -- scripted streams -------------------------------------------------------------------------
 def ssd_events(words: list[str], k: int = 3, hits: list[bool] | None = None, dt: float = 0.001) -> list[Event]:
-    """An SSD-shaped stream: rounds of up to k accepted draft tokens + one bonus token.
+    """An SSD-shaped stream with the engine's semantics: rounds of up to k accepted draft tokens + a bonus.
 
-    Round i accepts ``i % (k + 1)`` drafts; ``hits[i]`` says whether the outcome was cached.
+    Round i accepts ``i % (k + 1)`` drafts.  Round i's ``predicted`` is what the speculator cached
+    while round i-1 was verified; ``hits[i]`` says whether round i-1's (accepted, bonus) was in it.
+    The first round has nothing cached (a miss served by the fallback).
     """
     events: list[Event] = []
     metrics = Metrics("ssd")
     ids = list(range(100, 100 + len(words)))
     pos, r, t = 0, 0, 0.0
+    prev: tuple[int, int] | None = None
     while pos < len(words):
         acc = min(r % (k + 1), len(words) - pos - 1)
-        hit = (hits[r % len(hits)] if hits else True)
         for j in range(acc + 1):
             t += dt
             ev = Token(ids[pos], words[pos], "draft" if j < acc else "target", t)
             metrics.add(ev)
             events.append(ev)
             pos += 1
-        bonus = ids[pos - 1]
-        predicted = tuple((j, (bonus if (hit and j == acc) else 900 + j, 950 + j)) for j in range(k + 1))
-        rd = Round(r, tuple(range(1, k + 1)), acc, bonus, acc + 1, 0.0005, 0.002, t, cache_hit=hit,
-                   predicted=predicted, wait_s=0.0001, speculator_busy_s=0.001)
+        if prev is None:
+            hit, predicted = False, ()
+        else:
+            hit = hits[r % len(hits)] if hits else True
+            predicted = tuple((j, (prev[1] if (hit and j == prev[0]) else 900 + j, 950 + j)) for j in range(k + 1))
+        rd = Round(r, tuple(range(1, k + 1)), acc, ids[pos - 1], acc + 1, 0.0 if hit else 0.0005, 0.002, t, cache_hit=hit,
+                   predicted=predicted, wait_s=0.0001, speculator_busy_s=0.001, fallback=None if hit else "fast")
         metrics.add(rd)
         events.append(rd)
+        prev = (acc, ids[pos - 1])
         r += 1
     metrics.sd_estimate_s = 0.004 * r
     events.append(Done("eos", "".join(words), tuple(ids), metrics.stats(t + dt)))
@@ -356,13 +362,15 @@ class TestCacheView:
             rows = list(app.cache.rows)
             assert {r.hit for r in rows} == {True, False}
             hit = next(r for r in rows if r.hit)
-            miss = next(r for r in rows if r.hit is False)
-            # the hit's predicted candidates for j=accepted include the bonus token, the miss's do not
-            assert hit.bonus_id in dict(hit.predicted)[hit.accepted]
-            assert miss.bonus_id not in dict(miss.predicted)[miss.accepted]
-            assert hit.bonus_text == WORDS[hit.bonus_id - 100].replace("\n", "\\n")
+            miss = next(r for r in rows if r.hit is False and r.chosen_j is not None)
+            # a hit: the previous round's outcome (j, bonus) is among the cached predictions; a miss: it is not
+            assert hit.chosen_id in dict(hit.predicted)[hit.chosen_j]
+            assert miss.chosen_id not in dict(miss.predicted)[miss.chosen_j]
+            rounds = {e.index: e for e in events if isinstance(e, Round)}
+            assert (hit.chosen_j, hit.chosen_id) == (rounds[hit.index - 1].accepted, rounds[hit.index - 1].bonus_id)
+            assert hit.chosen_text == WORDS[hit.chosen_id - 100].replace("\n", "\\n")
             text = plain(app.cache)
-            assert "hit" in text and "miss" in text
+            assert "hit" in text and "miss" in text and "target chose" in text
             # candidate ids the backend can decode show as text, others as #id
             assert "x" in str(app.cache.predicted_cell(miss)) and "#950" in str(app.cache.predicted_cell(miss))
 

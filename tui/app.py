@@ -160,7 +160,7 @@ class ChatApp(App[int]):
         with Vertical(id="side"):
             yield Static("Speculation", classes="side-title")
             yield self._panel
-            yield Static("Speculation cache (latest rounds)", classes="side-title")
+            yield Static("Speculation cache: latest rounds (j: predicted bonus)", classes="side-title")
             yield self._cache
         yield Footer()
 
@@ -217,8 +217,6 @@ class ChatApp(App[int]):
         load.display = False
         self.ready = True
         self._update_info()
-        info = self.backend.info()
-        self.sub_title = f"{(info.get('mode') or '?').upper()} · {info.get('target') or ''}"
         if self.script:
             self.type_next_prompt()
 
@@ -226,6 +224,7 @@ class ChatApp(App[int]):
         info = dict(self.backend.info())
         info.setdefault("temperature", self.params.get("temperature", 0.0))
         self.panel.set_info(info)
+        self.sub_title = f"{(info.get('mode') or '?').upper()} · {info.get('target') or ''}"
 
     # -- sending -------------------------------------------------------------------------
     @on(PromptInput.Submitted)
@@ -274,6 +273,7 @@ class ChatApp(App[int]):
         self.prompt.add_class("-busy")
         self._update_info()
         self.panel.show(None, live=True)
+        self.cache.new_reply()
         if self.recorder is not None:
             self.recorder.turn(text, self.system, {**info, **self.params})
         msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages + [

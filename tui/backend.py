@@ -172,8 +172,8 @@ class ReplayBackend(Backend):
         i = dict(self.recording.info)
         i.pop("vocab", None)
         i["replay"] = True
-        if self._next and self._next <= len(self.recording.turns):
-            i.update(self.recording.turns[self._next - 1].settings)
+        if self.recording.turns:  # the settings of the turn about to play (asked as a turn starts)
+            i.update(self.recording.turns[min(self._next, len(self.recording.turns) - 1)].settings)
         return i
 
     def stream(self, messages: list[dict[str, str]], params: SamplingParams, stop: threading.Event) -> Iterator[Event]:

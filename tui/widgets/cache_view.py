@@ -1,4 +1,10 @@
-"""The speculation-cache view: for the latest rounds, what the speculator pre-built and what the target chose."""
+"""The speculation-cache view: for the latest rounds, what the speculator pre-built and what the target chose.
+
+SSD semantics (``engine/ssd.py``): while round r-1 is verified, the speculator caches drafts for
+the outcomes it predicts, keyed ``(j accepted, bonus token)``; round r's ``predicted`` is that
+set and ``cache_hit`` says whether round r-1's actual outcome was in it.  So each row pairs a
+round's predictions with the *previous* round's outcome.
+"""
 
 from __future__ import annotations
 
@@ -15,12 +21,13 @@ from ...engine.events import Round
 
 @dataclass(frozen=True, slots=True)
 class CacheRow:
-    index: int
-    accepted: int  # j: draft tokens the target accepted
-    bonus_id: int | None
-    bonus_text: str
+    index: int  # the round whose drafts came from (or missed) the cache
     hit: bool | None  # None outside SSD
-    predicted: tuple[tuple[int, tuple[int, ...]], ...]  # ((j, candidate bonus ids), ...)
+    predicted: tuple[tuple[int, tuple[int, ...]], ...]  # ((j, candidate bonus ids), ...) cached for this round
+    chosen_j: int | None  # the outcome the target chose in the previous round: j accepted ...
+    chosen_id: int | None  # ... and its bonus token
+    chosen_text: str
+    accepted: int  # what this round then accepted
     fallback: str | None
 
 
@@ -31,59 +38,83 @@ def _show(text: str | None, token_id: int | None) -> str:
 
 
 class CacheView(Static):
-    """Latest rounds, newest first.  Hit: the target's outcome (j, bonus) was among the predictions."""
+    """Latest rounds, newest first: hit or miss, the outcome the target chose, the predicted outcomes."""
 
     def __init__(self, max_rows: int = 6, **kwargs) -> None:
         super().__init__(markup=False, **kwargs)
         self.rows: deque[CacheRow] = deque(maxlen=max_rows)
         self.token_text: Callable[[int], str | None] = lambda _id: None
+        self._prev: tuple[Round, str | None] | None = None  # the previous round of this reply
 
     def on_mount(self) -> None:
         self._refresh_table()
 
+    def new_reply(self) -> None:
+        """Rounds of a new reply do not continue the previous one's."""
+        self._prev = None
+
     def add_rounds(self, rounds: list[tuple[Round, str | None]]) -> None:
-        """``[(round, bonus token text or None), ...]``."""
+        """``[(round, its bonus token's text or None), ...]`` in order."""
         for r, bonus_text in rounds:
-            text = bonus_text if bonus_text is not None else (self.token_text(r.bonus_id) if r.bonus_id is not None else None)
-            self.rows.append(CacheRow(r.index, r.accepted, r.bonus_id, _show(text, r.bonus_id), r.cache_hit,
-                                      tuple(r.predicted or ()), r.fallback))
+            prev = self._prev
+            if prev is not None and prev[0].index == r.index - 1:
+                p, p_text = prev
+                text = p_text if p_text is not None else (self.token_text(p.bonus_id) if p.bonus_id is not None else None)
+                chosen = (p.accepted, p.bonus_id, _show(text, p.bonus_id))
+            else:
+                chosen = (None, None, "—")
+            self.rows.append(CacheRow(r.index, r.cache_hit, tuple(r.predicted or ()), *chosen, r.accepted, r.fallback))
+            self._prev = (r, bonus_text)
         if rounds:
             self._refresh_table()
 
     def clear(self) -> None:
         self.rows.clear()
+        self._prev = None
         self._refresh_table()
 
     def predicted_cell(self, row: CacheRow) -> Text:
+        """``j: candidates`` per predicted accepted length; the outcome the target chose is highlighted."""
         out = Text()
         if not row.predicted:
-            out.append("— (no speculation cache)" if row.hit is None else "—", style="dim")
+            out.append("no speculation cache (SD)" if row.hit is None else "nothing cached (first round or fallback)", style="dim")
             return out
         for n, (j, cands) in enumerate(row.predicted):
             if n:
-                out.append("  ")
-            chosen_j = j == row.accepted
-            out.append(f"{j}:", style="bold" if chosen_j else "dim")
-            for c in cands:
+                out.append(" │ ", style="dim")
+            is_j = j == row.chosen_j
+            out.append(f"{j}:", style="bold" if is_j else "dim")
+            for m, c in enumerate(cands):
+                if m:
+                    out.append(" ")
                 label = _show(self.token_text(c), c)
-                if chosen_j and c == row.bonus_id:
-                    out.append(f"[{label}]", style="bold reverse green")
+                if is_j and c == row.chosen_id:
+                    out.append(label, style="bold reverse green")
                 else:
-                    out.append(f" {label}" if len(cands) > 1 else label, style=None if chosen_j else "dim")
+                    out.append(label, style=None if is_j else "dim")
         return out
 
     def _refresh_table(self) -> None:
-        t = Table(expand=True, box=None, padding=(0, 1), show_edge=False)
-        t.add_column("#", justify="right", no_wrap=True, style="dim")
-        t.add_column("outcome", no_wrap=True)
-        t.add_column("", no_wrap=True)
-        t.add_column("predicted  j: bonus candidates", overflow="fold")
+        t = Table(expand=True, box=None, padding=(0, 1), show_edge=False, show_header=False)
+        t.add_column("round", no_wrap=True)
         for row in reversed(self.rows):
-            verdict = Text("—", style="dim") if row.hit is None else (
-                Text("hit", style="bold green") if row.hit else Text("miss", style="bold red"))
+            line = Text()
+            line.append(f"#{row.index:<4}", style="dim")
+            if row.hit is None:
+                line.append("—    ", style="dim")
+            else:
+                line.append("hit  " if row.hit else "miss ", style="bold green" if row.hit else "bold red")
+            if row.chosen_j is not None:
+                line.append(f"target chose j={row.chosen_j} + ")
+                line.append(row.chosen_text, style="bold")
+            else:
+                line.append("first round", style="dim")
+            line.append(f" → accepted {row.accepted}", style="dim")
             if row.fallback:
-                verdict.append(f" ({row.fallback})", style="dim")
-            t.add_row(str(row.index), f"j={row.accepted} +{row.bonus_text}", verdict, self.predicted_cell(row))
+                line.append(f" ({row.fallback} fallback)", style="dim")
+            line.append("\n      ")
+            line.append_text(self.predicted_cell(row))
+            t.add_row(line)
         if not self.rows:
-            t.add_row("", Text("no rounds yet", style="dim"), "", "")
+            t.add_row(Text("no rounds yet (AR has none)", style="dim"))
         self.update(t)

@@ -1,0 +1,50 @@
+"""The app on the real engine (packaged SmolLM2, AR, greedy): the reply on screen is the engine's reply."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from ssd_chat.engine import Engine, EngineConfig, SamplingParams
+from ssd_chat.engine.events import Done
+from ssd_chat.tui.app import ChatApp
+from ssd_chat.tui.backend import EngineBackend
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_tui import AssistantMessage, plain, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+class Preloaded(EngineBackend):
+    def __init__(self, engine: Engine) -> None:
+        super().__init__({"mode": "ar"})
+        self._engine = engine
+
+    def load(self, progress) -> None:
+        progress("loading target", 0.5)
+        self.engine = self._engine
+
+    def close(self) -> None:  # the session fixture owns the model
+        self.engine = None
+
+
+@pytest.mark.asyncio
+async def test_real_engine_reply_matches_a_direct_greedy_run(smollm2):
+    engine = Engine(EngineConfig(mode="ar"), smollm2)
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    ids, extra = engine.prompt_ids(msgs)
+    direct = [ev for ev in engine.stream(ids, SamplingParams(max_new_tokens=5, stop=extra), threading.Event())][-1]
+    assert isinstance(direct, Done)
+    app = ChatApp(Preloaded(engine), settings={"max_new_tokens": 5, "temperature": 0.0})
+    async with app.run_test(size=(140, 45)) as pilot:
+        await wait_until(pilot, lambda: app.ready, timeout=60)
+        await app.submit("Name a colour.")
+        await wait_until(pilot, lambda: app.current.finished, timeout=120)
+        assert app.query_one(AssistantMessage).text == direct.text
+        assert app.panel.stats.new_tokens == direct.stats.new_tokens
+        setup = plain(app.panel.query_one("#setup"))
+        assert "AR" in setup and "cpu" in setup
