@@ -156,3 +156,23 @@ async def test_shipped_recording_plays_in_the_app():
         shown = [m.text for m in app.query(AssistantMessage)]
         assert shown == [[e for e in t.events if isinstance(e, Done)][0].text for t in replies]
         assert any(r.hit for r in app.cache.rows) or any(r.hit is False for r in app.cache.rows)
+
+
+@pytest.mark.asyncio
+async def test_app_record_writes_what_a_replay_plays_back(tmp_path):
+    from ssd_chat.tui.app import ChatApp
+    from test_tui import FakeBackend
+
+    events = ssd_events(WORDS, hits=[True, False])
+    rec = Recorder(tmp_path / "s.jsonl", {"mode": "ssd", "target": "fake-target"})
+    app = ChatApp(FakeBackend([events]), recorder=rec)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.ready)
+        await app.submit("record me")
+        await wait_until(pilot, lambda: app.current is not None and app.current.finished)
+        await pilot.press("ctrl+c")
+    back = read(tmp_path / "s.jsonl")
+    assert [t.prompt for t in back.turns] == ["record me"]
+    assert back.turns[0].events == events
+    assert back.turns[0].settings["mode"] == "ssd"
+    assert back.info["vocab"][900] == "x"  # predicted ids the backend could name
