@@ -119,3 +119,43 @@ def test_unwritable_location(tmp_path):
     (tmp_path / "file").write_text("")
     h = History(tmp_path / "file" / "h.db")  # parent is a file
     assert h.warning and "in memory" in h.warning
+
+
+def test_chats_commands_list_export_delete(tmp_path):
+    from typer.testing import CliRunner
+
+    from ssd_chat.cli import app
+
+    db = tmp_path / "h.db"
+    h = History(db)
+    cid = h.new_conversation("first chat")
+    h.add_message(cid, "user", "first chat")
+    mid = h.add_message(cid, "assistant", "an answer")
+    h.save_metrics(mid, stats())
+    h.close()
+    run = CliRunner().invoke
+    r = run(app, ["chats", "list", "--db", str(db)])
+    assert r.exit_code == 0 and "first chat" in r.stdout and f"{cid}" in r.stdout
+    r = run(app, ["--db", str(db), "chats", "export", str(cid)])  # --db before the subcommand works too
+    assert r.exit_code == 0 and "an answer" in r.stdout and "## Assistant" in r.stdout
+    out = tmp_path / "c.jsonl"
+    r = run(app, ["chats", "export", str(cid), "-f", "jsonl", "-o", str(out), "--db", str(db)])
+    assert r.exit_code == 0 and json.loads(out.read_text().splitlines()[2])["content"] == "an answer"
+    r = run(app, ["chats", "export", "77", "--db", str(db)])
+    assert r.exit_code == 1 and "no saved chat with id 77" in r.stderr
+    r = run(app, ["chats", "export", str(cid), "-f", "pdf", "--db", str(db)])
+    assert r.exit_code == 2
+    r = run(app, ["chats", "delete", str(cid), "--db", str(db)])
+    assert r.exit_code == 0 and History(db).list_conversations() == []
+    bad = tmp_path / "bad.db"
+    bad.write_bytes(b"nope" * 100)
+    r = run(app, ["chats", "list", "--db", str(bad)])
+    assert r.exit_code == 1 and "corrupt" in r.stderr and "Traceback" not in r.output
+
+
+def test_demo_prompts_are_packaged():
+    from ssd_chat.demo import demo_prompts
+
+    prompts = demo_prompts()
+    assert len(prompts) >= 3 and any(p.startswith("/mode") for p in prompts)
+    assert all(p.strip() == p and p for p in prompts)

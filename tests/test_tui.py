@@ -467,3 +467,26 @@ async def test_q_in_prompt_is_text():
         await pilot.press("q")
         assert app.prompt.text == "q"
         assert app.is_running
+
+
+@pytest.mark.asyncio
+async def test_a_crash_mid_reply_keeps_what_streamed(tmp_path):
+    """The streaming reply is saved while it streams: the database has it before the reply ends."""
+    backend = FakeBackend([ssd_events(WORDS)], block=True)
+    app = ChatApp(backend, history=History(tmp_path / "h.db"))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.ready)
+        await app.submit("q")
+        await wait_until(pilot, lambda: backend.blocked.is_set() and app.current.text)
+
+        def saved():
+            other = History(tmp_path / "h.db")
+            try:
+                return [(m.content, m.status) for m in other.messages(app.conversation_id) if m.role == "assistant"]
+            finally:
+                other.close()
+
+        await wait_until(pilot, lambda: saved() and saved()[0][0] != "")
+        content, status = saved()[0]
+        assert status == "streaming" and "".join(WORDS).startswith(content) and content
+        await pilot.press("escape")
