@@ -48,16 +48,21 @@ from .sampling import logits_to_probs, make_generator, sample, saguaro_reshape
 
 Entry = tuple[tuple[int, ...], torch.Tensor | None]  # (k tokens, q' rows [k, V] or None for point masses)
 NGRAM_MAX = 3
-NGRAM_WINDOW = 4096
+NGRAM_WINDOW = 1024
 
 
 @dataclass
 class _FallbackStats:
-    """Tokens per round after each fallback kind, and timings, for ``--fallback auto``."""
+    """What each fallback delivers, for ``--fallback auto``: tokens per round of neural drafts
+    (rounds drafted by the draft model: hits and neural fallbacks) and of the fast backup,
+    *counterfactually*: each round the fast proposal for that round's start is compared with the
+    tokens the target then committed; the length of the common prefix is distributed exactly as the
+    number of point-mass proposals the verifier would have accepted, so no round is spent exploring."""
 
-    tokens: dict[str, deque] = field(default_factory=lambda: {"neural": deque(maxlen=16), "fast": deque(maxlen=16)})
+    neural: deque = field(default_factory=lambda: deque(maxlen=32))
+    fast: deque = field(default_factory=lambda: deque(maxlen=32))
     verify_s: deque = field(default_factory=lambda: deque(maxlen=16))
-    misses: int = 0
+    proposal: tuple[int, ...] | None = None  # the fast proposal for the round being verified
 
 
 class Speculator:
@@ -117,10 +122,14 @@ class Speculator:
             self.ctx += [self.pending] + list(self.spec[:k_prev])  # type: ignore[list-item]
             if self.fan is not None:
                 self.fan.observe(k_prev, self.spec_hit)
-            if self.spec_fallback is not None:
-                self.fb_stats.tokens[self.spec_fallback].append(1 + k_prev)
+            st = self.fb_stats
+            if self.spec_fallback != "fast":
+                st.neural.append(1 + k_prev)
+            if st.proposal is not None:
+                st.fast.append(1 + _common_prefix(st.proposal, [*self.spec[:k_prev], bonus]))
             if verify_s > 0:
-                self.fb_stats.verify_s.append(verify_s)
+                st.verify_s.append(verify_s)
+        self.fb_stats.proposal = None
         self.pending = bonus
         predicted, build_s = self.predicted, self.build_s
         entry = self.tree.get((k_prev, bonus)) if k_prev >= 0 else None
@@ -139,23 +148,19 @@ class Speculator:
         return reply, q
 
     def _choose_fallback(self) -> str:
-        """neural | fast; ``auto`` compares expected tokens per second of the two from measured
-        timings and the tokens per round each produced lately  [I: Theorem 7's per-round terms]."""
+        """neural | fast.  ``auto`` compares expected tokens per second (Theorem 7's miss terms):
+        ``E_neural / (T_round + k * T_step)`` against ``E_fast / T_round``, with E from the last
+        rounds (:class:`_FallbackStats`), T_round = max(verify, cache build) and T_step the
+        measured draft step; neural until 4 rounds have been seen  [I]."""
         if self.fallback != "auto":
             return self.fallback
         st = self.fb_stats
-        st.misses += 1
-        if not st.verify_s or not self.step_times:
-            return "neural"
-        n_obs, f_obs = st.tokens["neural"], st.tokens["fast"]
-        if len(f_obs) < 2 or (st.misses % 16 == 0 and len(n_obs) >= 2):  # keep both estimates fresh
-            return "fast" if len(f_obs) < 2 or st.misses % 32 == 0 else "neural"
-        if len(n_obs) < 2:
+        if len(st.neural) < 4 or len(st.fast) < 4 or not st.verify_s or not self.step_times:
             return "neural"
         t_round = max(sum(st.verify_s) / len(st.verify_s), self.build_s)
-        e_n, e_f = sum(n_obs) / len(n_obs), sum(f_obs) / len(f_obs)
+        e_n, e_f = sum(st.neural) / len(st.neural), sum(st.fast) / len(st.fast)
         rate_n = e_n / (t_round + self.k * self.step_s)
-        rate_f = e_f / t_round
+        rate_f = e_f / max(t_round, 1e-9)
         return "neural" if rate_n >= rate_f else "fast"
 
     def _neural(self) -> Entry:
@@ -223,6 +228,8 @@ class Speculator:
                     tree[key] = (tuple(toks[b].tolist()), None if qs is None else qs[b])
         self.tree, self.predicted = tree, tuple(predicted)
         self.build_s = time.perf_counter() - t0
+        if self.fallback == "auto":  # what the fast backup would have proposed this round
+            self.fb_stats.proposal = self._fast()[0]
 
     def _tree(self, L: int, js: list[int], cands: list[int], hit_list: list[int], abort: Callable[[], bool]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Draft k tokens for B branches at once; branch b is ``ctx + [bonus, d_1..d_{j_b}, c_b]``.
@@ -302,6 +309,13 @@ def _fit_vocab(logits: torch.Tensor, size: int | None) -> torch.Tensor:
     if vd > size:
         return logits[..., :size]
     return torch.cat([logits, logits.new_full((*logits.shape[:-1], size - vd), float("-inf"))], dim=-1)
+
+
+def _common_prefix(a: tuple[int, ...] | list[int], b: list[int]) -> int:
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _ngram_next(hist: list[int]) -> int:
@@ -434,10 +448,10 @@ def _serve_loop(conn: Any, spec: Speculator, qbuf: torch.Tensor, fault: _Fault |
     num_requests = 0
 
     def abort() -> bool:
-        # a message while building: a request for this tree (keep building), else a new reply / close
+        # a message while building: a request for this tree or a ping (keep building), or a new reply / close
         while conn.poll():
             pending.append(conn.recv())
-        return any(m[0] != "spec" for m in pending)
+        return any(m[0] in ("begin", "close") for m in pending)
 
     while True:
         msg = pending.pop(0) if pending else conn.recv()

@@ -201,6 +201,7 @@ class SSDDecoder:
         self._local: Speculator | None = None
         self._restarts = 0
         self._last_error: str | None = None
+        self._told_shared = False
         if start:
             self._start()
 
@@ -262,7 +263,8 @@ class SSDDecoder:
         t0 = time.perf_counter()
         if self._worker is None:
             yield Notice(f"SSD speculator unavailable ({self._last_error}); {self._local_mode_name()} in this process", "warning")
-        elif self.plan.shared:
+        elif self.plan.shared and not self._told_shared:
+            self._told_shared = True
             yield Notice("SSD: verifier and speculator share one device, so they cannot overlap", "info")
         pin = self.plan if self._worker is not None else None
         stack = contextlib.ExitStack()
