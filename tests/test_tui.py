@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -340,9 +341,15 @@ class TestPanel:
         events = ssd_events(WORDS)
         s = events[-1].stats
         sd = speedup_vs(s, "sd")
-        assert sd.kind == "estimated" and sd.value == pytest.approx(s.sd_estimate_s / (s.verify_s + s.draft_s + s.wait_s))
+        this = s.ttft_s + s.verify_s + s.draft_s + s.wait_s
+        assert sd.kind == "estimated" and sd.value == pytest.approx(s.sd_estimate_s / this)
         ar = speedup_vs(s, "ar")
-        assert ar.kind == "estimated" and ar.value > 0
+        assert ar.kind == "estimated"
+        assert ar.value == pytest.approx((s.ttft_s + (s.new_tokens - 1) * s.verify_s / s.rounds) / this)
+        live = dataclasses.replace(s, sd_estimate_s=None)  # SSD's SD estimate arrives with Done
+        assert speedup_vs(live, "sd").value is None and speedup_vs(live, "ar").value is not None
+        sd_reply = dataclasses.replace(s, mode="sd", sd_estimate_s=None)
+        assert speedup_vs(sd_reply, "sd").kind == "n/a" and speedup_vs(sd_reply, "ar").kind == "estimated"
         meas = speedup_vs(s, "ar", Baseline("ar", s.tok_per_s / 2, "bench"))
         assert meas.kind == "measured" and meas.value == pytest.approx(2.0)
         assert panel_values(s, {"ar": Baseline("ar", s.tok_per_s / 2, "bench")})["vs_ar"] == "2.00× meas."

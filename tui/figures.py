@@ -1,12 +1,15 @@
 """The numbers the side panel shows, computed from :class:`~ssd_chat.engine.events.Stats` only.
 
-Each figure names its source.  Speedups are *estimated* from this reply's own round timings
-unless a measured baseline (``bench`` or race mode on this hardware) has been given:
+Each figure names its source.  Speedups are *estimated* from this reply's own timings unless
+a measured baseline (``bench`` or race mode on this hardware) has been given.  Both sides of
+an estimate are accounted the same way, from the measured time to the first token and the
+rounds' critical path:
 
-* critical path  = verify_s + draft_s + wait_s  (time the reply spent in rounds)
-* vs SD (est.)   = sd_estimate_s / critical path   (SSD: the engine's estimate of SD on the same rounds)
-* vs AR (est.)   = tokens emitted in rounds x (verify_s / rounds) / critical path
-                   (one target forward per token, costed as one verification — memory-bound regime)
+* this reply      = TTFT + verify_s + draft_s + wait_s
+* vs SD (est.)    = sd_estimate_s / this reply   (SSD, when the reply ends: the engine's TTFT + per round
+                    verify + k draft steps, i.e. SD on the same rounds)
+* vs AR (est.)    = (TTFT + (tokens - 1) x verify_s / rounds) / this reply
+                    (one target forward per token, costed as one verification: the memory-bound regime)
 * vs X (measured) = this reply's tok/s / X's measured tok/s
 """
 
@@ -34,9 +37,10 @@ class Speedup:
 
 
 def critical_path_s(s: Stats) -> float | None:
+    """TTFT + the time the rounds spent verifying, drafting on the critical path and waiting."""
     if s.verify_s is None:
         return None
-    return s.verify_s + (s.draft_s or 0.0) + (s.wait_s or 0.0)
+    return (s.ttft_s if s.ttft_s is not None else s.prefill_s) + s.verify_s + (s.draft_s or 0.0) + (s.wait_s or 0.0)
 
 
 def speedup_vs(s: Stats | None, baseline_mode: str, measured: Baseline | None = None) -> Speedup:
@@ -52,10 +56,10 @@ def speedup_vs(s: Stats | None, baseline_mode: str, measured: Baseline | None = 
         return Speedup(None, "n/a", "no rounds yet")
     if baseline_mode == "sd":
         if s.sd_estimate_s is None:
-            return Speedup(None, "n/a", "no SD estimate")
+            return Speedup(None, "n/a", "estimated when the reply ends")
         return Speedup(s.sd_estimate_s / crit, "estimated", "from round timings")
-    emitted = (s.mean_accepted_length or 1.0) * s.rounds
-    return Speedup(emitted * (s.verify_s / s.rounds) / crit, "estimated", "from round timings")
+    ttft = s.ttft_s if s.ttft_s is not None else s.prefill_s
+    return Speedup((ttft + max(0, s.new_tokens - 1) * s.verify_s / s.rounds) / crit, "estimated", "from round timings")
 
 
 def fmt(v: float | None, spec: str, suffix: str = "") -> str:
