@@ -156,17 +156,20 @@ def test_round_and_token_events_add_up(pair):
 
 
 class _Counting(torch.nn.Module):
-    """Wraps a causal LM and records how many tokens each forward feeds."""
+    """Wraps a causal LM and records how many tokens each forward feeds, and its last logits."""
 
     def __init__(self, inner):
         super().__init__()
         self.inner = inner
         self.config = inner.config
         self.fed: list[int] = []
+        self.last_logits: list[torch.Tensor] = []
 
     def forward(self, input_ids, **kw):
         self.fed.append(int(input_ids.shape[-1]))
-        return self.inner(input_ids=input_ids, **kw)
+        out = self.inner(input_ids=input_ids, **kw)
+        self.last_logits.append(out.logits[0, -1].detach().clone())
+        return out
 
     def get_output_embeddings(self):
         return self.inner.get_output_embeddings()
@@ -191,6 +194,28 @@ def test_no_accepted_token_is_recomputed(pair):
         num_seq += r.accepted + 1
     assert d.model.fed == expected
     assert set(expected[1:]) <= {1, 2} and 2 in expected
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_draft_sees_exactly_the_true_prefix(pair, k):
+    """The draft cache never holds stale or missing tokens: the logits behind every proposal equal
+    what the draft computes from scratch (no cache) for the accepted prefix plus the drafts so far."""
+    target, draft = pair
+    d = as_loaded(_Counting(draft.model), draft.tokenizer, "d")
+    events = run(sd_engine(target, d, k).stream, max_new_tokens=30)
+    rounds = [e for e in events if isinstance(e, Round)]
+    proposal_logits = iter(d.model.last_logits[1:])  # [0] is the prefill
+    seq = list(PROMPT)
+    with torch.inference_mode():
+        for r in rounds:
+            ctx = list(seq)
+            for i, tok in enumerate(r.drafted):
+                expected = draft.model(input_ids=torch.tensor([ctx])).logits[0, -1]
+                assert torch.allclose(next(proposal_logits), expected, atol=1e-9), (r.index, i)
+                ctx.append(tok)
+            seq += [*r.drafted[: r.accepted], r.bonus_id]
+    assert next(proposal_logits, None) is None
+    assert any(r.accepted == len(r.drafted) for r in rounds) and any(r.accepted < len(r.drafted) for r in rounds)
 
 
 def test_engine_picks_sd_and_needs_a_draft(pair):
