@@ -137,6 +137,7 @@ def main_callback(
     record: Annotated[Optional[str], typer.Option("--record", help="Write the app session's event stream to this JSONL file (replay: ssd-chat demo --replay FILE).", show_default=False)] = None,
     db: Annotated[Optional[str], typer.Option("--db", help="Chat history database (default: $XDG_DATA_HOME/ssd-chat/history.db).", show_default=False)] = None,
     resume: Annotated[Optional[int], typer.Option("--resume", help="Reopen saved chat ID in the app (see `ssd-chat chats list`).", show_default=False)] = None,
+    baseline: Annotated[Optional[str], typer.Option("--baseline", help="An `ssd-chat bench --json` report: the app's speedups vs AR/SD become measured against its tok/s.", show_default=False)] = None,
     version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
 ) -> None:
     """Open the chat app (no subcommand), or run one of the commands below."""

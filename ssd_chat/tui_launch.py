@@ -21,7 +21,8 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
     """Run the app until the user quits; returns the exit status (0, or 1 when loading failed).
 
     ``values`` are resolved settings (:func:`ssd_chat.config.resolve`) plus the pass-through
-    options ``record`` (JSONL path), ``resume`` (chat id) and ``db``.
+    options ``record`` (JSONL path), ``resume`` (chat id), ``db`` and ``baseline`` (a bench JSON report
+    whose AR / SD tok/s make the panel's speedups *measured*).
     """
     from .recorder import Recorder, RecordingError
     from .tui.backend import EngineBackend, quiet_libraries
@@ -35,6 +36,15 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
         except RecordingError as e:
             sys.stderr.write(f"ssd-chat: error: {e}\n")
             return 1
+    baselines = []
+    if values.get("baseline"):
+        from .tui.figures import baselines_from_bench
+
+        try:
+            baselines = baselines_from_bench(values["baseline"])
+        except ValueError as e:
+            sys.stderr.write(f"ssd-chat: error: {e}\n")
+            return 1
     from .tui.app import ChatApp
 
     app = ChatApp(
@@ -45,6 +55,7 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
         resume=values.get("resume"),
         script=script,
         type_delay_s=type_delay_s,
+        baselines=baselines,
     )
     try:
         result = app.run()

@@ -497,3 +497,41 @@ async def test_a_crash_mid_reply_keeps_what_streamed(tmp_path):
         content, status = saved()[0]
         assert status == "streaming" and "".join(WORDS).startswith(content) and content
         await pilot.press("escape")
+
+
+def bench_report(tmp_path, ar: float, sd: float) -> Path:
+    mode = lambda v: {"tok_per_s": {"median": v, "p25": v, "p75": v, "min": v, "max": v, "n": 3}}  # noqa: E731
+    report = {"schema": "x", "models": {"target": {"name": "fake-target"}},
+              "protocols": {"paper": {"modes": {"ar": mode(1.0), "sd": mode(1.0)}},
+                            "equal": {"modes": {"ar": mode(ar), "sd": mode(sd), "ssd": mode(99.0)}}}}
+    path = tmp_path / "bench.json"
+    path.write_text(__import__("json").dumps(report))
+    return path
+
+
+def test_baselines_from_a_bench_report(tmp_path):
+    from ssd_chat.tui.figures import baselines_from_bench
+
+    bs = {b.mode: b for b in baselines_from_bench(bench_report(tmp_path, 20.0, 40.0))}
+    assert bs["ar"].tok_per_s == 20.0 and bs["sd"].tok_per_s == 40.0 and "equal" in bs["ar"].source
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="not an `ssd-chat bench --json` report"):
+        baselines_from_bench(bad)
+    with pytest.raises(ValueError, match="no bench report"):
+        baselines_from_bench(tmp_path / "missing.json")
+
+
+@pytest.mark.asyncio
+async def test_measured_baselines_make_the_speedups_measured(tmp_path):
+    from ssd_chat.tui.figures import baselines_from_bench
+
+    events = ssd_events(WORDS)
+    tps = events[-1].stats.tok_per_s
+    app = ChatApp(FakeBackend([events]), baselines=baselines_from_bench(bench_report(tmp_path, tps / 4, tps / 2)))
+    async with app.run_test(size=(140, 45)) as pilot:
+        await wait_until(pilot, lambda: app.ready)
+        await app.submit("q")
+        await wait_until(pilot, lambda: app.current.finished)
+        assert app.panel.values["vs_ar"] == "4.00× meas."
+        assert app.panel.values["vs_sd"] == "2.00× meas."

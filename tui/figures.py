@@ -15,7 +15,9 @@ rounds' critical path:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..engine.events import Stats
 
@@ -60,6 +62,30 @@ def speedup_vs(s: Stats | None, baseline_mode: str, measured: Baseline | None = 
         return Speedup(s.sd_estimate_s / crit, "estimated", "from round timings")
     ttft = s.ttft_s if s.ttft_s is not None else s.prefill_s
     return Speedup((ttft + max(0, s.new_tokens - 1) * s.verify_s / s.rounds) / crit, "estimated", "from round timings")
+
+
+def baselines_from_bench(path: str | Path) -> list[Baseline]:
+    """Measured AR / SD decode rates from an ``ssd-chat bench --json`` report (median tok/s of its
+    ``equal`` protocol, else its first)."""
+    path = Path(path)
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        protos = report["protocols"]
+        proto = "equal" if "equal" in protos else next(iter(protos))
+        p = protos[proto]
+        target = report.get("models", {}).get("target", {}).get("name", "?")
+        out = []
+        for mode in ("ar", "sd"):
+            med = (p["modes"].get(mode) or {}).get("tok_per_s", {}).get("median")
+            if med:
+                out.append(Baseline(mode, float(med), f"bench {path.name} ({target}, {proto})"))
+    except FileNotFoundError:
+        raise ValueError(f"no bench report at {path}") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration) as e:
+        raise ValueError(f"{path} is not an `ssd-chat bench --json` report ({type(e).__name__}: {e})") from None
+    if not out:
+        raise ValueError(f"{path} has no AR or SD tok/s to compare with")
+    return out
 
 
 def fmt(v: float | None, spec: str, suffix: str = "") -> str:
