@@ -316,6 +316,9 @@ class TestPanel:
             assert p.values["cache_hit"] == f"{expected.cache_hit_rate:.1%}"
             assert p.values["tau_hit_miss"] == f"{expected.accepted_length_on_hit:.2f} / {expected.accepted_length_on_miss:.2f}"
             assert p.values["tok_per_s"] == f"{expected.tok_per_s:.1f}"
+            assert p.values["per_position"] == " ".join(f"{x:.0%}" for x in expected.per_position_acceptance)
+            ms = lambda v: f"{1000 * v / expected.rounds:.0f}"  # noqa: E731
+            assert p.values["round_ms"] == f"{ms(expected.verify_s)} / {ms(expected.draft_s)} / {ms(expected.wait_s)}"
             assert p.values["vs_sd"].endswith("est.")
             rounds = [e for e in events if isinstance(e, Round)]
             assert list(p.accepted_lengths) == [r.accepted + 1 for r in rounds]

@@ -102,14 +102,19 @@ def panel_values(s: Stats | None, measured: dict[str, Baseline] | None = None) -
     """The panel's figures as displayed strings, keyed by field name."""
     measured = measured or {}
     if s is None:
-        return {k: "—" for k in ("tok_per_s", "ttft", "tau", "acceptance", "cache_hit", "tau_hit_miss", "vs_sd", "vs_ar", "tokens")}
+        return {k: "—" for k in ("tok_per_s", "ttft", "tau", "acceptance", "per_position", "cache_hit", "tau_hit_miss",
+                                 "round_ms", "vs_sd", "vs_ar", "tokens")}
+    per_round = (lambda v: None if v is None or not s.rounds else 1000 * v / s.rounds)  # noqa: E731
     return {
         "tok_per_s": fmt(s.tok_per_s, ".1f"),
         "ttft": fmt(s.ttft_s, ".2f", " s"),
         "tau": fmt(s.mean_accepted_length, ".2f"),
         "acceptance": fmt(s.acceptance_rate, ".1%"),
+        "per_position": " ".join(f"{p:.0%}" for p in s.per_position_acceptance) if s.per_position_acceptance else "—",
         "cache_hit": fmt(s.cache_hit_rate, ".1%"),
         "tau_hit_miss": f"{fmt(s.accepted_length_on_hit, '.2f')} / {fmt(s.accepted_length_on_miss, '.2f')}",
+        "round_ms": "—" if not s.rounds else " / ".join(
+            [fmt(per_round(s.verify_s), ".0f"), fmt(per_round(s.draft_s), ".0f")] + ([fmt(per_round(s.wait_s), ".0f")] if s.wait_s is not None else [])),
         "vs_sd": fmt_speedup(speedup_vs(s, "sd", measured.get("sd"))),
         "vs_ar": fmt_speedup(speedup_vs(s, "ar", measured.get("ar"))),
         "tokens": f"{s.new_tokens} in {s.rounds} rounds" if s.rounds else f"{s.new_tokens}",
