@@ -538,3 +538,27 @@ async def test_measured_baselines_make_the_speedups_measured(tmp_path):
         await wait_until(pilot, lambda: app.current.finished)
         assert app.panel.values["vs_ar"] == "4.00× meas."
         assert app.panel.values["vs_sd"] == "2.00× meas."
+
+
+@pytest.mark.asyncio
+async def test_load_progress_is_shown_and_quit_during_load_does_not_wait():
+    class Slow(FakeBackend):
+        gate = threading.Event()
+
+        def load(self, progress):
+            progress("loading target smollm2", 0.4)
+            self.gate.wait(30)
+
+    backend = Slow([])
+    app = ChatApp(backend)
+    try:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: "loading target smollm2" in str(app.query_one("#load-stage").content))
+            assert app.query_one("#load-bar").percentage == pytest.approx(0.4)
+            await pilot.press("ctrl+c")
+            await pilot.pause()
+        assert app.return_code == 0 and not app.ready
+        loaders = [t for t in threading.enumerate() if t.name == "ssd-chat-load"]
+        assert loaders and all(t.daemon for t in loaders)  # cannot keep the process alive
+    finally:
+        Slow.gate.set()

@@ -194,8 +194,11 @@ class ChatApp(App[int]):
         self.load_backend()
 
     # -- loading -------------------------------------------------------------------------
-    @work(thread=True, group="load", exit_on_error=False)
     def load_backend(self) -> None:
+        """Load in a daemon thread: quitting during a long load must not wait for it to finish."""
+        threading.Thread(target=self._load, name="ssd-chat-load", daemon=True).start()
+
+    def _load(self) -> None:
         try:
             self.backend.load(lambda stage, frac: self.post_message(self.LoadProgress(stage, frac)))
         except BaseException as e:  # noqa: BLE001 - shown in the app, never as a traceback
