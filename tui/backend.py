@@ -69,6 +69,14 @@ def quiet_libraries() -> None:
         pass
 
 
+def readable(e: BaseException) -> str:
+    from ..engine.errors import SSDChatError
+
+    if isinstance(e, (SSDChatError, ValueError, FileNotFoundError)):
+        return str(e) or type(e).__name__
+    return f"{type(e).__name__}: {e}"
+
+
 ENGINE_KEYS = ("target", "draft", "mode", "k", "target_device", "draft_device", "dtype", "fan_out", "budget",
                "saguaro_c", "fallback", "trust_remote_code")
 

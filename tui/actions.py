@@ -1,0 +1,182 @@
+"""Between-reply actions of the chat app: new chat, copy, system prompt, settings (mode / k /
+fan-out / temperature without reloading models), saved chats, token colours, slash commands and
+the command palette.  Mixed into :class:`ssd_chat.tui.app.ChatApp`, whose state they use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from textual.app import SystemCommand
+from textual.screen import Screen
+
+from ..history import metrics_line
+from .backend import readable
+from .widgets.chats_dialog import ChatsDialog
+from .widgets.settings_dialog import SettingsDialog, parse_settings
+from .widgets.system_prompt import SystemPromptDialog
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
+SLASH_KEYS = {"mode": "mode", "k": "k", "fan-out": "fan_out", "fanout": "fan_out", "temp": "temperature",
+              "temperature": "temperature", "max": "max_new_tokens", "max-new-tokens": "max_new_tokens"}
+
+HELP = """Keys: Enter send · Shift+Enter / Ctrl+J new line · ↑/↓ prompt history · Esc stop the reply ·
+Ctrl+N new chat · Ctrl+Y copy last reply · Ctrl+S system prompt · Ctrl+O settings (mode, k, fan-out, temperature) ·
+Ctrl+R chats · Ctrl+T token colours · Ctrl+P command palette · Ctrl+C quit.
+Commands: /mode ar|sd|ssd · /k N · /fan-out SPEC · /temp X · /max N · /system TEXT · /new · /copy · /chats · /colour · /help"""
+
+
+class ChatActions:
+    """Actions and commands; ``self`` is the ChatApp."""
+
+    async def action_new_chat(self) -> None:
+        if self.current is not None and not self.current.finished:
+            self.notify("stop the reply first (Esc)", severity="warning")
+            return
+        await self.chat.clear()
+        self.messages = []
+        self.conversation_id = None
+        self.current = None
+        self.panel.reset()
+        self.cache.clear()
+        await self.chat.add_notice("new chat")
+
+    def last_reply(self) -> str | None:
+        return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), None)
+
+    def action_copy_reply(self) -> None:
+        text = self.last_reply()
+        if text is None:
+            self.notify("no reply to copy yet")
+            return
+        self.clipboard_text = text
+        self.copy_to_clipboard(text)
+        self.notify(f"copied the last reply ({len(text)} characters)")
+
+    def action_system_prompt(self) -> None:
+        def done(value: str | None) -> None:
+            if value is not None:
+                self.run_worker(self.set_system(value), exclusive=False)
+
+        self.push_screen(SystemPromptDialog(self.system), done)
+
+    async def set_system(self, value: str) -> None:
+        self.system = value or None
+        if self.conversation_id is not None:
+            self.history.set_system(self.conversation_id, self.system)
+        await self.chat.add_notice(f"system prompt: {self.system}" if self.system else "system prompt cleared")
+
+    def action_settings(self) -> None:
+        current = {**self.backend.info(), **self.params}
+
+        def done(changes: dict | None) -> None:
+            if changes:
+                self.run_worker(self.apply_settings(changes), exclusive=False)
+
+        self.push_screen(SettingsDialog(current), done)
+
+    async def apply_settings(self, changes: dict[str, Any]) -> bool:
+        """Apply mode / k / fan-out (engine, no reload) and sampling settings from the next reply on."""
+        if self.current is not None and not self.current.finished:
+            await self.chat.add_notice("settings change between replies: stop this one first (Esc)", "warning")
+            return False
+        engine_changes = {k: v for k, v in changes.items() if k in ("mode", "k", "fan_out")}
+        sampling = {k: v for k, v in changes.items() if k in SAMPLING_KEYS}
+        if engine_changes:
+            try:
+                self.backend.reconfigure(**engine_changes)
+            except Exception as e:  # noqa: BLE001 - shown, the old settings stay
+                await self.chat.add_notice(f"cannot change {', '.join(engine_changes)}: {readable(e)}", "error")
+                return False
+        self.params.update(sampling)
+        self._update_info()
+        desc = ", ".join(f"{k.replace('_', '-')} {v if v is not None else 'default'}" for k, v in changes.items())
+        await self.chat.add_notice(f"from the next reply: {desc}")
+        return True
+
+    def action_chats(self) -> None:
+        def done(cid: int | None) -> None:
+            if cid is not None:
+                self.run_worker(self.resume(cid), exclusive=False)
+
+        self.push_screen(ChatsDialog(self.history), done)
+
+    async def resume(self, conversation_id: int) -> bool:
+        """Show a saved chat and continue it."""
+        if self.current is not None and not self.current.finished:
+            await self.chat.add_notice("stop the reply first (Esc)", "warning")
+            return False
+        conv = self.history.get_conversation(conversation_id)
+        if conv is None:
+            await self.chat.add_notice(f"no saved chat with id {conversation_id} (see `ssd-chat chats list`)", "error")
+            return False
+        await self.chat.clear()
+        self.current = None
+        self.panel.reset()
+        self.cache.clear()
+        self.conversation_id, self.system, self.messages = conv.id, conv.system, []
+        await self.chat.add_notice(f"resumed chat {conv.id}: {conv.title}")
+        for m in self.history.messages(conv.id):
+            if m.role == "user":
+                await self.chat.add_user(m.content)
+            elif m.role == "assistant":
+                status = "stopped" if m.status == "streaming" else m.status  # "streaming": the app died mid-reply
+                meta = (metrics_line(m.metrics) if m.metrics else "") + ("" if status == "done" else f" · {status}")
+                w = await self.chat.add_assistant(m.content, status, meta, self.colour)
+                w.remove_class("-streaming")
+            else:
+                continue
+            self.messages.append({"role": m.role, "content": m.content})
+        self.chat.anchor()
+        return True
+
+    def action_toggle_colour(self) -> None:
+        self.colour = not self.colour
+        self.chat.set_colour(self.colour)
+        self.notify("token colours " + ("on: green = accepted draft tokens, yellow = target (bonus) tokens" if self.colour else "off"))
+
+    # -- slash commands ------------------------------------------------------------------
+    async def command(self, line: str) -> None:
+        name, _, arg = line[1:].partition(" ")
+        name, arg = name.lower(), arg.strip()
+        keys = SLASH_KEYS
+        if name in keys:
+            if not arg and keys[name] != "fan_out":
+                await self.chat.add_notice(f"usage: /{name} VALUE", "warning")
+                return
+            try:
+                changes = parse_settings({keys[name]: arg})
+            except ValueError as e:
+                await self.chat.add_notice(str(e), "error")
+                return
+            await self.apply_settings(changes)
+        elif name == "system":
+            await self.set_system(arg)
+        elif name == "new":
+            await self.action_new_chat()
+        elif name == "copy":
+            self.action_copy_reply()
+        elif name == "chats":
+            self.action_chats()
+        elif name in ("colour", "color"):
+            self.action_toggle_colour()
+        elif name == "help":
+            await self.chat.add_notice(HELP)
+        else:
+            await self.chat.add_notice(f"unknown command '/{name}' — /help lists them", "warning")
+
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("New chat", "Start a new conversation (Ctrl+N)", self.action_new_chat)
+        yield SystemCommand("Copy last reply", "Copy the last reply to the clipboard (Ctrl+Y)", self.action_copy_reply)
+        yield SystemCommand("System prompt", "Change the system prompt (Ctrl+S)", self.action_system_prompt)
+        yield SystemCommand("Settings", "Mode, k, fan-out, temperature, max tokens (Ctrl+O)", self.action_settings)
+        for m in ("ar", "sd", "ssd"):
+            yield SystemCommand(f"Switch to {m.upper()}", f"Decode the next reply with {m.upper()} (models stay loaded)",
+                                lambda m=m: self.run_worker(self.apply_settings({"mode": m})))
+        yield SystemCommand("Chats", "Resume or delete a saved chat (Ctrl+R)", self.action_chats)
+        yield SystemCommand("Toggle token colours", "Colour accepted draft vs target tokens (Ctrl+T)", self.action_toggle_colour)
+        yield SystemCommand("Stop reply", "Stop the reply and keep what streamed (Esc)", self.action_stop)
+        yield SystemCommand("Help", "Keys and commands", lambda: self.run_worker(self.chat.add_notice(HELP)))
