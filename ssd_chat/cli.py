@@ -67,7 +67,10 @@ def settings(values: dict[str, Any]) -> dict[str, Any]:
     """Fill unset options from the environment/config file and the defaults."""
     from . import config
 
-    resolved, _sources = config.resolve(values)
+    try:
+        resolved, _sources = config.resolve(values)
+    except config.ConfigError as e:  # a bad SSD_CHAT_* variable or config.toml entry: one line, exit 1
+        raise fail(str(e)) from None
     return resolved
 
 

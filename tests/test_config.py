@@ -97,3 +97,11 @@ def test_config_set_command(tmp_path, monkeypatch):
     assert config.read_file()["max_new_tokens"] == 99
     r = CliRunner().invoke(app, ["config", "set", "k", "abc"])
     assert r.exit_code == 1 and "must be an integer" in r.stderr
+
+
+@pytest.mark.parametrize("args", [["ask", "hi"], []])
+def test_bad_env_setting_is_one_line_for_ask_and_the_app(monkeypatch, args):
+    monkeypatch.setenv("SSD_CHAT_K", "abc")
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert "SSD_CHAT_K: 'k' must be an integer, got 'abc'" in r.stderr
