@@ -113,17 +113,14 @@ def test_no_draft_in_process_continues_as_ar(pair, monkeypatch):
         done = evs[-1]
         assert isinstance(done, Done) and done.token_ids == run(ARDecoder(pair[0]), PROMPTS[0], max_new_tokens=40)[1].token_ids
         assert any(isinstance(e, Notice) and "as AR" in e.message for e in evs)
+        # close() ends the (restarted) worker
+        run(dec, PROMPTS[0], max_new_tokens=4)
+        pid = dec.worker_pid
+        assert pid is not None and psutil.pid_exists(pid)
+        dec.close()
+        assert gone(pid, 5) and dec.worker_pid is None
     finally:
         dec.close()
-
-
-def test_close_ends_the_worker(pair):
-    dec = ssd(*pair, k=2)
-    dec.ping()
-    pid = dec.worker_pid
-    assert psutil.pid_exists(pid)
-    dec.close()
-    assert gone(pid, 5)
 
 
 APP = textwrap.dedent("""
