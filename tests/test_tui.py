@@ -562,3 +562,41 @@ async def test_load_progress_is_shown_and_quit_during_load_does_not_wait():
         assert loaders and all(t.daemon for t in loaders)  # cannot keep the process alive
     finally:
         Slow.gate.set()
+
+
+@pytest.mark.asyncio
+async def test_chats_dialog_resumes_and_deletes(tmp_path):
+    h = History(tmp_path / "h.db")
+    keep = h.new_conversation("keep me")
+    h.add_message(keep, "user", "keep me")
+    h.add_message(keep, "assistant", "kept")
+    drop = h.new_conversation("drop me")
+    h.add_message(drop, "user", "drop me")
+    app = ChatApp(FakeBackend([]), history=h)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.ready)
+        await pilot.press("ctrl+r")
+        await wait_until(pilot, lambda: app.screen.query("#chat-list"))
+        ol = app.screen.query_one("#chat-list")
+        assert ol.option_count == 2
+        ol.highlighted = [ol.get_option_at_index(i).id for i in range(2)].index(str(drop))
+        await pilot.press("d", "d")
+        await wait_until(pilot, lambda: ol.option_count == 1)
+        assert h.get_conversation(drop) is None
+        ol.highlighted = 0
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.conversation_id == keep and app.messages)
+        assert app.messages == [{"role": "user", "content": "keep me"}, {"role": "assistant", "content": "kept"}]
+
+
+@pytest.mark.asyncio
+async def test_command_palette_lists_mode_switches_and_actions():
+    app = ChatApp(FakeBackend([]))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.ready)
+        titles = {c.title for c in app.get_system_commands(app.screen)}
+        assert {"New chat", "Copy last reply", "System prompt", "Settings", "Switch to AR", "Switch to SD",
+                "Switch to SSD", "Chats", "Toggle token colours", "Stop reply"} <= titles
+        cmd = next(c for c in app.get_system_commands(app.screen) if c.title == "Switch to SD")
+        cmd.callback()
+        await wait_until(pilot, lambda: app.backend.info_["mode"] == "sd")
