@@ -597,6 +597,22 @@ async def test_command_palette_lists_mode_switches_and_actions():
         titles = {c.title for c in app.get_system_commands(app.screen)}
         assert {"New chat", "Copy last reply", "System prompt", "Settings", "Switch to AR", "Switch to SD",
                 "Switch to SSD", "Chats", "Toggle token colours", "Stop reply"} <= titles
+        assert {"Export chat as Markdown", "Export chat as JSONL"} <= titles
         cmd = next(c for c in app.get_system_commands(app.screen) if c.title == "Switch to SD")
         cmd.callback()
         await wait_until(pilot, lambda: app.backend.info_["mode"] == "sd")
+
+
+@pytest.mark.asyncio
+async def test_export_from_the_app_writes_the_chat_with_metrics(tmp_path, monkeypatch):
+    monkeypatch.setenv("SSD_CHAT_DATA_DIR", str(tmp_path / "data"))
+    app = ChatApp(FakeBackend([ssd_events(["An", " answer"])]), history=History(tmp_path / "h.db"))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.ready)
+        assert app.export_chat("md") is None  # nothing yet
+        await app.submit("a question")
+        await wait_until(pilot, lambda: app.current.finished)
+        md = app.export_chat("md").read_text()
+        assert "a question" in md and "An answer" in md and "τ" in md
+        rows = [__import__("json").loads(x) for x in app.export_chat("jsonl").read_text().splitlines()]
+        assert rows[-1]["content"] == "An answer" and rows[-1]["metrics"]["mode"] == "ssd"

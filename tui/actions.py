@@ -6,12 +6,13 @@ the command palette.  Mixed into :class:`ssd_chat.tui.app.ChatApp`, whose state 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from textual.app import SystemCommand
 from textual.screen import Screen
 
-from ..history import metrics_line
+from ..history import data_dir, metrics_line
 from .backend import readable
 from .widgets.chats_dialog import ChatsDialog
 from .widgets.settings_dialog import SettingsDialog, parse_settings
@@ -131,6 +132,22 @@ class ChatActions:
         self.chat.anchor()
         return True
 
+    def export_chat(self, fmt: str = "md") -> Path | None:
+        """Write this chat with its metrics to ``<data dir>/exports/chat-<id>.<md|jsonl>``; returns the path."""
+        if self.conversation_id is None:
+            self.notify("nothing to export yet", severity="warning")
+            return None
+        try:
+            text = self.history.export_jsonl(self.conversation_id) if fmt == "jsonl" else self.history.export_markdown(self.conversation_id)
+            out = data_dir() / "exports" / f"chat-{self.conversation_id}.{fmt}"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text, encoding="utf-8")
+        except (KeyError, OSError) as e:
+            self.notify(f"could not export: {e}", severity="error")
+            return None
+        self.notify(f"exported to {out}")
+        return out
+
     def action_toggle_colour(self) -> None:
         self.colour = not self.colour
         self.chat.set_colour(self.colour)
@@ -177,6 +194,8 @@ class ChatActions:
             yield SystemCommand(f"Switch to {m.upper()}", f"Decode the next reply with {m.upper()} (models stay loaded)",
                                 lambda m=m: self.run_worker(self.apply_settings({"mode": m})))
         yield SystemCommand("Chats", "Resume or delete a saved chat (Ctrl+R)", self.action_chats)
+        yield SystemCommand("Export chat as Markdown", "With each reply's metrics, to the data dir's exports/", lambda: self.export_chat("md"))
+        yield SystemCommand("Export chat as JSONL", "With each reply's metrics, to the data dir's exports/", lambda: self.export_chat("jsonl"))
         yield SystemCommand("Toggle token colours", "Colour accepted draft vs target tokens (Ctrl+T)", self.action_toggle_colour)
         yield SystemCommand("Stop reply", "Stop the reply and keep what streamed (Esc)", self.action_stop)
         yield SystemCommand("Help", "Keys and commands", lambda: self.run_worker(self.chat.add_notice(HELP)))
