@@ -462,13 +462,6 @@ class TestSettings:
             assert {"green", "bold yellow"} <= styles
 
 
-def test_q_types_into_the_prompt_not_quit():
-    """'q' quits only when the prompt is not focused (checked through the binding, not by running)."""
-    from ssd_chat.tui.app import ChatApp as A
-
-    assert any(b.key == "q" and b.action == "quit" and not b.priority for b in A.BINDINGS)
-
-
 @pytest.mark.asyncio
 async def test_q_in_prompt_is_text():
     app = ChatApp(FakeBackend([]))
@@ -477,6 +470,17 @@ async def test_q_in_prompt_is_text():
         await pilot.press("q")
         assert app.prompt.text == "q"
         assert app.is_running
+        await pilot.press("ctrl+r")  # in a dialog, q is not quit either
+        await wait_until(pilot, lambda: app.screen.query("#chat-list"))
+        await pilot.press("q")
+        await pilot.pause()
+        assert app.is_running
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not app.screen.query("#chat-list"))
+        app.chat.focus()  # elsewhere, q quits
+        await pilot.press("q")
+        await pilot.pause()
+        assert not app.is_running and app.return_code == 0
 
 
 @pytest.mark.asyncio

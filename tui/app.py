@@ -63,7 +63,7 @@ class ChatApp(ChatActions, App[int]):
     BINDINGS = [
         Binding("ctrl+c", "quit", "Quit", priority=True),
         Binding("ctrl+q", "quit", "Quit", show=False, priority=True),
-        Binding("q", "quit", "Quit", show=False),
+        Binding("q", "quit_key", "Quit", show=False),  # only where q is not text (not in the prompt, not in a dialog)
         Binding("escape", "stop", "Stop reply"),
         # priority: the prompt box (a TextArea) has its own ctrl+y etc.; off while a dialog is open
         Binding("ctrl+n", "new_chat", "New chat", priority=True),
@@ -73,7 +73,7 @@ class ChatApp(ChatActions, App[int]):
         Binding("ctrl+r", "chats", "Chats", priority=True),
         Binding("ctrl+t", "toggle_colour", "Colours", priority=True),
     ]
-    MAIN_SCREEN_ACTIONS = {"new_chat", "copy_reply", "system_prompt", "settings", "chats", "toggle_colour", "stop"}
+    MAIN_SCREEN_ACTIONS = {"new_chat", "copy_reply", "system_prompt", "settings", "chats", "toggle_colour", "stop", "quit_key"}
 
     class ReplyEvent(Message):
         def __init__(self, turn: int, event: Event) -> None:
@@ -384,6 +384,9 @@ class ChatApp(ChatActions, App[int]):
         await self._finish(t, t.text, "stopped", metrics_line(dataclasses.asdict(stats)) + " · stopped (Esc)")
         if not self.prompt.text.strip():
             self.prompt.set_text(t.prompt)
+
+    async def action_quit_key(self) -> None:
+        await self.action_quit()
 
     async def action_quit(self) -> None:
         """Ctrl+C / q: stop any reply, wait for the engine thread, release models, exit."""
