@@ -308,7 +308,7 @@ def test_distribution_test_catches_a_wrong_proposal(small_pair, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("draft_name", "min_hit", "max_hit"), [("copy", 0.95, 1.0), ("int8", 0.0, 0.95), ("layers:6", 0.0, 0.9)])
+@pytest.mark.parametrize(("draft_name", "min_hit", "max_hit"), [("copy", 0.95, 1.0), ("int8", 0.3, 1.0), ("layers:6", 0.0, 0.5)])
 def test_smollm2_greedy_ssd_equals_ar(smollm2, draft_name, min_hit, max_hit):
     from ssd_chat.engine import chat, drafts
 
