@@ -325,3 +325,30 @@ def test_smollm2_greedy_ssd_equals_ar(smollm2, draft_name, min_hit, max_hit):
         assert min_hit <= s.cache_hit_rate <= max_hit, s
     finally:
         dec.close()
+
+
+# --- placement ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("cores", "draft_device", "want"), [
+    ({0, 1}, "auto", ((0,), (1,), False)),
+    ({0, 1, 2, 3}, "cpu", ((0, 1), (2, 3), False)),
+    ({0, 1, 2, 3}, "cpu:3", ((0, 1, 2), (3,), False)),
+    ({0}, "auto", (None, None, True)),
+])
+def test_cpu_placement_gives_each_process_its_own_cores(monkeypatch, cores, draft_device, want):
+    from ssd_chat.engine import models, ssd as ssd_mod
+
+    monkeypatch.setattr(ssd_mod.os, "sched_getaffinity", lambda pid: set(cores))
+    monkeypatch.setattr(models.os, "sched_getaffinity", lambda pid: set(cores))
+    p = ssd_mod.plan(EngineConfig(mode="ssd", draft_device=draft_device), torch.device("cpu"), None)
+    assert (p.target_cores, p.draft_cores, p.shared) == want
+    if p.draft_cores:
+        assert p.draft_threads == len(p.draft_cores) and p.target_threads == len(p.target_cores)
+
+
+def test_bad_draft_device_is_a_clear_error(pair):
+    from ssd_chat.engine.errors import DeviceError
+
+    with pytest.raises(DeviceError, match="cores"):
+        ssd(*pair, k=2, draft_device="cpu:99")
