@@ -101,12 +101,23 @@ class EngineBackend(Backend):
             return {"mode": self.values.get("mode"), "target": self.values.get("target")}
         c = e.config
         uses_draft = c.mode != "ar" and e.draft is not None
-        return {
+        info = {
             "mode": c.mode, "k": c.k if c.mode != "ar" else None, "fan_out": c.fan_out if c.mode == "ssd" else None,
             "target": e.target.name, "target_device": e.target.placement.label,
             "draft": e.draft.name if uses_draft else None,
             "draft_device": e.draft.placement.label if uses_draft else None,
         }
+        if c.mode == "ssd":  # the speculator runs where the decoder's plan puts it, not where the draft was loaded
+            try:
+                p = getattr(e.decoder(), "plan", None)
+            except Exception:  # noqa: BLE001 - the first reply reports a failing decoder
+                p = None
+            if p is not None:
+                cores = f" (cores {','.join(map(str, p.draft_cores))})" if p.draft_cores else ""
+                info["draft_device"] = f"speculator on {p.draft_device}{cores}" + (", shared with the target" if p.shared else "")
+                if p.target_cores:
+                    info["target_device"] = f"{e.target.placement.device} (cores {','.join(map(str, p.target_cores))})"
+        return info
 
     def stream(self, messages: list[dict[str, str]], params: SamplingParams, stop: threading.Event) -> Iterator[Event]:
         from dataclasses import replace
