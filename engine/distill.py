@@ -45,17 +45,17 @@ def _no_progress(stage: str, done: int, total: int, info: dict[str, float]) -> N
 
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
-    """How a draft is shaped and trained.  ``init_from`` None: the target's last layer."""
+    """How a draft is shaped and trained.  ``init_from`` None: the target's last two layers."""
 
     num_shared: int = 2
     init_from: tuple[int, ...] | None = None
     num_vocab: int = 8192
-    steps: int = 300
+    steps: int = 320
     batch_size: int = 8
-    lr: float = 3e-4
+    lr: float = 3e-3
     warmup: int = 20
-    max_new_tokens: int = 192
-    gen_batch: int = 16
+    max_new_tokens: int = 128
+    gen_batch: int = 32
     temperature: float = 0.0  # of the target's training answers (0: greedy)
     eval_every: int = 25
     seed: int = 0
@@ -74,7 +74,8 @@ class TrainConfig:
             raise ParamError(f"--temperature must be >= 0, got {self.temperature}")
 
     def shape(self, num_target_layers: int) -> DraftShape:
-        return DraftShape(self.num_shared, self.init_from if self.init_from is not None else (num_target_layers - 1,))
+        default = tuple(range(max(0, num_target_layers - 2), num_target_layers))
+        return DraftShape(self.num_shared, self.init_from if self.init_from is not None else default)
 
 
 @dataclass(slots=True)
@@ -212,17 +213,19 @@ def with_top1(target: LoadedModel, feats: Features) -> Features:
 # --- stage 3: vocabulary ------------------------------------------------------------------------
 
 
-def choose_vocab(target: LoadedModel, examples: list[Example], feats: Features, num_vocab: int) -> torch.Tensor:
+def choose_vocab(target: LoadedModel, examples: list[Example], feats: Features, num_vocab: int,
+                 max_positions: int = 8192) -> torch.Tensor:
     """Token ids of the reduced vocabulary, sorted."""
     head = target.model.get_output_embeddings()
     vocab_size = int(head.weight.shape[0])
     counts = torch.zeros(vocab_size, dtype=torch.float64)
     mass = torch.zeros(vocab_size, dtype=torch.float64)
+    every = max(1, sum(len(ex.ids) - ex.start for ex in examples) // max_positions)  # teacher mass on a sample
     with torch.no_grad():
         for ex, fin in zip(examples, feats.final):
             answer = ex.ids[ex.start :]
             counts += torch.bincount(answer, minlength=vocab_size).double()
-            h = fin[ex.start - 1 : len(ex.ids) - 1].to(head.weight.device, head.weight.dtype)
+            h = fin[ex.start - 1 : len(ex.ids) - 1 : every].to(head.weight.device, head.weight.dtype)
             mass += torch.softmax(head(h).float(), -1).sum(0).double().cpu()
     for e in target.eos_ids:
         if e < vocab_size:
@@ -437,6 +440,7 @@ def run(
 
     data = _cached(work / f"answers-{cfg.num_shared}.pt", make)
     (train_ex, train_f), (held_ex, held_f) = data["train"], data["heldout"]
+    train_f, held_f = Features(train_f.trunk, train_f.final), Features(held_f.trunk, held_f.final)
     vocab = choose_vocab(target, train_ex, train_f, cfg.num_vocab)
     result = train_draft(target, (train_ex, train_f), (held_ex, held_f), vocab, cfg, work / "checkpoint.pt", progress)
     n_answer = sum(len(e.ids) - e.start for e in train_ex)
