@@ -92,7 +92,8 @@ class Speculator:
         self.tree: dict[tuple[int, int], Entry] = {}
         self.predicted: tuple[tuple[int, tuple[int, ...]], ...] = ()
         self.build_s = 0.0
-        self._glue_logits: list[torch.Tensor] | None = None  # g_0..g_{k-1} left by a neural fallback
+        self._glue_logits: list[torch.Tensor] | None = None  # g_0..g_{k-1} left by a neural fallback or a hit
+        self._scratch: tuple[int, int, dict[tuple[int, int], int], list[torch.Tensor]] | None = None  # see _adopt
 
     # -- per reply ------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int], settings: Settings) -> None:
@@ -138,11 +139,13 @@ class Speculator:
         if entry is not None:
             tokens, q = entry
             kind = None
+            self._adopt((k_prev, bonus), tokens)
         else:
             kind = self._choose_fallback()
             t0 = time.perf_counter()
             tokens, q = self._neural() if kind == "neural" else self._fast()
             fb_s = time.perf_counter() - t0
+        self._scratch = None
         self.spec, self.spec_hit, self.spec_fallback = tokens, entry is not None, kind
         reply = Reply(req, tokens, q is not None, entry is not None, kind, fb_s, predicted, build_s, self.step_s)
         return reply, q
@@ -246,6 +249,8 @@ class Speculator:
         x = torch.tensor(cands, device=dev)
         toks = torch.empty(B, k, dtype=torch.long, device=dev)
         qs: list[torch.Tensor] = []
+        depth_logits: list[torch.Tensor] = []
+        done = False
         try:
             for d in range(k):
                 if abort():
@@ -255,14 +260,39 @@ class Speculator:
                 pos = (L + 1 + d + j_t)[None]  # RoPE positions of the hypothesised sequences
                 out = self.model(input_ids=x[None], cache=self.cache, use_cache=True, position_ids=pos, attention_mask=attn)
                 logits = _fit_vocab(out.logits[0], self.vocab)  # [B, V]
+                depth_logits.append(logits)
                 q = self._proposal(logits, hit_list[d] if hit_list else 0)
                 x = torch.tensor(self._draw(logits, q), device=dev)
                 toks[:, d] = x
                 if q is not None:
                     qs.append(q)
+            done = True
         finally:
-            kv.truncate(self.cache, base)
+            if not done:
+                kv.truncate(self.cache, base)
+        # keep the scratch region: on a hit the winning branch's KV and logits replace the glue forward
+        self._scratch = (base, B, {(j, c): b for b, (j, c) in enumerate(zip(js, cands))}, depth_logits)
         return toks, (torch.stack(qs, dim=1) if qs else None)
+
+    def _adopt(self, key: tuple[int, int], tokens: tuple[int, ...]) -> None:
+        """On a hit, make the winning branch's tree KV the main sequence (no recomputation): keep the
+        committed prefix, gather the branch's k slots [c, e_1..e_{k-1}] from the scratch region (their
+        RoPE positions were already the real ones), and keep its per-depth logits as g_0..g_{k-1}, so
+        the next glue is a single-token forward.  Falls back to a full glue if anything does not fit."""
+        sc = self._scratch
+        layers = getattr(self.cache, "layers", None)
+        if sc is None or key not in sc[2] or not layers or any(type(x).__name__ != "DynamicLayer" for x in layers):
+            return
+        base, B, index, depth_logits = sc
+        b, keep = index[key], len(self.ctx)
+        if kv.length(self.cache) != base + self.k * B or len(self.kv_ids) != base or keep > base:
+            return
+        idx = torch.cat([torch.arange(keep), base + torch.arange(self.k) * B + b]).to(self.device)
+        for layer in layers:
+            layer.keys = layer.keys.index_select(-2, idx)
+            layer.values = layer.values.index_select(-2, idx)
+        self.kv_ids = self.ctx + [key[1], *tokens[:-1]]
+        self._glue_logits = [lg[b] for lg in depth_logits]
 
     # -- helpers ----------------------------------------------------------------------------------
     def _lists(self) -> tuple[list[int], list[int]]:
@@ -283,6 +313,8 @@ class Speculator:
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         """Append ``ids`` to the draft cache; logits [len(ids), V]."""
+        if kv.length(self.cache) != len(self.kv_ids):  # drop a tree scratch region
+            kv.truncate(self.cache, len(self.kv_ids))
         out = kv.forward(self.model, torch.tensor(ids, device=self.device), self.cache)
         self.kv_ids.extend(ids)
         return _fit_vocab(out, self.vocab)

@@ -214,7 +214,8 @@ def _sequential(model, ids, k, settings, vocab):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_tree_branches_equal_sequential_drafting(pair, temperature):
     """Every cached branch (j, c) holds what drafting k tokens after ctx + [bonus, d_1..d_j, c] gives:
-    the tree's mask and RoPE positions are right, and the flat scratch region leaves the prefix intact."""
+    the tree's mask and RoPE positions are right, the flat scratch region leaves the prefix intact, and
+    on a hit the adopted branch KV continues exactly like a fresh prefill."""
     target, _ = pair
     model, k = target.model, 3
     sp = Speculator(model, k, parse("uniform:2", k), "neural", vocab=64)
@@ -241,7 +242,10 @@ def test_tree_branches_equal_sequential_drafting(pair, temperature):
     fresh = model(input_ids=torch.tensor([ids])).logits[0, -1]
     from ssd_chat.engine import kv
 
-    assert kv.length(sp.cache) == len(ids) and sp.kv_ids == ids
+    # the main region holds exactly ids (the winning branch's tree KV was adopted, not recomputed);
+    # the new tree's scratch region follows it until the next forward drops it
+    assert sp.kv_ids == ids and kv.length(sp.cache) == len(ids) + k * len(sp.tree)
+    kv.truncate(sp.cache, len(ids))
     probe = kv.forward(model, torch.tensor([ids[-1]]), sp.cache)[-1]  # the next step from the cached KV
     refp = model(input_ids=torch.tensor([ids + [ids[-1]]])).logits[0, -1]
     assert torch.allclose(probe, refp, atol=1e-8) and fresh.shape == refp.shape
