@@ -620,3 +620,18 @@ async def test_export_from_the_app_writes_the_chat_with_metrics(tmp_path, monkey
         assert "a question" in md and "An answer" in md and "τ" in md
         rows = [__import__("json").loads(x) for x in app.export_chat("jsonl").read_text().splitlines()]
         assert rows[-1]["content"] == "An answer" and rows[-1]["metrics"]["mode"] == "ssd"
+
+
+@pytest.mark.asyncio
+async def test_cache_view_for_sd_rounds_shows_their_own_outcome():
+    events = [Token(1, "Hi", "draft", 0.01), Token(2, "!", "target", 0.02),
+              Round(0, (1, 5), 1, 2, 2, 0.001, 0.002, 0.02), Done("eos", "Hi!", (1, 2), Metrics("sd").stats(0.03))]
+    app = ChatApp(FakeBackend([events], mode="sd"))
+    async with app.run_test(size=(150, 40)) as pilot:
+        await wait_until(pilot, lambda: app.ready)
+        await app.submit("q")
+        await wait_until(pilot, lambda: app.current.finished)
+        [row] = app.cache.rows
+        assert row.hit is None and row.bonus_text == "!" and row.accepted == 1
+        text = plain(app.cache)
+        assert "accepted 1 + !" in text and "no speculation cache (SD)" in text

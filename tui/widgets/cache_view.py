@@ -29,6 +29,7 @@ class CacheRow:
     chosen_text: str
     accepted: int  # what this round then accepted
     fallback: str | None
+    bonus_text: str = ""  # this round's own bonus token (shown for SD rounds, which have no cache)
 
 
 def _show(text: str | None, token_id: int | None) -> str:
@@ -63,7 +64,9 @@ class CacheView(Static):
                 chosen = (p.accepted, p.bonus_id, _show(text, p.bonus_id))
             else:
                 chosen = (None, None, "—")
-            self.rows.append(CacheRow(r.index, r.cache_hit, tuple(r.predicted or ()), *chosen, r.accepted, r.fallback))
+            own = bonus_text if bonus_text is not None else (self.token_text(r.bonus_id) if r.bonus_id is not None else None)
+            self.rows.append(CacheRow(r.index, r.cache_hit, tuple(r.predicted or ()), *chosen, r.accepted, r.fallback,
+                                      _show(own, r.bonus_id)))
             self._prev = (r, bonus_text)
         if rounds:
             self._refresh_table()
@@ -104,12 +107,16 @@ class CacheView(Static):
                 line.append("—    ", style="dim")
             else:
                 line.append("hit  " if row.hit else "miss ", style="bold green" if row.hit else "bold red")
-            if row.chosen_j is not None:
-                line.append(f"target chose j={row.chosen_j} + ")
-                line.append(row.chosen_text, style="bold")
+            if row.hit is None:  # SD: no cache, just this round's outcome
+                line.append(f"accepted {row.accepted} + ")
+                line.append(row.bonus_text, style="bold")
             else:
-                line.append("first round", style="dim")
-            line.append(f" → accepted {row.accepted}", style="dim")
+                if row.chosen_j is not None:
+                    line.append(f"target chose j={row.chosen_j} + ")
+                    line.append(row.chosen_text, style="bold")
+                else:
+                    line.append("first round", style="dim")
+                line.append(f" → accepted {row.accepted}", style="dim")
             if row.fallback:
                 line.append(f" ({row.fallback} fallback)", style="dim")
             line.append("\n      ")
