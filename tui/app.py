@@ -169,7 +169,7 @@ class ChatApp(ChatActions, App[int]):
             self.panel.set_measured(b)
         self.cache.token_text = self._lookup_text
         self.prompt.focus()
-        self.set_interval(FRAME_S, self._flush_pending)
+        self._frames = self.set_interval(FRAME_S, self._flush_pending, pause=True)  # runs only while a reply streams
         if self.history.warning:
             await self._warn(self.history.warning)
         if self.resume_id is not None:
@@ -257,6 +257,7 @@ class ChatApp(ChatActions, App[int]):
         self.turn_count += 1
         self.current = turn
         self.prompt.add_class("-busy")
+        self._frames.resume()
         self._update_info()
         self.panel.show(None, live=True)
         self.cache.new_reply()
@@ -358,6 +359,7 @@ class ChatApp(ChatActions, App[int]):
         self.history.update_message(t.message_id, text, status)
         await t.widget.finish(text, status, meta)
         self.prompt.remove_class("-busy")
+        self._frames.pause()
         await self._check_history()
         t.finished = True
         if self.script and not self._quitting:
