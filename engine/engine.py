@@ -44,6 +44,10 @@ class EngineConfig:
             raise ParamError(f"saguaro-c must be in [0, 1], got {self.saguaro_c}")
         if self.fallback not in ("neural", "fast", "auto"):
             raise ParamError(f"unknown fallback '{self.fallback}' (use neural, fast or auto)")
+        if self.mode == "ssd":  # --fan-out / --budget against k, before any model loads
+            from .fanout import parse
+
+            parse(self.fan_out, self.k, self.budget)
 
     @property
     def needs_draft(self) -> bool:
