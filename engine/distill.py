@@ -400,10 +400,19 @@ def work_dir(target: LoadedModel, cfg: TrainConfig, prompts: list[str], heldout:
     return cache_dir() / "distill" / h.hexdigest()[:16]
 
 
+def _pack(examples: list[Example], feats: Features) -> dict[str, Any]:
+    """Plain tensors and lists, so the cache loads with torch's weights-only loader."""
+    return {"ids": [e.ids for e in examples], "start": [e.start for e in examples], "trunk": feats.trunk, "final": feats.final}
+
+
+def _unpack(d: dict[str, Any]) -> tuple[list[Example], Features]:
+    return [Example(i, int(s)) for i, s in zip(d["ids"], d["start"])], Features(list(d["trunk"]), list(d["final"]))
+
+
 def _cached(path: Path, make: Callable[[], Any]) -> Any:
     if path.is_file():
         try:
-            return torch.load(path, map_location="cpu", weights_only=False)
+            return torch.load(path, map_location="cpu", weights_only=True)
         except Exception:  # noqa: BLE001 - a torn file from an interrupted run: rebuild it
             path.unlink(missing_ok=True)
     obj = make()
@@ -436,11 +445,10 @@ def run(
     def make() -> dict[str, Any]:
         tr, trf = generate(target, prompt_ids(target, prompts), cfg, progress=progress)
         he, hef = generate(target, prompt_ids(target, heldout), cfg, progress=progress)
-        return {"train": (tr, trf[cfg.num_shared]), "heldout": (he, hef[cfg.num_shared])}
+        return {"train": _pack(tr, trf[cfg.num_shared]), "heldout": _pack(he, hef[cfg.num_shared])}
 
     data = _cached(work / f"answers-{cfg.num_shared}.pt", make)
-    (train_ex, train_f), (held_ex, held_f) = data["train"], data["heldout"]
-    train_f, held_f = Features(train_f.trunk, train_f.final), Features(held_f.trunk, held_f.final)
+    (train_ex, train_f), (held_ex, held_f) = _unpack(data["train"]), _unpack(data["heldout"])
     vocab = choose_vocab(target, train_ex, train_f, cfg.num_vocab)
     result = train_draft(target, (train_ex, train_f), (held_ex, held_f), vocab, cfg, work / "checkpoint.pt", progress)
     n_answer = sum(len(e.ids) - e.start for e in train_ex)

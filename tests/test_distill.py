@@ -255,3 +255,29 @@ def test_shipped_draft_loads_on_the_packaged_target_and_decodes_exactly(smollm2)
         engine = Engine(EngineConfig(mode=mode, k=3), smollm2, draft)
         out[mode] = [e for e in engine.stream(prompt, params) if isinstance(e, Done)][0].token_ids
     assert out["sd"] == out["ar"]
+
+
+class _ModTokenizer(CharTokenizer):
+    """Any text -> ids below 64 (the plain chat format has capitals and punctuation)."""
+
+    def __call__(self, text, add_special_tokens=True):  # noqa: ARG002
+        return {"input_ids": [ord(c) % 64 for c in text]}
+
+
+def test_run_writes_a_loadable_draft_and_reuses_its_cache(tmp_path):
+    target = _target()
+    target.tokenizer = _ModTokenizer(64)
+    cfg = distill.TrainConfig(**{**{f: getattr(CFG, f) for f in CFG.__slots__}, "steps": 4, "eval_every": 2, "max_new_tokens": 6})
+    prompts, held = [f"prompt {i}" for i in range(12)], ["held one", "held two"]
+    result, work = distill.run(target, tmp_path / "d", cfg, prompts, held, work=tmp_path / "w")
+    answers = work / "answers-1.pt"
+    stamp = answers.stat().st_mtime_ns
+    torch.load(answers, weights_only=True)  # the cache is plain tensors
+    manifest = json.loads((tmp_path / "d" / draft_model.MANIFEST).read_text())
+    assert manifest["training"]["num_prompts"] == 12 and manifest["heldout"]["num_prompts"] == 2
+    loaded = drafts.derive(str(tmp_path / "d"), target)
+    assert loaded.model.lm_head.ids.tolist() == result.draft.lm_head.ids.tolist()
+    again, _ = distill.run(target, tmp_path / "d2", cfg, prompts, held, work=tmp_path / "w")
+    assert answers.stat().st_mtime_ns == stamp  # answers reused, not regenerated
+    for name, p in draft_model.trainable_state(again.draft).items():
+        torch.testing.assert_close(p, draft_model.trainable_state(result.draft)[name], rtol=0, atol=0)
