@@ -50,19 +50,23 @@ class CharTokenizer:
 
 
 def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, hidden: int = 64, dtype=torch.float64, max_pos: int = 512):
-    """A random-weight Llama built from a config (float64: batched and incremental forwards agree)."""
+    """A random-weight Llama built from a config (float64: batched and incremental forwards agree).
+
+    The output head is untied from the embedding and scaled up: a tied random head mostly
+    predicts the last input token again (the model just repeats itself, and any draft would
+    be accepted); an untied, sharpened head gives varied text with clear argmax margins.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos, tie_word_embeddings=True,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos, tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(dtype).eval()
-    # sharpen the random logits so greedy outputs are not dominated by near-ties
     with torch.no_grad():
-        model.lm_head.weight.mul_(4.0) if not cfg.tie_word_embeddings else model.model.embed_tokens.weight.mul_(4.0)
+        model.lm_head.weight.mul_(8.0)
     return model
 
 

@@ -152,7 +152,9 @@ def test_round_and_token_events_add_up(pair):
     for i, rate in enumerate(per_pos):
         at_i = [r for r in rounds if len(r.drafted) > i]
         assert rate == pytest.approx(sum(r.accepted > i for r in at_i) / len(at_i))
-    assert list(per_pos) == sorted(per_pos, reverse=True)  # acceptance past position i can only fall
+    # acceptances past position i can only fall (rates need not: a budget-clamped last round drafts fewer)
+    counts = [sum(r.accepted > i for r in rounds) for i in range(len(per_pos))]
+    assert counts == sorted(counts, reverse=True)
 
 
 class _Counting(torch.nn.Module):
