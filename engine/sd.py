@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import torch
@@ -55,6 +55,27 @@ def fit_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
         return logits[..., :size]
     pad = logits.new_full((*logits.shape[:-1], size - vd), float("-inf"))
     return torch.cat([logits, pad], dim=-1)
+
+
+def emit_block(
+    builder: ReplyBuilder, metrics: Metrics, drafts: list[int], num_accepted: int, bonus: int, t0: float
+) -> Generator[Token, None, tuple[int, int | None]]:
+    """Push one round's accepted drafts and bonus through ``builder``, yielding their Token
+    events; EOS / stop / length end the block at that token.  Returns ``(emitted, bonus_id)``
+    (bonus_id None if the reply ended before the bonus).  Shared by SD and SSD."""
+    emitted, bonus_id = 0, None
+    for i, tok in enumerate([*drafts[:num_accepted], bonus]):
+        delta = builder.push(tok)
+        if i == num_accepted:
+            bonus_id = tok
+        if builder.reason != "eos":
+            ev = Token(tok, delta, "draft" if i < num_accepted else "target", time.perf_counter() - t0)
+            emitted += 1
+            metrics.add(ev)
+            yield ev
+        if builder.finished:
+            break
+    return emitted, bonus_id
 
 
 class SDDecoder:
@@ -128,19 +149,8 @@ class SDDecoder:
                 verify_s = time.perf_counter() - t_verify
 
                 # emit the accepted drafts and the bonus; EOS / stop / length end the reply at that token
-                emitted, bonus_id = 0, None
-                for i, tok in enumerate([*drafts[:num_accepted], bonus]):
-                    delta = builder.push(tok)
-                    seq.append(tok)
-                    if i == num_accepted:
-                        bonus_id = tok
-                    if builder.reason != "eos":
-                        ev = Token(tok, delta, "draft" if i < num_accepted else "target", time.perf_counter() - t0)
-                        emitted += 1
-                        metrics.add(ev)
-                        yield ev
-                    if builder.finished:
-                        break
+                emitted, bonus_id = yield from emit_block(builder, metrics, drafts, num_accepted, bonus, t0)
+                seq += [*drafts[:num_accepted], bonus]  # only read again if the reply goes on
                 rnd = Round(index, tuple(drafts), num_accepted, bonus_id, emitted, draft_s, verify_s, time.perf_counter() - t0)
                 metrics.add(rnd)
                 yield rnd

@@ -53,6 +53,7 @@ from .metrics import Metrics
 from .models import parse_placement
 from .params import SamplingParams
 from .sampling import logits_to_probs, make_generator, sample_next, verify
+from .sd import emit_block
 from .speculator import Speculator, recipe_for, worker_main
 
 LOAD_TIMEOUT_S = 180.0  # the speculator's start (imports + loading the draft)
@@ -333,18 +334,7 @@ class SSDDecoder:
 
                     # 3. commit: accepted drafts, then the bonus; EOS / stop / length end the reply there
                     seq += [pending, *drafts[:n]]
-                    emitted, bonus_id = 0, None
-                    for i, tok in enumerate([*drafts[:n], bonus]):
-                        delta = builder.push(tok)
-                        if i == n:
-                            bonus_id = tok
-                        if builder.reason != "eos":
-                            ev = Token(tok, delta, "draft" if i < n else "target", time.perf_counter() - t0)
-                            emitted += 1
-                            metrics.add(ev)
-                            yield ev
-                        if builder.finished:
-                            break
+                    emitted, bonus_id = yield from emit_block(builder, metrics, drafts, n, bonus, t0)
                     if reply is not None:
                         rnd = self._round(index, reply, n, bonus_id, emitted, wait_s, verify_s, t0, remote is not None)
                         sd_rounds_s += verify_s + (k * reply.step_s if remote is not None else rnd.draft_s)
