@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import fastlinear
 from .errors import ModelError
 from .models import LoadedModel, ModelSpec
 
@@ -61,7 +62,14 @@ class ReducedHead(nn.Module):
 
     def sub_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., H] -> logits over the reduced vocabulary [..., V']."""
-        return h @ self.rows.T + (self.fixed_bias + self.bias)
+        return fastlinear.linear(h, self.rows, None, self._rows_t) + (self.fixed_bias + self.bias)
+
+    def _rows_t(self) -> torch.Tensor | None:
+        key = (self.rows.data_ptr(), self.rows._version)
+        if getattr(self, "_t_key", None) != key:
+            self._t = self.rows.t().contiguous()
+            self._t_key = key
+        return self._t
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         sub = self.sub_logits(h)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from . import fastlinear
 from .errors import DeviceError, ModelError, TokenizerMismatchError
 
 # alias -> hub id (instruct variants); "packaged" entries need no download
@@ -371,6 +372,7 @@ def load(
         except torch.cuda.OutOfMemoryError as e:
             raise ModelError(f"out of GPU memory placing '{name}' on {placement.device}") from e
     model.eval()
+    fastlinear.install(model)  # CPU float32 only; a no-op elsewhere
     return LoadedModel(
         name=name,
         spec=spec,

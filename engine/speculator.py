@@ -405,6 +405,9 @@ def build_model(recipe: Recipe) -> torch.nn.Module:
         base = LoadedModel("target", ModelSpec("target", "folder", recipe.folder or "memory"), model, None,
                            Placement(dev, recipe.dtype))
         model = drafts.derive(recipe.derived, base).model
+    from . import fastlinear
+
+    fastlinear.install(model)  # as models.load does for the app's models (CPU float32 only)
     return model.eval()
 
 
