@@ -19,6 +19,7 @@ import warnings
 import torch
 from torch import nn
 
+from .draft_model import _shallow, _sub_config
 from .errors import ModelError
 from .models import LoadedModel, ModelSpec
 
@@ -85,8 +86,7 @@ def _first_layers(base: nn.Module, n: int) -> nn.Module:
     total = len(layers)
     if not 1 <= n <= total:
         raise ModelError(f"layers:{n} is out of range: the target has {total} layers")
-    cfg = copy.deepcopy(base.config)
-    cfg.num_hidden_layers = n
+    cfg = _sub_config(base.config, list(range(n)))
     inner_c = _shallow(inner)
     inner_c.layers = nn.ModuleList(list(layers)[:n])  # the same layer objects: weights are shared
     inner_c.config = cfg
@@ -94,12 +94,3 @@ def _first_layers(base: nn.Module, n: int) -> nn.Module:
     draft.model = inner_c
     draft.config = cfg
     return draft
-
-
-def _shallow(module: nn.Module) -> nn.Module:
-    """A shallow copy whose module/parameter registries are its own (so edits don't touch the original)."""
-    c = copy.copy(module)
-    c._modules = dict(module._modules)
-    c._parameters = dict(module._parameters)
-    c._buffers = dict(module._buffers)
-    return c
