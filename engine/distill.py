@@ -3,7 +3,9 @@
 Pipeline, every stage cached in a work folder so an interrupted run resumes:
 
 1. **data**: the target answers each training prompt (under its chat template, as the
-   app will prompt it), greedily by default, in padded batches.
+   app will prompt it) once greedily and ``samples`` more times by sampling at
+   ``temperature``, in padded batches.  Sampled answers multiply the on-policy contexts
+   the draft learns from (with greedy answers alone a draft over-fits).
 2. **teacher pass**: one teacher-forced target forward per answer records the output of
    the shared trunk (the draft's input) and the target's final hidden state (from which
    its exact logits over the reduced vocabulary are recomputed during training).
@@ -50,13 +52,14 @@ class TrainConfig:
     num_shared: int = 2
     init_from: tuple[int, ...] | None = None
     num_vocab: int = 8192
-    steps: int = 320
-    batch_size: int = 8
+    steps: int = 480
+    batch_size: int = 16
     lr: float = 3e-3
     warmup: int = 20
     max_new_tokens: int = 128
-    gen_batch: int = 32
-    temperature: float = 0.0  # of the target's training answers (0: greedy)
+    gen_batch: int = 128
+    temperature: float = 0.8  # of the sampled training answers
+    samples: int = 5  # sampled answers per training prompt, besides the greedy one
     eval_every: int = 25
     seed: int = 0
 
@@ -65,6 +68,10 @@ class TrainConfig:
             raise ParamError(f"--layers must be >= 0, got {self.num_shared}")
         if self.num_vocab < 2:
             raise ParamError(f"--vocab must be at least 2, got {self.num_vocab}")
+        if self.samples < 0:
+            raise ParamError(f"--samples must be >= 0, got {self.samples}")
+        if self.samples and not self.temperature > 0:
+            raise ParamError("--samples needs --temperature > 0 (sampled answers at temperature 0 would all be the greedy one)")
         for name in ("steps", "batch_size", "max_new_tokens", "gen_batch", "eval_every"):
             if getattr(self, name) < 1:
                 raise ParamError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -138,8 +145,10 @@ def prompt_ids(target: LoadedModel, prompts: list[str]) -> list[list[int]]:
 
 @torch.no_grad()
 def generate(target: LoadedModel, prompts: list[list[int]], cfg: TrainConfig, capture: tuple[int, ...] | None = None,
-             progress: ProgressFn = _no_progress) -> tuple[list[Example], dict[int, Features]]:
-    """The target's answers to ``prompts`` (batched, left-padded), each cut after its first EOS.
+             progress: ProgressFn = _no_progress, temperature: float | None = None,
+             stage: str = "answers", seed: int | None = None) -> tuple[list[Example], dict[int, Features]]:
+    """The target's answers to ``prompts`` (batched, left-padded), each cut after its first EOS,
+    at ``temperature`` (default ``cfg.temperature``; 0: greedy).
 
     While it generates, forward hooks record for every position but the last the output of
     the first ``n`` target layers (the draft's input, for each ``n`` in ``capture``) and the
@@ -153,10 +162,11 @@ def generate(target: LoadedModel, prompts: list[list[int]], cfg: TrainConfig, ca
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     examples: list[Example | None] = [None] * len(prompts)
     per: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [None] * len(prompts) for n in capture}  # type: ignore[misc]
-    gen = {"do_sample": cfg.temperature > 0, "max_new_tokens": cfg.max_new_tokens, "pad_token_id": pad,
+    temp = cfg.temperature if temperature is None else temperature
+    gen = {"do_sample": temp > 0, "max_new_tokens": cfg.max_new_tokens, "pad_token_id": pad,
            "eos_token_id": eos or None}
-    if cfg.temperature > 0:
-        gen.update(temperature=cfg.temperature, top_p=1.0, top_k=0)
+    if temp > 0:
+        gen.update(temperature=temp, top_p=1.0, top_k=0)
     calls: dict[Any, list[torch.Tensor]] = {n: [] for n in capture}
     calls["final"] = []
 
@@ -169,7 +179,7 @@ def generate(target: LoadedModel, prompts: list[list[int]], cfg: TrainConfig, ca
     for n in capture:
         mod = inner.embed_tokens if n == 0 else layers[n - 1]
         hooks.append(mod.register_forward_hook(hook(n)))
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed if seed is None else seed)
     try:
         for b in range(0, len(order), cfg.gen_batch):
             idx = order[b : b + cfg.gen_batch]
@@ -194,7 +204,7 @@ def generate(target: LoadedModel, prompts: list[list[int]], cfg: TrainConfig, ca
                 lo, hi = width - len(prompts[i]), width + len(answer) - 1  # every position but the last
                 for n in capture:
                     per[n][i] = (steps[n][r, lo:hi].clone(), steps["final"][r, lo:hi].clone())
-            progress("answers", min(b + cfg.gen_batch, len(order)), len(order), {})
+            progress(stage, min(b + cfg.gen_batch, len(order)), len(order), {})
     finally:
         for hk in hooks:
             hk.remove()
@@ -396,7 +406,7 @@ def work_dir(target: LoadedModel, cfg: TrainConfig, prompts: list[str], heldout:
     """Default cache folder for one (target, data settings) pair."""
     h = hashlib.sha256()
     h.update(draft_model.shared_hash(target.model, 0).encode())
-    h.update(json.dumps([prompts, heldout, cfg.max_new_tokens, cfg.temperature, cfg.seed]).encode())
+    h.update(json.dumps([prompts, heldout, cfg.max_new_tokens, cfg.seed]).encode())
     return cache_dir() / "distill" / h.hexdigest()[:16]
 
 
@@ -442,13 +452,25 @@ def run(
         for f in work.glob("*.pt"):
             f.unlink()
     t0 = time.perf_counter()
-    def make() -> dict[str, Any]:
-        tr, trf = generate(target, prompt_ids(target, prompts), cfg, progress=progress)
-        he, hef = generate(target, prompt_ids(target, heldout), cfg, progress=progress)
+    train_ids = prompt_ids(target, prompts)
+
+    def greedy() -> dict[str, Any]:
+        tr, trf = generate(target, train_ids, cfg, progress=progress, temperature=0.0, stage="answers")
+        he, hef = generate(target, prompt_ids(target, heldout), cfg, progress=progress, temperature=0.0, stage="held-out")
         return {"train": _pack(tr, trf[cfg.num_shared]), "heldout": _pack(he, hef[cfg.num_shared])}
 
-    data = _cached(work / f"answers-{cfg.num_shared}.pt", make)
+    def sampled(i: int) -> Callable[[], dict[str, Any]]:
+        def make() -> dict[str, Any]:
+            tr, trf = generate(target, train_ids, cfg, progress=progress, temperature=cfg.temperature,
+                               stage=f"sample {i + 1}/{cfg.samples}", seed=cfg.seed * 1_000_003 + i + 1)
+            return _pack(tr, trf[cfg.num_shared])
+        return make
+
+    data = _cached(work / f"answers-{cfg.num_shared}.pt", greedy)
     (train_ex, train_f), (held_ex, held_f) = _unpack(data["train"]), _unpack(data["heldout"])
+    for i in range(cfg.samples):  # one cache file per round of samples, so an interrupted run resumes between rounds
+        ex, f = _unpack(_cached(work / f"sampled-{cfg.num_shared}-t{cfg.temperature:g}-{i}.pt", sampled(i)))
+        train_ex, train_f = train_ex + ex, Features(train_f.trunk + f.trunk, train_f.final + f.final)
     vocab = choose_vocab(target, train_ex, train_f, cfg.num_vocab)
     result = train_draft(target, (train_ex, train_f), (held_ex, held_f), vocab, cfg, work / "checkpoint.pt", progress)
     n_answer = sum(len(e.ids) - e.start for e in train_ex)
@@ -456,7 +478,7 @@ def run(
         "name": Path(out).name,
         "training": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
                      "init_from": list(result.shape.init_from), "num_prompts": len(prompts),
-                     "num_answer_tokens": n_answer, "train_s": round(time.perf_counter() - t0, 1)},
+                     "num_answers": len(train_ex), "num_answer_tokens": n_answer, "train_s": round(time.perf_counter() - t0, 1)},
         "heldout": {"num_prompts": len(heldout), "teacher_forced_agreement": round(result.heldout_agreement, 4),
                     "vocab_coverage": round(result.vocab_coverage, 4)},
     }

@@ -68,12 +68,13 @@ def train(
     layers: Annotated[int, typer.Option("--layers", min=0, help="Target layers shared (frozen) at the bottom of the draft.")] = 2,
     init_from: Annotated[Optional[str], typer.Option("--init-from", help="Target layers copied as the draft's new trained layers, e.g. '29' or '2,29' (default: the target's last two layers).", show_default=False)] = None,
     vocab: Annotated[int, typer.Option("--vocab", min=2, help="Size of the draft's reduced vocabulary (tokens the target emits most).")] = 8192,
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps.")] = 320,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Answers per step.")] = 8,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps.")] = 480,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Answers per step.")] = 16,
     lr: Annotated[float, typer.Option("--lr", min=0.0, help="Peak learning rate (AdamW, warm-up then cosine).")] = 3e-3,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Longest target answer generated per training prompt.")] = 128,
-    gen_batch: Annotated[int, typer.Option("--gen-batch", min=1, help="Prompts the target answers at once.")] = 32,
-    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="Temperature of the target's training answers (0: greedy).")] = 0.0,
+    gen_batch: Annotated[int, typer.Option("--gen-batch", min=1, help="Prompts the target answers at once.")] = 128,
+    samples: Annotated[int, typer.Option("--samples", min=0, help="Sampled answers per training prompt, besides the greedy one (more varied contexts; each round is cached).")] = 5,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="Temperature of the sampled training answers.")] = 0.8,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Training prompts, JSON lines with a \"prompt\" field (default: the packaged set).", show_default=False)] = None,
     heldout: Annotated[Optional[Path], typer.Option("--heldout", help="Held-out prompts for the agreement shown while training (default: the packaged set).", show_default=False)] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed for initialisation, batch order and sampled answers.")] = 0,
@@ -101,7 +102,7 @@ def train(
     try:
         cfg = distill.TrainConfig(
             num_shared=layers, init_from=_init_from(init_from), num_vocab=vocab, steps=steps, batch_size=batch_size,
-            lr=lr, max_new_tokens=max_new_tokens, gen_batch=gen_batch, temperature=temperature, eval_every=eval_every, seed=seed,
+            lr=lr, max_new_tokens=max_new_tokens, gen_batch=gen_batch, temperature=temperature, samples=samples, eval_every=eval_every, seed=seed,
         )
         train_prompts = distill.load_prompts(prompts)
         held_prompts = distill.load_prompts(heldout, heldout=True)

@@ -264,17 +264,30 @@ class _ModTokenizer(CharTokenizer):
         return {"input_ids": [ord(c) % 64 for c in text]}
 
 
+def test_sampled_answers_need_a_temperature():
+    with pytest.raises(ParamError, match="--temperature"):
+        distill.TrainConfig(samples=2, temperature=0.0)
+    with pytest.raises(ParamError, match="--samples"):
+        distill.TrainConfig(samples=-1)
+
+
 def test_run_writes_a_loadable_draft_and_reuses_its_cache(tmp_path):
     target = _target()
     target.tokenizer = _ModTokenizer(64)
-    cfg = distill.TrainConfig(**{**{f: getattr(CFG, f) for f in CFG.__slots__}, "steps": 4, "eval_every": 2, "max_new_tokens": 6})
+    cfg = distill.TrainConfig(**{**{f: getattr(CFG, f) for f in CFG.__slots__}, "steps": 4, "eval_every": 2, "max_new_tokens": 6,
+                                 "samples": 2, "temperature": 4.0})  # hot: the tiny target is very peaked
     prompts, held = [f"prompt {i}" for i in range(12)], ["held one", "held two"]
     result, work = distill.run(target, tmp_path / "d", cfg, prompts, held, work=tmp_path / "w")
     answers = work / "answers-1.pt"
     stamp = answers.stat().st_mtime_ns
-    torch.load(answers, weights_only=True)  # the cache is plain tensors
+    greedy = torch.load(answers, weights_only=True)  # the cache is plain tensors
+    rounds = [torch.load(work / f"sampled-1-t4-{i}.pt", weights_only=True) for i in range(2)]
+    # one greedy answer per prompt plus two sampled rounds, each round its own random stream
+    assert [a.tolist() for a in rounds[0]["ids"]] != [a.tolist() for a in rounds[1]["ids"]]
+    assert [a.tolist() for a in rounds[0]["ids"]] != [a.tolist() for a in greedy["train"]["ids"]]
     manifest = json.loads((tmp_path / "d" / draft_model.MANIFEST).read_text())
     assert manifest["training"]["num_prompts"] == 12 and manifest["heldout"]["num_prompts"] == 2
+    assert manifest["training"]["num_answers"] == 36 and manifest["training"]["samples"] == 2
     loaded = drafts.derive(str(tmp_path / "d"), target)
     assert loaded.model.lm_head.ids.tolist() == result.draft.lm_head.ids.tolist()
     again, _ = distill.run(target, tmp_path / "d2", cfg, prompts, held, work=tmp_path / "w")
