@@ -64,12 +64,8 @@ class ReducedHead(nn.Module):
         """h [..., H] -> logits over the reduced vocabulary [..., V']."""
         return fastlinear.linear(h, self.rows, None, self._rows_t) + (self.fixed_bias + self.bias)
 
-    def _rows_t(self) -> torch.Tensor | None:
-        key = (self.rows.data_ptr(), self.rows._version)
-        if getattr(self, "_t_key", None) != key:
-            self._t = self.rows.t().contiguous()
-            self._t_key = key
-        return self._t
+    def _rows_t(self) -> torch.Tensor:
+        return fastlinear.cached_transpose(self, self.rows)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         sub = self.sub_logits(h)

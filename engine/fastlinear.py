@@ -14,8 +14,8 @@ on this project's 2-core Zen 4 VM, one thread, the SmolLM2-135M linears of one f
     x @ W.T contiguous 32.9   48.1   60.2   65.5   74.7   80.3  ms
 
 So: one row multiplies a cached contiguous transpose of the weight (``x @ Wt``); 2-5 rows
-use ``(W @ x.T).T``, except for wide-input matrices (``in > out``, the MLP's down projection)
-beyond two rows, where ``F.linear`` is as fast; everything else, and anything that needs
+use ``(W @ x.T).T``, except for wide-input matrices (``in >= 1024`` and ``in >= 2 * out``,
+the MLP's down projection) beyond two rows, where ``F.linear`` is as fast; everything else, and anything that needs
 gradients, is plain ``F.linear``.  The results are the same products in a different
 summation order, equal to ``F.linear`` up to float rounding (what GEMV vs GEMM already
 differ by), so greedy exactness tests run through this path unchanged.
@@ -46,15 +46,18 @@ def enabled() -> bool:
     return os.environ.get("SSD_CHAT_FAST_LINEAR", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _transposed(self: nn.Linear) -> torch.Tensor | None:
-    if not self._ssd_allow_t:
-        return None
-    w = self.weight
+def cached_transpose(owner: nn.Module, w: torch.Tensor) -> torch.Tensor:
+    """The contiguous transpose of ``w``, kept on ``owner`` and rebuilt when ``w``'s storage
+    or version counter changes (an in-place update, a copy loaded into it)."""
     key = (w.data_ptr(), w._version)
-    if self._ssd_t_key != key:
-        self._ssd_t = w.detach().t().contiguous()
-        self._ssd_t_key = key
-    return self._ssd_t
+    if owner.__dict__.get("_ssd_t_key") != key:
+        owner._ssd_t = w.detach().t().contiguous()
+        owner._ssd_t_key = key
+    return owner._ssd_t
+
+
+def _transposed(self: nn.Linear) -> torch.Tensor | None:
+    return cached_transpose(self, self.weight) if self._ssd_allow_t else None
 
 
 def _wide_input(out_f: int, in_f: int) -> bool:

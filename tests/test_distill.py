@@ -247,7 +247,7 @@ def test_shipped_draft_loads_on_the_packaged_target_and_decodes_exactly(smollm2)
     draft = drafts.derive(folder, smollm2)
     assert draft.model.model.embed_tokens is smollm2.model.model.embed_tokens
     stats = distill.measure(smollm2, draft, distill.load_prompts(heldout=True)[:4], max_new_tokens=48)
-    assert stats["agreement"] >= 0.2, stats  # measured 31 % on 10 held-out prompts (README)
+    assert stats["agreement"] >= 0.2, stats  # measured 37 % on 10 held-out prompts (README)
     prompt = distill.prompt_ids(smollm2, ["Write a haiku about snow."])[0]
     params = SamplingParams(max_new_tokens=32)
     out = {}
