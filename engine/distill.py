@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from . import chat, draft_model, kv
 from .draft_model import DraftShape
 from .errors import ModelError, ParamError
+from .feature_draft import FeatureDraft, FeatureState, FeatureTap, is_feature_draft
 from .models import LoadedModel, cache_dir
 
 ProgressFn = Callable[[str, int, int, dict[str, float]], None]  # (stage, done, total, info)
@@ -47,8 +48,12 @@ def _no_progress(stage: str, done: int, total: int, info: dict[str, float]) -> N
 
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
-    """How a draft is shaped and trained.  ``init_from`` None: the target's last two layers."""
+    """How a draft is shaped and trained.  ``kind``: "layers" (shared first layers + trained
+    layers, :mod:`draft_model`) or "features" (EAGLE-style, :mod:`feature_draft`).  ``init_from``
+    None: the target's last two layers ("layers") or its last layer ("features")."""
 
+    kind: str = "layers"
+    chain: bool = False  # features: also train on the draft's own features (a second pass; ~1.5x the time)
     num_shared: int = 2
     init_from: tuple[int, ...] | None = None
     num_vocab: int = 8192
@@ -64,6 +69,8 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.kind not in ("layers", "features"):
+            raise ParamError(f"--kind must be 'layers' or 'features', got '{self.kind}'")
         if self.num_shared < 0:
             raise ParamError(f"--layers must be >= 0, got {self.num_shared}")
         if self.num_vocab < 2:
@@ -81,6 +88,8 @@ class TrainConfig:
             raise ParamError(f"--temperature must be >= 0, got {self.temperature}")
 
     def shape(self, num_target_layers: int) -> DraftShape:
+        if self.kind == "features":
+            return DraftShape(0, self.init_from if self.init_from is not None else (num_target_layers - 1,))
         default = tuple(range(max(0, num_target_layers - 2), num_target_layers))
         return DraftShape(self.num_shared, self.init_from if self.init_from is not None else default)
 
@@ -342,9 +351,14 @@ def train_draft(
     if heldout[1].top1 is None:
         heldout = (heldout[0], with_top1(target, heldout[1]))
     torch.manual_seed(cfg.seed)
-    draft = draft_model.build(model, shape, vocab_ids)
+    features = cfg.kind == "features"
+    if features:
+        draft = FeatureDraft(model, shape.init_from, vocab_ids)
+        tail = draft
+    else:
+        draft = draft_model.build(model, shape, vocab_ids)
+        tail = draft_model.tail(draft)
     head = draft.lm_head
-    tail = draft_model.tail(draft)
     tail.train()
     params = draft_model.trainable_parameters(draft)
     optim = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
@@ -361,12 +375,18 @@ def train_draft(
             start, history = int(ck["step"]), list(ck["history"])
     examples, feats = train
     dev, dt = head.rows.device, head.rows.dtype
+    evaluate = feature_heldout_metrics if features else heldout_metrics
     info = dict(history[-1]) if history else {}
     progress("training", start, cfg.steps, info)
     for step in range(start, cfg.steps):
         idx = _order(len(examples), step, cfg.batch_size, cfg.seed)
-        trunk, final, _, mask, pos = _batch(feats, examples, idx, dev, dt)
-        loss = kl_loss(_forward(tail, head, trunk, pos, mask), _teacher_logits(head, final, mask))
+        if features:
+            ids, f_in, final, _, mask, pos = _fbatch(feats, examples, idx, dev, dt)
+            loss, parts = feature_losses(draft, ids, f_in, final, mask, pos, chain=cfg.chain)
+            info.update(parts)
+        else:
+            trunk, final, _, mask, pos = _batch(feats, examples, idx, dev, dt)
+            loss = kl_loss(_forward(tail, head, trunk, pos, mask), _teacher_logits(head, final, mask))
         for g in optim.param_groups:
             g["lr"] = _lr_at(step, cfg)
         optim.zero_grad(set_to_none=True)
@@ -377,9 +397,11 @@ def train_draft(
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
             tail.eval()
-            m = heldout_metrics(draft, heldout[1], heldout[0])
+            m = evaluate(draft, heldout[1], heldout[0])
             tail.train()
             info.update({"agreement": m["agreement"], "heldout_kl": m["kl"]})
+            if "agreement_own" in m:
+                info["agreement_own"] = m["agreement_own"]
             history.append({"step": done, "loss": info["loss"], **m})
             if checkpoint is not None:
                 _save_checkpoint(checkpoint, draft, optim, done, history, key)
@@ -387,7 +409,7 @@ def train_draft(
     tail.eval()
     for p in params:
         p.requires_grad_(False)
-    final_m = heldout_metrics(draft, heldout[1], heldout[0])
+    final_m = evaluate(draft, heldout[1], heldout[0])
     return TrainResult(draft.eval(), shape, history, final_m["agreement"], final_m["coverage"])
 
 
@@ -432,6 +454,32 @@ def _cached(path: Path, make: Callable[[], Any]) -> Any:
     return obj
 
 
+def load_data(target: LoadedModel, cfg: TrainConfig, prompts: list[str], heldout: list[str], work: Path,
+              progress: ProgressFn = _no_progress) -> tuple[tuple[list[Example], Features], tuple[list[Example], Features]]:
+    """The target's greedy answers (training and held-out) and ``cfg.samples`` rounds of sampled
+    training answers, with their hidden states; each stage is cached in ``work``."""
+    train_ids = prompt_ids(target, prompts)
+
+    def greedy() -> dict[str, Any]:
+        tr, trf = generate(target, train_ids, cfg, progress=progress, temperature=0.0, stage="answers")
+        he, hef = generate(target, prompt_ids(target, heldout), cfg, progress=progress, temperature=0.0, stage="held-out")
+        return {"train": _pack(tr, trf[cfg.num_shared]), "heldout": _pack(he, hef[cfg.num_shared])}
+
+    def sampled(i: int) -> Callable[[], dict[str, Any]]:
+        def make() -> dict[str, Any]:
+            tr, trf = generate(target, train_ids, cfg, progress=progress, temperature=cfg.temperature,
+                               stage=f"sample {i + 1}/{cfg.samples}", seed=cfg.seed * 1_000_003 + i + 1)
+            return _pack(tr, trf[cfg.num_shared])
+        return make
+
+    data = _cached(work / f"answers-{cfg.num_shared}.pt", greedy)
+    (train_ex, train_f), (held_ex, held_f) = _unpack(data["train"]), _unpack(data["heldout"])
+    for i in range(cfg.samples):  # one cache file per round of samples, so an interrupted run resumes between rounds
+        ex, f = _unpack(_cached(work / f"sampled-{cfg.num_shared}-t{cfg.temperature:g}-{i}.pt", sampled(i)))
+        train_ex, train_f = train_ex + ex, Features(train_f.trunk + f.trunk, train_f.final + f.final)
+    return (train_ex, train_f), (held_ex, held_f)
+
+
 def run(
     target: LoadedModel,
     out: Path,
@@ -452,25 +500,7 @@ def run(
         for f in work.glob("*.pt"):
             f.unlink()
     t0 = time.perf_counter()
-    train_ids = prompt_ids(target, prompts)
-
-    def greedy() -> dict[str, Any]:
-        tr, trf = generate(target, train_ids, cfg, progress=progress, temperature=0.0, stage="answers")
-        he, hef = generate(target, prompt_ids(target, heldout), cfg, progress=progress, temperature=0.0, stage="held-out")
-        return {"train": _pack(tr, trf[cfg.num_shared]), "heldout": _pack(he, hef[cfg.num_shared])}
-
-    def sampled(i: int) -> Callable[[], dict[str, Any]]:
-        def make() -> dict[str, Any]:
-            tr, trf = generate(target, train_ids, cfg, progress=progress, temperature=cfg.temperature,
-                               stage=f"sample {i + 1}/{cfg.samples}", seed=cfg.seed * 1_000_003 + i + 1)
-            return _pack(tr, trf[cfg.num_shared])
-        return make
-
-    data = _cached(work / f"answers-{cfg.num_shared}.pt", greedy)
-    (train_ex, train_f), (held_ex, held_f) = _unpack(data["train"]), _unpack(data["heldout"])
-    for i in range(cfg.samples):  # one cache file per round of samples, so an interrupted run resumes between rounds
-        ex, f = _unpack(_cached(work / f"sampled-{cfg.num_shared}-t{cfg.temperature:g}-{i}.pt", sampled(i)))
-        train_ex, train_f = train_ex + ex, Features(train_f.trunk + f.trunk, train_f.final + f.final)
+    (train_ex, train_f), (held_ex, held_f) = load_data(target, cfg, prompts, heldout, work, progress)
     vocab = choose_vocab(target, train_ex, train_f, cfg.num_vocab)
     result = train_draft(target, (train_ex, train_f), (held_ex, held_f), vocab, cfg, work / "checkpoint.pt", progress)
     n_answer = sum(len(e.ids) - e.start for e in train_ex)
@@ -499,26 +529,46 @@ def measure(target: LoadedModel, draft: LoadedModel, prompts: list[str] | list[l
     matches: list[list[bool]] = []
     t_target = t_draft = 0.0
     steps = 0
-    for ids in [p if isinstance(p, list) else prompt_ids(target, [p])[0] for p in prompts]:
-        tc, dc = kv.new_cache(target.model), kv.new_cache(draft.model)
+    features = is_feature_draft(draft.model)
+    all_ids = [p if isinstance(p, list) else prompt_ids(target, [p])[0] for p in prompts]
+    for ids in all_ids:
+        tc = kv.new_cache(target.model)
         x = torch.tensor(ids, device=target.device)
-        tl = kv.forward(target.model, x, tc, last_only=True)[-1]
-        dl = kv.forward(draft.model, x, dc, last_only=True)[-1]
-        row = []
-        for _ in range(max_new_tokens):
-            tok = int(tl.argmax())
-            row.append(int(dl.argmax()) == tok)
-            if tok in target.eos_ids:
-                break
-            nxt = torch.tensor([tok], device=target.device)
-            a = time.perf_counter()
-            tl = kv.forward(target.model, nxt, tc)[-1]
-            b = time.perf_counter()
-            dl = kv.forward(draft.model, nxt, dc)[-1]
-            c = time.perf_counter()
-            t_target += b - a
-            t_draft += c - b
-            steps += 1
+        tap = FeatureTap(target.model) if features else None
+        try:
+            tl = kv.forward(target.model, x, tc, last_only=True)[-1]
+            if tap is not None:  # a feature draft reads the target's features: of every position before its token
+                fs = FeatureState(draft.model, draft.device)
+                fs.add_features(tap.take(), 0)
+                seq = list(ids)
+                dl = fs.catch_up(seq).logits[-1]
+            else:
+                dc = kv.new_cache(draft.model)
+                dl = kv.forward(draft.model, x, dc, last_only=True)[-1]
+            row = []
+            for _ in range(max_new_tokens):
+                tok = int(tl.argmax())
+                row.append(int(dl.argmax()) == tok)
+                if tok in target.eos_ids:
+                    break
+                nxt = torch.tensor([tok], device=target.device)
+                a = time.perf_counter()
+                tl = kv.forward(target.model, nxt, tc)[-1]
+                b = time.perf_counter()
+                if tap is not None:
+                    seq.append(tok)
+                    fs.add_features(tap.take(), len(seq) - 1)
+                    b = time.perf_counter()
+                    dl = fs.catch_up(seq).logits[-1]
+                else:
+                    dl = kv.forward(draft.model, nxt, dc)[-1]
+                c = time.perf_counter()
+                t_target += b - a
+                t_draft += c - b
+                steps += 1
+        finally:
+            if tap is not None:
+                tap.close()
         matches.append(row)
     n = sum(len(r) for r in matches)
     out: dict[str, Any] = {
@@ -527,6 +577,9 @@ def measure(target: LoadedModel, draft: LoadedModel, prompts: list[str] | list[l
         "draft_cost": t_draft / max(t_target, 1e-9),
         "target_step_ms": 1000 * t_target / max(steps, 1), "draft_step_ms": 1000 * t_draft / max(steps, 1),
     }
+    if features:
+        out.update(_sd_rounds(target, draft, all_ids, max_new_tokens, ks))
+        return out
     for k in ks:
         tokens = rounds = 0
         for row in matches:
@@ -539,4 +592,110 @@ def measure(target: LoadedModel, draft: LoadedModel, prompts: list[str] | list[l
                 i += a + 1
                 rounds += 1
         out[f"tokens_per_round_k{k}"] = tokens / max(rounds, 1)
+        out[f"acceptance_k{k}"] = out["agreement"]  # the draft only ever reads the true prefix
     return out
+
+
+def _sd_rounds(target: LoadedModel, draft: LoadedModel, all_ids: list[list[int]], max_new_tokens: int,
+               ks: tuple[int, ...]) -> dict[str, float]:
+    """Greedy SD for real with each k: tokens per target forward, and the acceptance rate of a
+    draft token whose predecessors were accepted (accepted / (accepted + rejections)).  For a
+    feature draft, the later tokens of a round are drafted on the draft's own features, so
+    this is lower than the first-token agreement."""
+    from .engine import Engine, EngineConfig
+    from .events import Error, Round
+    from .params import SamplingParams
+
+    out: dict[str, float] = {}
+    for k in ks:
+        engine = Engine(EngineConfig(mode="sd", k=k), target, draft)
+        accepted = rejected = tokens = rounds = 0
+        for ids in all_ids:
+            for ev in engine.stream(list(ids), SamplingParams(max_new_tokens=max_new_tokens)):
+                if isinstance(ev, Round):
+                    accepted += ev.accepted
+                    rejected += ev.accepted < len(ev.drafted)
+                    tokens += ev.emitted
+                    rounds += 1
+                elif isinstance(ev, Error):
+                    raise ModelError(f"SD failed while measuring the draft: {ev.message}")
+        out[f"tokens_per_round_k{k}"] = tokens / max(rounds, 1)
+        out[f"acceptance_k{k}"] = accepted / max(accepted + rejected, 1)
+    return out
+
+
+# --- feature drafts (EAGLE-style, see feature_draft.py) ---------------------------------------------
+
+
+def _fbatch(feats: Features, examples: list[Example], idx: list[int], dev: torch.device, dt: torch.dtype):
+    """Inputs of a feature draft: tokens, the target feature of the position before each
+    (zeros for the first), the target feature at each position, the target's greedy next
+    token, the answer-position mask and positions; all [B, W(, H)] with W = longest - 1."""
+    width = max(len(examples[i].ids) for i in idx) - 1
+    hid = feats.final[0].shape[-1]
+    ids = torch.zeros((len(idx), width), dtype=torch.long)
+    f_in = torch.zeros((len(idx), width, hid), dtype=dt)
+    final = torch.zeros((len(idx), width, hid), dtype=dt)
+    nxt = torch.zeros((len(idx), width), dtype=torch.long)
+    mask = torch.zeros((len(idx), width), dtype=torch.bool)
+    for r, i in enumerate(idx):
+        ex, n = examples[i], len(examples[i].ids)
+        ids[r, : n - 1] = ex.ids[: n - 1]
+        final[r, : n - 1] = feats.final[i]
+        f_in[r, 1 : n - 1] = feats.final[i][: n - 2]
+        nxt[r, : n - 1] = feats.top1[i] if feats.top1 is not None else ex.ids[1:]
+        mask[r, ex.start - 1 : n - 1] = True
+    pos = torch.arange(width)[None].expand(len(idx), -1)
+    return ids.to(dev), f_in.to(dev), final.to(dev), nxt.to(dev), mask.to(dev), pos.to(dev)
+
+
+def _shift_own(h: torch.Tensor) -> torch.Tensor:
+    """The draft's own features as the next positions' inputs (position 0 keeps zeros)."""
+    out = torch.zeros_like(h)
+    out[:, 1:] = h[:, :-1]
+    return out
+
+
+def feature_losses(draft, ids, f_in, final, mask, pos, chain: bool) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL to the target at every answer position, a smooth-L1 pull of the draft's hidden state
+    towards the target's feature, and (``chain``) the KL once more with every input feature
+    replaced by the draft's own from the first pass, as when it drafts several tokens in a row."""
+    head = draft.lm_head
+    teacher = _teacher_logits(head, final, mask)
+    out = draft(input_ids=ids, features=f_in, position_ids=pos, use_cache=False)
+    h = out.hidden
+    kl = kl_loss(head.sub_logits(h[mask]), teacher)
+    reg = F.smooth_l1_loss(h[mask].float(), final[mask].float())
+    loss = kl + reg
+    info = {"kl": float(kl.detach()), "reg": float(reg.detach())}
+    if chain:
+        own = draft(input_ids=ids, features=_shift_own(h.detach()), position_ids=pos, use_cache=False).hidden
+        kl2 = kl_loss(head.sub_logits(own[mask]), teacher)
+        loss = loss + kl2
+        info["kl_own"] = float(kl2.detach())
+    return loss, info
+
+
+@torch.no_grad()
+def feature_heldout_metrics(draft, feats: Features, examples: list[Example], batch: int = 8) -> dict[str, float]:
+    """Held-out top-1 agreement with the target's greedy token: ``agreement`` with the target's
+    features as inputs (the first draft token of a round), ``agreement_own`` with the draft's own
+    features as inputs (a lower bound for the later draft tokens), and the KL."""
+    head = draft.lm_head
+    dev, dt = head.rows.device, head.rows.dtype
+    agree = agree_own = total = 0
+    kl_sum = 0.0
+    ids_cpu = head.ids.cpu()
+    for b in range(0, len(examples), batch):
+        idx = list(range(b, min(b + batch, len(examples))))
+        ids, f_in, final, nxt, mask, pos = _fbatch(feats, examples, idx, dev, dt)
+        h = draft(input_ids=ids, features=f_in, position_ids=pos, use_cache=False).hidden
+        logits = head.sub_logits(h[mask])
+        agree += int((head.ids[logits.argmax(-1)] == nxt[mask]).sum())
+        own = draft(input_ids=ids, features=_shift_own(h), position_ids=pos, use_cache=False).hidden
+        agree_own += int((head.ids[head.sub_logits(own[mask]).argmax(-1)] == nxt[mask]).sum())
+        total += int(mask.sum())
+        kl_sum += float(kl_loss(logits, _teacher_logits(head, final, mask))) * int(mask.sum())
+    covered = sum(int(torch.isin(ex.ids[ex.start :], ids_cpu).sum()) for ex in examples)
+    n = max(total, 1)
+    return {"agreement": agree / n, "agreement_own": agree_own / n, "kl": kl_sum / n, "coverage": covered / n}

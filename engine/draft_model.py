@@ -172,11 +172,14 @@ def build(target: nn.Module, shape: DraftShape, vocab_ids: torch.Tensor) -> nn.M
 
 
 def shared_params(target: nn.Module, num_shared: int) -> list[tuple[str, torch.Tensor]]:
-    """The target tensors a draft with ``num_shared`` shared layers depends on (names are stable)."""
-    inner, layers, _, head = _parts(target)
+    """The target tensors a draft with ``num_shared`` shared layers depends on (names are stable).
+    ``num_shared`` -1: the whole target (a feature draft reads its final hidden states)."""
+    inner, layers, norm, head = _parts(target)
     out = [(f"embed.{n}", p) for n, p in inner.embed_tokens.named_parameters()]
-    for i in range(num_shared):
+    for i in range(len(layers) if num_shared < 0 else num_shared):
         out += [(f"layers.{i}.{n}", p) for n, p in layers[i].named_parameters()]
+    if num_shared < 0:
+        out += [(f"norm.{n}", p) for n, p in norm.named_parameters()]
     if head.weight is not inner.embed_tokens.weight:
         out.append(("head.weight", head.weight))
     if head.bias is not None:
@@ -234,7 +237,9 @@ def trunk_output(target: nn.Module, ids: torch.Tensor, num_shared: int, attentio
 
 
 def trainable_state(draft: nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors the draft folder stores (tail layers, norm, head bias)."""
+    """The tensors the draft folder stores (tail layers, norm, head bias; a feature draft adds its fc)."""
+    if getattr(draft, "needs_features", False):
+        return draft.trainable_state()
     shape: DraftShape = draft.ssd_shape
     out: dict[str, torch.Tensor] = {}
     for j, layer in enumerate(list(draft.model.layers)[shape.num_shared :]):
@@ -284,11 +289,12 @@ def save(draft: nn.Module, folder: Path, target_name: str, target: nn.Module, ex
             "hidden_size": cfg.hidden_size,
             "vocab_size": int(draft.lm_head.vocab_size),
             "num_hidden_layers": cfg.num_hidden_layers,
-            "shared_hash": shared_hash(target, shape.num_shared),
+            "shared_hash": shared_hash(target, -1 if getattr(draft, "needs_features", False) else shape.num_shared),
         },
         "num_shared": shape.num_shared,
         "init_from": list(shape.init_from),
         "num_vocab": int(draft.lm_head.ids.numel()),
+        "kind": "features" if getattr(draft, "needs_features", False) else "layers",
         **(extra or {}),
     }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -322,12 +328,12 @@ def load(folder: str | Path, target: LoadedModel) -> LoadedModel:
         want.get("hidden_size") != cfg.hidden_size
         or want.get("num_hidden_layers") != cfg.num_hidden_layers
         or want.get("vocab_size") != int(model.get_output_embeddings().weight.shape[0])
-        or want.get("shared_hash") != shared_hash(model, num_shared)
+        or want.get("shared_hash") != shared_hash(model, -1 if manifest.get("kind") == "features" else num_shared)
     )
     if mismatch:
         raise ModelError(
             f"draft '{folder}' was trained for target '{want.get('name')}' and does not fit '{target.name}' "
-            f"(its shared weights differ); train one for this target with: ssd-chat draft train --target {target.name} --out DIR"
+            f"(its {'weights' if manifest.get('kind') == 'features' else 'shared weights'} differ); train one for this target with: ssd-chat draft train --target {target.name} --out DIR"
         )
     try:
         tensors = load_file(str(folder / WEIGHTS))
@@ -335,7 +341,15 @@ def load(folder: str | Path, target: LoadedModel) -> LoadedModel:
         raise ModelError(f"could not read the draft weights in '{folder}': {e}") from e
     shape = DraftShape(num_shared, tuple(int(i) for i in manifest["init_from"]))
     dev, dt = target.device, next(model.parameters()).dtype
-    draft = build(model, shape, tensors.pop("vocab_ids").to(torch.long))
+    kind = manifest.get("kind", "layers")
+    if kind == "features":
+        from .feature_draft import FeatureDraft
+
+        draft = FeatureDraft(model, shape.init_from, tensors.pop("vocab_ids").to(torch.long))
+    elif kind == "layers":
+        draft = build(model, shape, tensors.pop("vocab_ids").to(torch.long))
+    else:
+        raise ModelError(f"draft '{folder}' is of kind '{kind}', which this ssd-chat does not know")
     state = trainable_state(draft)
     missing = sorted(set(state) - set(tensors))
     if missing or set(tensors) - set(state):
@@ -345,6 +359,8 @@ def load(folder: str | Path, target: LoadedModel) -> LoadedModel:
             p.copy_(tensors[n].to(dev, dt))
     for p in state.values():
         p.requires_grad_(False)
+    if kind == "features":
+        fastlinear.install(draft)  # its new fc (the copied layers keep the target's fast path, if any)
     return LoadedModel(
         name=str(manifest.get("name") or folder.name),
         spec=ModelSpec(str(folder), "derived", str(folder)),

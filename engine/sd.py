@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import kv
+from .feature_draft import FeatureState, FeatureTap, is_feature_draft
 from .ar import context_budget, error_event
 from .detok import ReplyBuilder
 from .errors import ParamError
@@ -104,13 +105,20 @@ class SDDecoder:
         dgen = gen if ddev == tdev else make_generator(None if params.seed is None else params.seed + 1, ddev)
         temp, top_k, top_p = params.temperature, params.top_k, params.top_p
         reason = None
+        features = is_feature_draft(dmodel)
+        tap = FeatureTap(tmodel) if features else None
         try:
             # prefill: everything but the last prompt token, which the first round feeds
             seq = list(prompt_ids)
-            tcache, dcache = kv.new_cache(tmodel), kv.new_cache(dmodel)
+            tcache = kv.new_cache(tmodel)
+            fstate = FeatureState(dmodel, ddev) if features else None
+            dcache = None if features else kv.new_cache(dmodel)
             if len(seq) > 1:
                 kv.forward(tmodel, torch.tensor(seq[:-1], device=tdev), tcache, last_only=True)
-                kv.forward(dmodel, torch.tensor(seq[:-1], device=ddev), dcache, last_only=True)
+                if fstate is not None:  # the target's features of seq[:-1]: the draft can read all of seq
+                    fstate.add_features(tap.take(), 0)
+                else:
+                    kv.forward(dmodel, torch.tensor(seq[:-1], device=ddev), dcache, last_only=True)
             metrics.prefill_s = time.perf_counter() - t0
             index = 0
             while True:
@@ -125,7 +133,19 @@ class SDDecoder:
                 t_draft = time.perf_counter()
                 drafts: list[int] = []
                 qs: list[torch.Tensor] = []
-                if k:
+                if k and fstate is not None:
+                    # a feature draft: catch up with the target's features, then feed its own
+                    out = fstate.catch_up(seq)
+                    logits, hidden = out.logits[-1], out.hidden[-1:]
+                    for i in range(k):
+                        q = logits_to_probs(fit_vocab(logits, self._vocab), temp, top_k, top_p)
+                        d = int(q.argmax()) if temp == 0.0 else int(sample(q, dgen))
+                        drafts.append(d)
+                        qs.append(q)
+                        if i < k - 1:
+                            out = fstate.forward([d], feats=hidden)
+                            logits, hidden = out.logits[-1], out.hidden[-1:]
+                elif k:
                     new = torch.tensor(seq[kv.length(dcache) :], device=ddev)
                     logits = kv.forward(dmodel, new, dcache, last_only=True)[-1]
                     for i in range(k):
@@ -145,7 +165,11 @@ class SDDecoder:
                 num_accepted, bonus = verify(torch.tensor(drafts, dtype=torch.long, device=tdev), q, p, gen)
                 # roll back: keep [.., last, d1..dn]; the draft never saw dk, so it may hold less
                 kv.truncate(tcache, num_seq + num_accepted)
-                kv.truncate(dcache, min(kv.length(dcache), num_seq + num_accepted))
+                if fstate is not None:  # true features of last, d1..dn; the draft drops what it drafted
+                    fstate.add_features(tap.take()[: num_accepted + 1], num_seq - 1)
+                    fstate.rollback()
+                else:
+                    kv.truncate(dcache, min(kv.length(dcache), num_seq + num_accepted))
                 verify_s = time.perf_counter() - t_verify
 
                 # emit the accepted drafts and the bonus; EOS / stop / length end the reply at that token
@@ -161,4 +185,7 @@ class SDDecoder:
         except Exception as e:  # noqa: BLE001 - reported as an event, with the partial reply
             yield error_event(e, builder)
             return
+        finally:
+            if tap is not None:
+                tap.close()
         yield Done(reason, builder.text + builder.flush(), tuple(builder.token_ids), metrics.stats(time.perf_counter() - t0))

@@ -193,6 +193,11 @@ class SSDDecoder:
     def __init__(self, engine: Any, start: bool = True) -> None:
         if engine.draft is None:
             raise ParamError("SSD needs a draft model (--draft copy|int8|layers:N|MODEL)")
+        if getattr(engine.draft.model, "needs_features", False):
+            raise ParamError(
+                f"draft '{engine.draft.name}' is a feature draft: it reads the target's hidden states, which SSD's "
+                "speculator does not have while it drafts ahead; use it with --mode sd, or use SSD with another draft (e.g. --draft int8)"
+            )
         self.engine = engine
         self.k: int = engine.config.k
         self.vocab = _vocab_size(engine.target.model)

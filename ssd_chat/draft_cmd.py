@@ -65,8 +65,10 @@ def train(
     ctx: typer.Context,
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder to write the draft to (manifest + its own weights).")],
     target: TargetOpt = None,
-    layers: Annotated[int, typer.Option("--layers", min=0, help="Target layers shared (frozen) at the bottom of the draft.")] = 2,
-    init_from: Annotated[Optional[str], typer.Option("--init-from", help="Target layers copied as the draft's new trained layers, e.g. '29' or '2,29' (default: the target's last two layers).", show_default=False)] = None,
+    kind: Annotated[str, typer.Option("--kind", help="features: one layer over the target's own hidden states (EAGLE-style, SD only); layers: shared first layers + trained layers (SD and SSD).")] = "layers",
+    chain: Annotated[bool, typer.Option("--chain/--no-chain", help="--kind features: also train on the draft's own hidden states, as when it drafts several tokens in a row (about 1.5x the training time).")] = False,
+    layers: Annotated[int, typer.Option("--layers", min=0, help="Target layers shared (frozen) at the bottom of the draft (--kind layers).")] = 2,
+    init_from: Annotated[Optional[str], typer.Option("--init-from", help="Target layers copied as the draft's new trained layers, e.g. '29' or '2,29' (default: the target's last two layers; with --kind features its last layer).", show_default=False)] = None,
     vocab: Annotated[int, typer.Option("--vocab", min=2, help="Size of the draft's reduced vocabulary (tokens the target emits most).")] = 8192,
     steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps.")] = 480,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Answers per step.")] = 16,
@@ -101,7 +103,7 @@ def train(
     name = _target_name(ctx, target)
     try:
         cfg = distill.TrainConfig(
-            num_shared=layers, init_from=_init_from(init_from), num_vocab=vocab, steps=steps, batch_size=batch_size,
+            kind=kind, chain=chain, num_shared=layers, init_from=_init_from(init_from), num_vocab=vocab, steps=steps, batch_size=batch_size,
             lr=lr, max_new_tokens=max_new_tokens, gen_batch=gen_batch, temperature=temperature, samples=samples, eval_every=eval_every, seed=seed,
         )
         train_prompts = distill.load_prompts(prompts)
@@ -162,9 +164,10 @@ def evaluate(
         return
     typer.echo(
         f"{draft} on {name}: {stats['num_prompts']} prompts, {stats['num_tokens']} greedy tokens\n"
-        f"  agreement (incremental, greedy top-1): {stats['agreement']:.1%}\n"
+        f"  agreement (incremental, greedy top-1; a feature draft: the first token of a round): {stats['agreement']:.1%}\n"
         f"  draft step / target step: {stats['draft_cost']:.1%} ({stats['draft_step_ms']:.1f} ms / {stats['target_step_ms']:.1f} ms, timed back to back)\n"
-        f"  greedy SD tokens per target forward: k=2 {stats['tokens_per_round_k2']:.2f}, k=4 {stats['tokens_per_round_k4']:.2f}"
+        f"  greedy SD tokens per target forward: k=2 {stats['tokens_per_round_k2']:.2f}, k=4 {stats['tokens_per_round_k4']:.2f}\n"
+        f"  acceptance of a draft token after accepted ones: k=2 {stats['acceptance_k2']:.1%}, k=4 {stats['acceptance_k4']:.1%}"
     )
 
 

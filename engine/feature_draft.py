@@ -1,0 +1,222 @@
+"""A feature-conditioned draft (EAGLE-style, Li et al. 2024) derived from its target.
+
+The draft reads, besides each token, the target's own final hidden state at the
+position before it: the vector the target's head turns into the distribution of that
+very token.  It is the richest summary of the context there is, so a single small
+layer on top of it predicts the target's next step far better than a small stand-alone
+model (measured on SmolLM2-135M in the README).  Shape, for a Llama-style target::
+
+    f[p-1] (target feature, or the draft's own for a drafted token) ─┐
+    token x[p] ─> target embedding (shared, frozen) ────────────────┴> fc ─> new layer(s) ─> norm ─> h[p]
+                                                                              reduced head(h[p]) = next-token logits
+
+* ``h[p]`` is trained to be both the target's feature at p (a regression loss) and,
+  through the target's own head rows over a reduced vocabulary, its next-token
+  distribution (KL).  When the draft drafts several tokens in a row, the feature of a
+  drafted position is the draft's own ``h``; once the target has verified a token, its
+  true feature replaces the draft's.
+* Like :mod:`draft_model`, the folder stores only the draft's own tensors (fc, layers,
+  norm, a bias over the reduced vocabulary, the vocabulary ids); the embedding and the
+  head rows are rebuilt from the target, whose hash the manifest records.
+* Speculative sampling stays exact whatever the draft proposes; the features only
+  change how often a draft token is accepted.
+
+Calling convention (not a transformers model): ``draft(input_ids=[B, T], features=[B, T, H],
+cache=..., position_ids=..., attention_mask=..., logits_to_keep=...)`` returns an object
+with ``logits`` [B, T', V] (full vocabulary, -inf outside the reduced one) and ``hidden``
+[B, T, H]; ``features[:, t]`` is the feature of the position *before* token t (zeros for
+the first token of a sequence).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .draft_model import DraftShape, ReducedHead, _parts, _set_layer_idx, _shallow, _sub_config
+from .errors import ModelError
+
+KIND = "features"
+
+
+@dataclass
+class FeatureOutput:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class FeatureDraft(nn.Module):
+    """See the module docstring.  ``needs_features`` tells decoders to feed it target features."""
+
+    needs_features = True
+
+    def __init__(self, target: nn.Module, init_from: tuple[int, ...], vocab_ids: torch.Tensor) -> None:
+        super().__init__()
+        inner, layers, norm, head = _parts(target)
+        n = len(layers)
+        if not init_from:
+            raise ModelError("a feature draft needs at least one layer")
+        bad = [i for i in init_from if not 0 <= i < n]
+        if bad:
+            raise ModelError(f"cannot initialise the draft's layers from target layer(s) {bad}: the target has layers 0-{n - 1}")
+        vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long, device=head.weight.device)
+        vocab_size = int(head.weight.shape[0])
+        if vocab_ids.numel() == 0 or int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= vocab_size:
+            raise ModelError(f"the draft's vocabulary ids must lie in 0..{vocab_size - 1}")
+        hid = int(target.config.hidden_size)
+        w = head.weight
+        self.init_from = tuple(int(i) for i in init_from)
+        self.ssd_shape = DraftShape(0, self.init_from)  # nothing shared but the embedding and head rows
+        self.hidden_size = hid
+        object.__setattr__(self, "_embed", inner.embed_tokens)  # shared and frozen: not a submodule (never saved)
+        self.fc = nn.Linear(2 * hid, hid, bias=True, device=w.device, dtype=w.dtype)
+        with torch.no_grad():  # start as "embedding + feature": a sensible residual stream for the copied layers
+            self.fc.weight.zero_()
+            self.fc.weight[:, :hid].copy_(torch.eye(hid))
+            self.fc.weight[:, hid:].copy_(torch.eye(hid))
+            self.fc.bias.zero_()
+        new_layers = []
+        for j, src in enumerate(self.init_from):
+            layer = copy.deepcopy(layers[src])
+            _set_layer_idx(layer, j)
+            new_layers.append(layer)
+        cfg = _sub_config(target.config, list(self.init_from))
+        body = _shallow(inner)
+        body.layers = nn.ModuleList(new_layers)
+        body.norm = copy.deepcopy(norm)
+        body.config = cfg
+        body._modules.pop("embed_tokens", None)  # inputs_embeds only
+        body.embed_tokens = None
+        self.body = body
+        self.config = cfg
+        rows = w.detach()[vocab_ids]
+        bias = head.bias.detach()[vocab_ids] if head.bias is not None else None
+        self.lm_head = ReducedHead(rows, vocab_ids, vocab_size, bias)
+        self.requires_grad_(True)
+        self.lm_head.rows.requires_grad_(False)
+
+    # transformers-like accessors used around the engine
+    def get_input_embeddings(self) -> nn.Module:
+        return self._embed
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def inputs(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        e = self._embed(input_ids).detach().to(self.fc.weight.dtype)
+        return self.fc(torch.cat([e, features.to(e.dtype)], dim=-1))
+
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, cache: Any = None, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, logits_to_keep: int = 0, use_cache: bool = True,
+                **_: Any) -> FeatureOutput:
+        x = self.inputs(input_ids, features)
+        out = self.body(inputs_embeds=x, cache=cache, use_cache=use_cache and cache is not None,
+                        position_ids=position_ids, attention_mask=attention_mask)
+        h = out.last_hidden_state
+        hk = h[:, -logits_to_keep:] if logits_to_keep else h
+        return FeatureOutput(self.lm_head(hk), h)
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for n, p in self.fc.named_parameters():
+            out[f"fc.{n}"] = p
+        for j, layer in enumerate(self.body.layers):
+            for n, p in layer.named_parameters():
+                out[f"layers.{j}.{n}"] = p
+        for n, p in self.body.norm.named_parameters():
+            out[f"norm.{n}"] = p
+        out["head.bias"] = self.lm_head.bias
+        return out
+
+
+def is_feature_draft(model: Any) -> bool:
+    return bool(getattr(model, "needs_features", False))
+
+
+class FeatureTap:
+    """Records the output of the target's final norm (its feature at every position it runs)
+    while installed; ``take()`` returns and clears the last forward's [T, H] (batch row 0)."""
+
+    def __init__(self, target: nn.Module) -> None:
+        _, _, norm, _ = _parts(target)
+        self.last: torch.Tensor | None = None
+        self._hook = norm.register_forward_hook(self._record)
+
+    def _record(self, mod: Any, args: Any, out: Any) -> None:
+        self.last = (out[0] if isinstance(out, tuple) else out)[0].detach()
+
+    def take(self) -> torch.Tensor:
+        if self.last is None:
+            raise RuntimeError("the target ran no forward since the last take()")
+        t, self.last = self.last, None
+        return t
+
+    def close(self) -> None:
+        self._hook.remove()
+
+    def __enter__(self) -> "FeatureTap":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class FeatureState:
+    """The SD side of a feature draft: its KV cache over a prefix of the sequence in which every
+    token was fed the target's true feature, plus those features.
+
+    ``feats[p]`` is the target's feature at position p (known for every position the target
+    has run).  :meth:`draft` catches the cache up on ``seq`` and drafts ``k`` tokens; the
+    drafted positions use the draft's own features and are dropped again by :meth:`rollback`."""
+
+    def __init__(self, model: FeatureDraft, device: torch.device) -> None:
+        from . import kv
+
+        self.model = model
+        self.device = device
+        self.cache = kv.new_cache(model)
+        self.feats = torch.zeros(0, model.hidden_size, device=device, dtype=model.fc.weight.dtype)
+        self.valid = 0  # cached positions fed true features
+
+    def add_features(self, f: torch.Tensor, start: int) -> None:
+        """Target features for positions ``start..start+len(f)-1`` (replacing what was there)."""
+        self.feats = torch.cat([self.feats[:start], f.to(self.device, self.feats.dtype)], dim=0)
+
+    def _feat_in(self, start: int, n: int) -> torch.Tensor:
+        """Input features for tokens at positions start..start+n-1: feats[p-1] (zeros for p = 0)."""
+        lo = max(start - 1, 0)
+        f = self.feats[lo : start + n - 1]
+        if start == 0:
+            f = torch.cat([f.new_zeros(1, f.shape[-1]), f], dim=0)
+        if f.shape[0] != n:
+            raise RuntimeError(f"feature draft: features for positions {start}..{start + n - 1} are not known")
+        return f
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], feats: torch.Tensor | None = None, last_only: bool = False) -> FeatureOutput:
+        from . import kv
+
+        start = kv.length(self.cache)
+        f = self._feat_in(start, len(ids)) if feats is None else feats
+        pos = torch.arange(start, start + len(ids), device=self.device)[None]
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), features=f[None], cache=self.cache,
+                         position_ids=pos, logits_to_keep=1 if last_only else 0)
+        return FeatureOutput(out.logits[0], out.hidden[0])
+
+    def catch_up(self, seq: list[int]) -> FeatureOutput:
+        """Feed ``seq[valid:]`` with their true features; returns the last position's output."""
+        from . import kv
+
+        kv.truncate(self.cache, self.valid)
+        out = self.forward(seq[self.valid :], last_only=True)
+        self.valid = len(seq)
+        return out
+
+    def rollback(self) -> None:
+        from . import kv
+
+        kv.truncate(self.cache, self.valid)
