@@ -188,7 +188,7 @@ class _Progress:
 
     def update(self, stage: str, done: int, total: int, info: dict[str, float]) -> None:
         text = "  ".join(
-            f"{label} {info[key]:{fmt}}" for key, label, fmt in (("loss", "loss", ".4f"), ("agreement", "held-out agreement", ".1%")) if key in info
+            f"{label} {info[key]:{fmt}}" for key, label, fmt in (("loss", "loss", ".4f"), ("agreement", "held-out agreement", ".1%"), ("agreement_own", "on own features", ".1%")) if key in info
         )
         if stage not in self._tasks:
             self._tasks[stage] = self._progress.add_task(stage, total=total, completed=done, info=text)
