@@ -137,15 +137,22 @@ def _sub_config(config: Any, source_layers: list[int]) -> Any:
     return cfg
 
 
+def reduced_head(head: nn.Linear, vocab_ids: torch.Tensor) -> "ReducedHead":
+    """A zero-bias head over ``vocab_ids`` made of the target head's rows (checked ids)."""
+    vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long, device=head.weight.device)
+    vocab_size = int(head.weight.shape[0])
+    if vocab_ids.numel() == 0 or int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= vocab_size:
+        raise ModelError(f"the draft's vocabulary ids must lie in 0..{vocab_size - 1}")
+    bias = head.bias.detach()[vocab_ids] if head.bias is not None else None
+    return ReducedHead(head.weight.detach()[vocab_ids], vocab_ids, vocab_size, bias)
+
+
 def build(target: nn.Module, shape: DraftShape, vocab_ids: torch.Tensor) -> nn.Module:
     """A fresh draft for ``target``: shared trunk, new layers copied from ``shape.init_from``,
     a copy of the final norm, and a zero-bias head over ``vocab_ids``."""
     check_shape(target, shape)
     inner, layers, norm, head = _parts(target)
-    vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long, device=head.weight.device)
-    vocab_size = int(head.weight.shape[0])
-    if vocab_ids.numel() == 0 or int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= vocab_size:
-        raise ModelError(f"the draft's vocabulary ids must lie in 0..{vocab_size - 1}")
+    lm_head = reduced_head(head, vocab_ids)
     new_layers = []
     for j, src in enumerate(shape.init_from):
         layer = copy.deepcopy(layers[src])
@@ -161,9 +168,7 @@ def build(target: nn.Module, shape: DraftShape, vocab_ids: torch.Tensor) -> nn.M
     draft = _shallow(target)
     draft.model = draft_inner
     draft.config = cfg
-    rows = head.weight.detach()[vocab_ids]
-    bias = head.bias.detach()[vocab_ids] if head.bias is not None else None
-    draft.lm_head = ReducedHead(rows, vocab_ids, vocab_size, bias)
+    draft.lm_head = lm_head
     draft.ssd_shape = shape
     return draft.eval()
 
@@ -236,19 +241,28 @@ def trunk_output(target: nn.Module, ids: torch.Tensor, num_shared: int, attentio
     return got["trunk"], got["final"]
 
 
-def trainable_state(draft: nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors the draft folder stores (tail layers, norm, head bias; a feature draft adds its fc)."""
-    if getattr(draft, "needs_features", False):
-        return draft.trainable_state()
-    shape: DraftShape = draft.ssd_shape
+def is_feature_draft(model: Any) -> bool:
+    """A feature draft (feature_draft.py) reads the target's hidden states besides its tokens."""
+    return bool(getattr(model, "needs_features", False))
+
+
+def own_state(layers: Any, norm: nn.Module, head: "ReducedHead") -> dict[str, torch.Tensor]:
+    """The stored names of a draft's own layers, final norm and head bias."""
     out: dict[str, torch.Tensor] = {}
-    for j, layer in enumerate(list(draft.model.layers)[shape.num_shared :]):
+    for j, layer in enumerate(layers):
         for n, p in layer.named_parameters():
             out[f"layers.{j}.{n}"] = p
-    for n, p in draft.model.norm.named_parameters():
+    for n, p in norm.named_parameters():
         out[f"norm.{n}"] = p
-    out["head.bias"] = draft.lm_head.bias
+    out["head.bias"] = head.bias
     return out
+
+
+def trainable_state(draft: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors the draft folder stores (tail layers, norm, head bias; a feature draft adds its fc)."""
+    if is_feature_draft(draft):
+        return draft.trainable_state()
+    return own_state(list(draft.model.layers)[draft.ssd_shape.num_shared :], draft.model.norm, draft.lm_head)
 
 
 def trainable_parameters(draft: nn.Module) -> list[nn.Parameter]:
@@ -271,6 +285,7 @@ def save(draft: nn.Module, folder: Path, target_name: str, target: nn.Module, ex
     from safetensors.torch import save_file
 
     shape: DraftShape = draft.ssd_shape
+    kind = "features" if is_feature_draft(draft) else "layers"
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     def stored(p: torch.Tensor) -> torch.dtype:  # matrices in `dtype`, vectors in at least fp32
@@ -289,12 +304,12 @@ def save(draft: nn.Module, folder: Path, target_name: str, target: nn.Module, ex
             "hidden_size": cfg.hidden_size,
             "vocab_size": int(draft.lm_head.vocab_size),
             "num_hidden_layers": cfg.num_hidden_layers,
-            "shared_hash": shared_hash(target, -1 if getattr(draft, "needs_features", False) else shape.num_shared),
+            "shared_hash": shared_hash(target, -1 if kind == "features" else shape.num_shared),
         },
         "num_shared": shape.num_shared,
         "init_from": list(shape.init_from),
         "num_vocab": int(draft.lm_head.ids.numel()),
-        "kind": "features" if getattr(draft, "needs_features", False) else "layers",
+        "kind": kind,
         **(extra or {}),
     }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -324,16 +339,17 @@ def load(folder: str | Path, target: LoadedModel) -> LoadedModel:
     model = target.model
     cfg = model.config
     num_shared = int(manifest["num_shared"])
+    kind = manifest.get("kind", "layers")
     mismatch = (
         want.get("hidden_size") != cfg.hidden_size
         or want.get("num_hidden_layers") != cfg.num_hidden_layers
         or want.get("vocab_size") != int(model.get_output_embeddings().weight.shape[0])
-        or want.get("shared_hash") != shared_hash(model, -1 if manifest.get("kind") == "features" else num_shared)
+        or want.get("shared_hash") != shared_hash(model, -1 if kind == "features" else num_shared)
     )
     if mismatch:
         raise ModelError(
             f"draft '{folder}' was trained for target '{want.get('name')}' and does not fit '{target.name}' "
-            f"(its {'weights' if manifest.get('kind') == 'features' else 'shared weights'} differ); train one for this target with: ssd-chat draft train --target {target.name} --out DIR"
+            f"(its {'weights' if kind == 'features' else 'shared weights'} differ); train one for this target with: ssd-chat draft train --target {target.name} --out DIR"
         )
     try:
         tensors = load_file(str(folder / WEIGHTS))
@@ -341,7 +357,6 @@ def load(folder: str | Path, target: LoadedModel) -> LoadedModel:
         raise ModelError(f"could not read the draft weights in '{folder}': {e}") from e
     shape = DraftShape(num_shared, tuple(int(i) for i in manifest["init_from"]))
     dev, dt = target.device, next(model.parameters()).dtype
-    kind = manifest.get("kind", "layers")
     if kind == "features":
         from .feature_draft import FeatureDraft
 

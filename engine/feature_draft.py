@@ -37,10 +37,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .draft_model import DraftShape, ReducedHead, _parts, _set_layer_idx, _shallow, _sub_config
-from .errors import ModelError
+from .draft_model import DraftShape, _parts, _set_layer_idx, _shallow, _sub_config, check_shape, is_feature_draft, own_state, reduced_head
 
-KIND = "features"
+__all__ = ["FeatureDraft", "FeatureOutput", "FeatureState", "FeatureTap", "is_feature_draft"]
 
 
 @dataclass
@@ -57,20 +56,12 @@ class FeatureDraft(nn.Module):
     def __init__(self, target: nn.Module, init_from: tuple[int, ...], vocab_ids: torch.Tensor) -> None:
         super().__init__()
         inner, layers, norm, head = _parts(target)
-        n = len(layers)
-        if not init_from:
-            raise ModelError("a feature draft needs at least one layer")
-        bad = [i for i in init_from if not 0 <= i < n]
-        if bad:
-            raise ModelError(f"cannot initialise the draft's layers from target layer(s) {bad}: the target has layers 0-{n - 1}")
-        vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long, device=head.weight.device)
-        vocab_size = int(head.weight.shape[0])
-        if vocab_ids.numel() == 0 or int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= vocab_size:
-            raise ModelError(f"the draft's vocabulary ids must lie in 0..{vocab_size - 1}")
-        hid = int(target.config.hidden_size)
-        w = head.weight
         self.init_from = tuple(int(i) for i in init_from)
         self.ssd_shape = DraftShape(0, self.init_from)  # nothing shared but the embedding and head rows
+        check_shape(target, self.ssd_shape)
+        lm_head = reduced_head(head, vocab_ids)
+        hid = int(target.config.hidden_size)
+        w = head.weight
         self.hidden_size = hid
         object.__setattr__(self, "_embed", inner.embed_tokens)  # shared and frozen: not a submodule (never saved)
         self.fc = nn.Linear(2 * hid, hid, bias=True, device=w.device, dtype=w.dtype)
@@ -93,9 +84,7 @@ class FeatureDraft(nn.Module):
         body.embed_tokens = None
         self.body = body
         self.config = cfg
-        rows = w.detach()[vocab_ids]
-        bias = head.bias.detach()[vocab_ids] if head.bias is not None else None
-        self.lm_head = ReducedHead(rows, vocab_ids, vocab_size, bias)
+        self.lm_head = lm_head
         self.requires_grad_(True)
         self.lm_head.rows.requires_grad_(False)
 
@@ -121,20 +110,8 @@ class FeatureDraft(nn.Module):
         return FeatureOutput(self.lm_head(hk), h)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for n, p in self.fc.named_parameters():
-            out[f"fc.{n}"] = p
-        for j, layer in enumerate(self.body.layers):
-            for n, p in layer.named_parameters():
-                out[f"layers.{j}.{n}"] = p
-        for n, p in self.body.norm.named_parameters():
-            out[f"norm.{n}"] = p
-        out["head.bias"] = self.lm_head.bias
-        return out
-
-
-def is_feature_draft(model: Any) -> bool:
-    return bool(getattr(model, "needs_features", False))
+        fc = {f"fc.{n}": p for n, p in self.fc.named_parameters()}
+        return {**fc, **own_state(self.body.layers, self.body.norm, self.lm_head)}
 
 
 class FeatureTap:
@@ -170,8 +147,9 @@ class FeatureState:
     token was fed the target's true feature, plus those features.
 
     ``feats[p]`` is the target's feature at position p (known for every position the target
-    has run).  :meth:`draft` catches the cache up on ``seq`` and drafts ``k`` tokens; the
-    drafted positions use the draft's own features and are dropped again by :meth:`rollback`."""
+    has run).  :meth:`catch_up` feeds the cache the tokens of ``seq`` it has not seen, with
+    their true features; drafted tokens go through :meth:`forward` with the draft's own
+    features and are dropped again by :meth:`rollback`."""
 
     def __init__(self, model: FeatureDraft, device: torch.device) -> None:
         from . import kv

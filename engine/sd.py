@@ -133,27 +133,22 @@ class SDDecoder:
                 t_draft = time.perf_counter()
                 drafts: list[int] = []
                 qs: list[torch.Tensor] = []
-                if k and fstate is not None:
-                    # a feature draft: catch up with the target's features, then feed its own
-                    out = fstate.catch_up(seq)
-                    logits, hidden = out.logits[-1], out.hidden[-1:]
-                    for i in range(k):
-                        q = logits_to_probs(fit_vocab(logits, self._vocab), temp, top_k, top_p)
-                        d = int(q.argmax()) if temp == 0.0 else int(sample(q, dgen))
-                        drafts.append(d)
-                        qs.append(q)
-                        if i < k - 1:
-                            out = fstate.forward([d], feats=hidden)
-                            logits, hidden = out.logits[-1], out.hidden[-1:]
-                elif k:
-                    new = torch.tensor(seq[kv.length(dcache) :], device=ddev)
-                    logits = kv.forward(dmodel, new, dcache, last_only=True)[-1]
+                if k:
+                    if fstate is not None:  # a feature draft: catch up on the target's features, then feed its own
+                        out = fstate.catch_up(seq)
+                        logits, hidden = out.logits[-1], out.hidden[-1:]
+                    else:
+                        new = torch.tensor(seq[kv.length(dcache) :], device=ddev)
+                        logits = kv.forward(dmodel, new, dcache, last_only=True)[-1]
                     for i in range(k):
                         q = logits_to_probs(fit_vocab(logits, self._vocab), temp, top_k, top_p)  # [V]
                         d = int(q.argmax()) if temp == 0.0 else int(sample(q, dgen))
                         drafts.append(d)
                         qs.append(q)
-                        if i < k - 1:
+                        if i < k - 1 and fstate is not None:
+                            out = fstate.forward([d], feats=hidden)
+                            logits, hidden = out.logits[-1], out.hidden[-1:]
+                        elif i < k - 1:
                             logits = kv.forward(dmodel, torch.tensor([d], device=ddev), dcache)[-1]
                 draft_s = time.perf_counter() - t_draft
 

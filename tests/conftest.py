@@ -78,6 +78,16 @@ def as_loaded(model, tokenizer, name: str = "tiny", eos_ids=frozenset()) -> Load
 
 
 @pytest.fixture
+def one_thread():
+    """Tiny models: one torch thread is far faster than two on a busy machine (thread hand-offs
+    dominate).  Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def tiny_target() -> LoadedModel:
     return as_loaded(tiny_llama(seed=0), CharTokenizer(64), "tiny-target")
 

@@ -16,13 +16,7 @@ from ssd_chat.engine.events import Done
 from ssd_chat.engine.models import Placement
 from ssd_chat.engine.params import SamplingParams
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one torch thread is far faster than two on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 IDS = torch.tensor([[3, 17, 42, 8, 25, 60, 1, 9]])

@@ -29,12 +29,7 @@ CFG = distill.TrainConfig(kind="features", init_from=(1,), num_vocab=48, steps=6
                           max_new_tokens=16, gen_batch=64, temperature=1.0, eval_every=20, seed=0)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
