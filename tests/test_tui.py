@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 import time
@@ -71,9 +72,10 @@ def ssd_events(words: list[str], k: int = 3, hits: list[bool] | None = None, dt:
 class FakeBackend(Backend):
     """Replies with scripted streams; with ``block=True`` the first reply stops mid-way until Esc sets the stop flag."""
 
-    def __init__(self, replies: list[list[Event]], block: bool = False, mode: str = "ssd") -> None:
+    def __init__(self, replies: list[list[Event]], block: bool = False, mode: str = "ssd", delay: float = 0.0) -> None:
         self.replies = list(replies)
         self.block = block
+        self.delay = delay  # seconds between events, so one reply spans several screen frames
         self.calls: list[list[dict]] = []
         self.info_ = {"mode": mode, "k": 3, "target": "fake-target", "target_device": "cpu", "draft": "fake-draft",
                       "draft_device": "cpu:1"}
@@ -99,6 +101,7 @@ class FakeBackend(Backend):
                 if isinstance(ev, Token):
                     text += ev.text
                     ids.append(ev.id)
+                time.sleep(self.delay)
                 yield ev
         finally:
             self.thread_ended.set()
@@ -329,8 +332,19 @@ class TestPanel:
             assert "SSD" in info and "fake-target" in info and "cpu:1" in info
 
     @pytest.mark.asyncio
-    async def test_live_values_update_while_streaming(self):
-        backend = FakeBackend([ssd_events(WORDS)], block=True)
+    @pytest.mark.parametrize("slow_render", [False, True])
+    async def test_live_values_update_while_streaming(self, slow_render, monkeypatch):
+        # slow_render: events spread over several frames and Markdown rendering that yields for a while (as on a
+        # loaded CI machine) must never leave the panel behind metrics that already hold the batch being rendered.
+        if slow_render:
+            append = AssistantMessage.append
+
+            async def slow_append(self, pieces):
+                await asyncio.sleep(0.15)
+                await append(self, pieces)
+
+            monkeypatch.setattr(AssistantMessage, "append", slow_append)
+        backend = FakeBackend([ssd_events(WORDS)], block=True, delay=0.04 if slow_render else 0.0)
         app = ChatApp(backend)
         async with app.run_test(size=(140, 45)) as pilot:
             await wait_until(pilot, lambda: app.ready)

@@ -309,6 +309,7 @@ class ChatApp(ChatActions, App[int]):
         events, t.pending = t.pending, []
         pieces: list[tuple[str, str]] = []
         rounds: list[tuple[Round, str | None]] = []
+        notices: list[Notice] = []
         end: Done | Error | None = None
         for ev in events:
             if isinstance(ev, Token):
@@ -325,17 +326,22 @@ class ChatApp(ChatActions, App[int]):
                     self._seen_ids.add(ev.bonus_id)
                 t.last_t_s = max(t.last_t_s, ev.t_s)
             elif isinstance(ev, Notice):
-                await self.chat.add_notice(ev.message, ev.level)
+                notices.append(ev)
             elif isinstance(ev, (Done, Error)):
                 end = ev
-        if pieces:
-            await t.widget.append(pieces)
-            t.text = t.widget.text
+        # The panel and the cache view are updated before the first await, so no other task ever sees
+        # metrics that already hold this batch next to a panel that does not.
         if rounds:
             self.panel.add_rounds([r for r, _ in rounds])
             self.cache.add_rounds(rounds)
         if end is None:
             self.panel.show(t.metrics.stats(t.last_t_s), live=True)
+        for ev in notices:
+            await self.chat.add_notice(ev.message, ev.level)
+        if pieces:
+            await t.widget.append(pieces)
+            t.text = t.widget.text
+        if end is None:
             now = time.monotonic()
             if now - t.last_save >= SAVE_EVERY_S:
                 t.last_save = now
