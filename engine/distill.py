@@ -39,6 +39,7 @@ from .errors import ModelError, ParamError
 from .feature_draft import FeatureDraft, FeatureState, FeatureTap, is_feature_draft
 from .models import LoadedModel, cache_dir
 
+PROMPT_TEMPERATURE = 0.9  # of the prompts the target writes itself (--self-prompts)
 ProgressFn = Callable[[str, int, int, dict[str, float]], None]  # (stage, done, total, info)
 
 
@@ -65,6 +66,7 @@ class TrainConfig:
     gen_batch: int = 128
     temperature: float = 0.8  # of the sampled training answers
     samples: int = 5  # sampled answers per training prompt, besides the greedy one
+    self_prompts: int = 0  # extra training prompts written by the target itself (answered greedily)
     eval_every: int = 25
     seed: int = 0
 
@@ -77,6 +79,8 @@ class TrainConfig:
             raise ParamError(f"--vocab must be at least 2, got {self.num_vocab}")
         if self.samples < 0:
             raise ParamError(f"--samples must be >= 0, got {self.samples}")
+        if self.self_prompts < 0:
+            raise ParamError(f"--self-prompts must be >= 0, got {self.self_prompts}")
         if self.samples and not self.temperature > 0:
             raise ParamError("--samples needs --temperature > 0 (sampled answers at temperature 0 would all be the greedy one)")
         for name in ("steps", "batch_size", "max_new_tokens", "gen_batch", "eval_every"):
@@ -147,6 +151,59 @@ def load_prompts(path: str | Path | None = None, heldout: bool = False) -> list[
 
 def prompt_ids(target: LoadedModel, prompts: list[str]) -> list[list[int]]:
     return [chat.prompt_ids(target.tokenizer, chat.messages_for(p))[0] for p in prompts]
+
+
+def user_turn_prefix(tokenizer: Any) -> list[int]:
+    """The chat template's tokens up to where a user message's text starts (system prompt included)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ParamError("--self-prompts needs a target with a chat template (it writes user turns in that format)")
+    mark = "\x00\x01"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], add_generation_prompt=False, tokenize=False)
+    if mark not in text:
+        raise ParamError("--self-prompts: this chat template does not show the user's text verbatim")
+    return list(tokenizer(text[: text.index(mark)], add_special_tokens=False)["input_ids"])
+
+
+@torch.no_grad()
+def write_prompts(target: LoadedModel, n: int, seed: int, exclude: set[str] = frozenset(),  # type: ignore[assignment]
+                  progress: ProgressFn = _no_progress, batch: int = 64, max_tokens: int = 64,
+                  temperature: float | None = None) -> list[str]:
+    """``n`` distinct user prompts written by the target itself: its chat template opens a user
+    turn and the target samples what a user would write, up to the end of the turn.  Kept: turns
+    that end (an EOS within ``max_tokens``) with at least three words, not already in ``exclude``
+    (the packaged and held-out prompts) nor written before.  Deterministic for a seed.  This is
+    the distinct-context lever: sampled answers vary the replies but never the questions.
+    ``temperature``: default :data:`PROMPT_TEMPERATURE`."""
+    temperature = PROMPT_TEMPERATURE if temperature is None else temperature
+    model, tok, dev = target.model, target.tokenizer, target.device
+    prefix = torch.tensor([user_turn_prefix(tok)], dtype=torch.long)
+    eos = sorted(target.eos_ids)
+    if not eos:
+        raise ParamError("--self-prompts needs a target with an end-of-turn token")
+    seen = {p.strip() for p in exclude}
+    out: list[str] = []
+    torch.manual_seed(seed * 1_000_003 + 7919)
+    tries = 0
+    while len(out) < n:
+        if tries > 8 + 4 * n // batch:
+            raise ModelError(f"the target wrote only {len(out)} usable prompts of the {n} asked for")
+        tries += 1
+        ids = prefix.repeat(batch, 1).to(dev)
+        seqs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature,
+                              top_p=1.0, top_k=0, max_new_tokens=max_tokens, eos_token_id=eos, pad_token_id=eos[0]).cpu()
+        for row in seqs[:, prefix.shape[1] :].tolist():
+            cut = next((j for j, t in enumerate(row) if t in target.eos_ids), None)
+            if cut is None:
+                continue  # ran past max_tokens: an unfinished turn
+            text = tok.decode(row[:cut], skip_special_tokens=True).strip()
+            if len(text.split()) < 3 or text in seen:
+                continue
+            seen.add(text)
+            out.append(text)
+            if len(out) == n:
+                break
+        progress("writing prompts", len(out), n, {})
+    return out
 
 
 # --- stage 1: the target's answers, with the teacher's hidden states -----------------------------
@@ -477,7 +534,24 @@ def load_data(target: LoadedModel, cfg: TrainConfig, prompts: list[str], heldout
     for i in range(cfg.samples):  # one cache file per round of samples, so an interrupted run resumes between rounds
         ex, f = _unpack(_cached(work / f"sampled-{cfg.num_shared}-t{cfg.temperature:g}-{i}.pt", sampled(i)))
         train_ex, train_f = train_ex + ex, Features(train_f.trunk + f.trunk, train_f.final + f.final)
+    if cfg.self_prompts:
+        own = self_written_prompts(target, cfg, prompts, heldout, work, progress)
+
+        def answers() -> dict[str, Any]:
+            ex, f = generate(target, prompt_ids(target, own), cfg, progress=progress, temperature=0.0, stage="answers to own prompts")
+            return _pack(ex, f[cfg.num_shared])
+
+        ex, f = _unpack(_cached(work / f"self-answers-{cfg.num_shared}-{cfg.self_prompts}-s{cfg.seed}.pt", answers))
+        train_ex, train_f = train_ex + ex, Features(train_f.trunk + f.trunk, train_f.final + f.final)
     return (train_ex, train_f), (held_ex, held_f)
+
+
+def self_written_prompts(target: LoadedModel, cfg: TrainConfig, prompts: list[str], heldout: list[str], work: Path,
+                         progress: ProgressFn = _no_progress) -> list[str]:
+    """``cfg.self_prompts`` prompts the target writes itself (:func:`write_prompts`), cached in ``work``."""
+    path = work / f"self-prompts-{cfg.self_prompts}-s{cfg.seed}.pt"
+    made = _cached(path, lambda: {"prompts": write_prompts(target, cfg.self_prompts, cfg.seed, set(prompts) | set(heldout), progress)})
+    return list(made["prompts"])
 
 
 def run(
@@ -507,7 +581,7 @@ def run(
     extra = {
         "name": Path(out).name,
         "training": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()},
-                     "init_from": list(result.shape.init_from), "num_prompts": len(prompts),
+                     "init_from": list(result.shape.init_from), "num_prompts": len(prompts) + cfg.self_prompts,
                      "num_answers": len(train_ex), "num_answer_tokens": n_answer, "train_s": round(time.perf_counter() - t0, 1)},
         "heldout": {"num_prompts": len(heldout), "teacher_forced_agreement": round(result.heldout_agreement, 4),
                     "vocab_coverage": round(result.vocab_coverage, 4)},

@@ -76,6 +76,7 @@ def train(
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Longest target answer generated per training prompt.")] = 128,
     gen_batch: Annotated[int, typer.Option("--gen-batch", min=1, help="Prompts the target answers at once.")] = 128,
     samples: Annotated[int, typer.Option("--samples", min=0, help="Sampled answers per training prompt, besides the greedy one (more varied contexts; each round is cached).")] = 5,
+    self_prompts: Annotated[int, typer.Option("--self-prompts", min=0, help="Extra training prompts the target writes itself (user turns sampled under its chat template; cached), each answered greedily: more distinct contexts than the packaged set.")] = 0,
     temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="Temperature of the sampled training answers.")] = 0.8,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Training prompts, JSON lines with a \"prompt\" field (default: the packaged set).", show_default=False)] = None,
     heldout: Annotated[Optional[Path], typer.Option("--heldout", help="Held-out prompts for the agreement shown while training (default: the packaged set).", show_default=False)] = None,
@@ -104,7 +105,7 @@ def train(
     try:
         cfg = distill.TrainConfig(
             kind=kind, chain=chain, num_shared=layers, init_from=_init_from(init_from), num_vocab=vocab, steps=steps, batch_size=batch_size,
-            lr=lr, max_new_tokens=max_new_tokens, gen_batch=gen_batch, temperature=temperature, samples=samples, eval_every=eval_every, seed=seed,
+            lr=lr, max_new_tokens=max_new_tokens, gen_batch=gen_batch, temperature=temperature, samples=samples, self_prompts=self_prompts, eval_every=eval_every, seed=seed,
         )
         train_prompts = distill.load_prompts(prompts)
         held_prompts = distill.load_prompts(heldout, heldout=True)
@@ -190,11 +191,17 @@ class _Progress:
         text = "  ".join(
             f"{label} {info[key]:{fmt}}" for key, label, fmt in (("loss", "loss", ".4f"), ("agreement", "held-out agreement", ".1%"), ("agreement_own", "on own features", ".1%")) if key in info
         )
-        if stage not in self._tasks:
+        new = stage not in self._tasks
+        if new:
             self._tasks[stage] = self._progress.add_task(stage, total=total, completed=done, info=text)
         self._progress.update(self._tasks[stage], completed=done, total=total, info=text)
-        if not sys.stderr.isatty() and stage == "training" and "agreement" in info and done % 25 == 0:
-            sys.stderr.write(f"step {done}/{total}  {text}\n")
+        if sys.stderr.isatty():
+            return
+        if stage == "training":  # a log (not a terminal): one line per held-out evaluation ...
+            if "agreement" in info and done % 25 == 0:
+                sys.stderr.write(f"step {done}/{total}  {text}\n")
+        elif new or done >= total:  # ... and where each data stage starts and ends
+            sys.stderr.write(f"{stage}: {done}/{total}\n")
 
     def __exit__(self, *exc: Any) -> None:
         self._progress.__exit__(*exc)

@@ -294,3 +294,76 @@ def test_run_writes_a_loadable_draft_and_reuses_its_cache(tmp_path):
     assert answers.stat().st_mtime_ns == stamp  # answers reused, not regenerated
     for name, p in draft_model.trainable_state(again.draft).items():
         torch.testing.assert_close(p, draft_model.trainable_state(result.draft)[name], rtol=0, atol=0)
+
+
+class _TemplateTokenizer(_ModTokenizer):
+    """A chat tokenizer for the tiny target: a toy template, and words (one per token) when decoding."""
+
+    def __init__(self, vocab_size: int, eos_id: int) -> None:
+        super().__init__(vocab_size, eos_id)
+        self.chat_template = "toy"
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=False):  # noqa: ARG002
+        return "".join(f"<{m['role']}>{m['content']}|" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):  # noqa: ARG002
+        return " ".join(chr(ord("a") + (i % 26)) for i in ids if i != self.eos_token_id)
+
+
+def _chat_target(eos: int = 30):  # 30: a token the tiny target samples often at T=4 (turns of ~7 tokens)
+    target = _target()
+    target.tokenizer = _TemplateTokenizer(64, eos)
+    target.eos_ids = frozenset({eos})
+    return target
+
+
+def test_the_target_writes_its_own_prompts_self_prompts_distinct_and_reproducible():
+    target = _chat_target()
+    assert distill.user_turn_prefix(target.tokenizer) == [ord(c) % 64 for c in "<user>"]
+    first = distill.write_prompts(target, 12, seed=0, temperature=4.0)  # hot: the tiny target is very peaked
+    exclude = set(first[:3])
+    again = distill.write_prompts(target, 12, seed=0, temperature=4.0)
+    assert again == first  # deterministic for a seed
+    assert len(set(first)) == 12 and all(len(p.split()) >= 3 for p in first)
+    assert distill.write_prompts(target, 12, seed=1, temperature=4.0) != first
+    fewer = distill.write_prompts(target, 12, seed=0, exclude=exclude, temperature=4.0)
+    assert not exclude & set(fewer) and len(set(fewer)) == 12  # never one of the packaged / held-out prompts
+
+
+def test_self_prompts_need_a_chat_template_and_an_end_of_turn():
+    with pytest.raises(ParamError, match="--self-prompts"):
+        distill.TrainConfig(self_prompts=-1)
+    with pytest.raises(ParamError, match="chat template"):
+        distill.write_prompts(_target(), 4, seed=0)
+    target = _chat_target()
+    target.eos_ids = frozenset()
+    with pytest.raises(ParamError, match="end-of-turn"):
+        distill.write_prompts(target, 4, seed=0)
+
+
+def test_run_with_self_written_prompts_trains_on_them_and_caches_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(distill, "PROMPT_TEMPERATURE", 4.0)  # hot: the tiny target is very peaked
+    target = _chat_target()
+    cfg = distill.TrainConfig(**{**{f: getattr(CFG, f) for f in CFG.__slots__}, "steps": 4, "eval_every": 2, "max_new_tokens": 6,
+                                 "samples": 0, "self_prompts": 6})
+    prompts, held = [f"prompt {i}" for i in range(12)], ["held one", "held two"]
+    result, work = distill.run(target, tmp_path / "d", cfg, prompts, held, work=tmp_path / "w")
+    own = torch.load(work / "self-prompts-6-s0.pt", weights_only=True)["prompts"]
+    assert len(own) == 6 and not set(own) & (set(prompts) | set(held))
+    answers = torch.load(work / "self-answers-1-6-s0.pt", weights_only=True)
+    want = [distill.prompt_ids(target, [p])[0] for p in own]
+    assert sorted(a[:s].tolist() for a, s in zip(answers["ids"], answers["start"])) == sorted(want)  # answers to exactly those
+    manifest = json.loads((tmp_path / "d" / draft_model.MANIFEST).read_text())
+    assert manifest["training"]["num_prompts"] == 18 and manifest["training"]["num_answers"] == 18
+    assert manifest["training"]["self_prompts"] == 6
+    stamps = {p.name: p.stat().st_mtime_ns for p in work.glob("self-*.pt")}
+    distill.run(target, tmp_path / "d2", cfg, prompts, held, work=tmp_path / "w")
+    assert {p.name: p.stat().st_mtime_ns for p in work.glob("self-*.pt")} == stamps  # reused, not rewritten
+
+
+def test_smollm2_writes_user_turns(smollm2):
+    prefix = smollm2.tokenizer.decode(distill.user_turn_prefix(smollm2.tokenizer))
+    assert prefix.endswith("<|im_start|>user\n") and "system" in prefix
+    own = distill.write_prompts(smollm2, 3, seed=0, batch=8)
+    assert len(set(own)) == 3
+    assert all(len(p.split()) >= 3 and "<|im_" not in p and p == p.strip() for p in own)
