@@ -14,7 +14,8 @@ on this project's 2-core Zen 4 VM, one thread, the SmolLM2-135M linears of one f
     x @ W.T contiguous 32.9   48.1   60.2   65.5   74.7   80.3  ms
 
 So: one row multiplies a cached contiguous transpose of the weight (``x @ Wt``); 2-5 rows
-use ``(W @ x.T).T``, except for wide-input matrices (``in >= 1024`` and ``in >= 2 * out``,
+use ``(W @ x.T).T`` (copied back to row-major: the transposed view, handed on to the residual
+add, the norm and the next layer, cost a 2-3-row forward more than the copy), except for wide-input matrices (``in >= 1024`` and ``in >= 2 * out``,
 the MLP's down projection) beyond two rows, where ``F.linear`` is as fast; everything else, and anything that needs
 gradients, is plain ``F.linear``.  The results are the same products in a different
 summation order, equal to ``F.linear`` up to float rounding (what GEMV vs GEMM already
@@ -23,14 +24,31 @@ differ by), so greedy exactness tests run through this path unchanged.
 The transpose cache costs one extra copy of the linear weights; it is made lazily (on the
 first one-row call), keyed on the weight's storage and version counter so an in-place
 update (loading a trained draft, an optimizer step) rebuilds it, and it is skipped for
-models whose linear weights exceed ``MAX_TRANSPOSE_BYTES``.  ``SSD_CHAT_FAST_LINEAR=0``
-turns the whole thing off (for A/B measurements).
+models whose linear weights exceed ``MAX_TRANSPOSE_BYTES``.
+
+**The rule above is one CPU's.**  On a Zen 2 EPYC the same rule made 2-3-row forwards up to
+35 % slower than plain ``F.linear``.  So :func:`install` times the three formulations on the
+model's own weights for every (shape, rows) it has, 1 to ``MAX_FAST_ROWS`` rows, and keeps
+the fastest (:func:`tune`): each timing cycles through up to ``TUNE_BYTES`` of that shape's
+matrices, so the weights stream from memory as in a real forward rather than sitting in
+cache.  That takes a few seconds once; the choices are kept in ``fastlinear.json`` in the
+cache dir, keyed by CPU model, torch version, thread count and transpose permission, and
+reused by every later load (the app, the speculator process, the draft).
+
+``SSD_CHAT_FAST_LINEAR``: ``0`` turns the whole thing off, ``static`` uses the Zen 4 rule
+without timing (both for A/B measurements), ``retune`` times again and overwrites the
+stored choices.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import platform
+import time
 import types
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,11 +57,19 @@ from torch import nn
 
 MAX_TRANSPOSE_BYTES = 2 << 30  # 2 GiB of linear weights: a ~500M-parameter model in fp32
 MAX_FAST_ROWS = 5
+TUNE_BYTES = 64 << 20  # matrices of one shape cycled through per timing: more than a CPU's last-level cache
+TUNE_REPEATS = 3  # timed passes per (shape, rows, formulation); the fastest counts
+METHODS = ("linear", "wxt", "xwt")  # F.linear; (W @ x.T).T; x @ Wt with the cached transpose
 _DTYPES = (torch.float32,)
+_choices: dict[tuple[int, int, int], str] = {}  # (out, in, rows) -> the method measured fastest on this CPU
+
+
+def _mode() -> str:
+    return os.environ.get("SSD_CHAT_FAST_LINEAR", "1").strip().lower()
 
 
 def enabled() -> bool:
-    return os.environ.get("SSD_CHAT_FAST_LINEAR", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _mode() not in ("0", "false", "no", "off")
 
 
 def cached_transpose(owner: nn.Module, w: torch.Tensor) -> torch.Tensor:
@@ -65,6 +91,15 @@ def _wide_input(out_f: int, in_f: int) -> bool:
     return in_f >= 1024 and in_f >= 2 * out_f
 
 
+def static_choice(out_f: int, in_f: int, rows: int) -> str:
+    """The rule measured on the Zen 4 VM (the module docstring's table), used where nothing was timed."""
+    if rows == 1:
+        return "xwt"
+    if 2 <= rows <= MAX_FAST_ROWS and (rows == 2 or not _wide_input(out_f, in_f)):
+        return "wxt"
+    return "linear"
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, wt: Any = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` by the fastest formulation for the number of rows of ``x``.
     ``wt``: the contiguous transpose of ``w`` (or a callable returning it, or None), used for
@@ -74,13 +109,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w
         return F.linear(x, w, bias)
     out_f, in_f = w.shape
     rows = x.numel() // in_f if in_f else 0
+    method = _choices.get((out_f, in_f, rows)) or static_choice(out_f, in_f, rows)
     y = None
-    if rows == 1:
+    if method == "xwt":
         t = wt() if callable(wt) else wt
         if t is not None:
-            y = torch.mm(x.reshape(1, in_f), t)
-    elif 2 <= rows <= MAX_FAST_ROWS and (rows == 2 or not _wide_input(out_f, in_f)):
-        y = torch.mm(w, x.reshape(rows, in_f).t()).t()
+            y = torch.mm(x.reshape(rows, in_f), t)
+    elif method == "wxt":
+        y = torch.mm(w, x.reshape(rows, in_f).t()).t().contiguous()
     if y is None:
         return F.linear(x, w, bias)
     if bias is not None:
@@ -107,6 +143,11 @@ def install(model: nn.Module) -> int:
             seen.add(m.weight.data_ptr())
             total += m.weight.numel() * m.weight.element_size()
     allow_t = total <= MAX_TRANSPOSE_BYTES
+    if _mode() != "static":
+        by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for m in linears:
+            by_shape.setdefault(tuple(m.weight.shape), []).append(m.weight)  # type: ignore[arg-type]
+        _choices.update(stored_or_tuned(by_shape, allow_t))
     n = 0
     for m in linears:
         if getattr(m, "_ssd_fast", False):
@@ -127,3 +168,99 @@ def uninstall(model: nn.Module) -> None:
             del m.forward
             for a in ("_ssd_fast", "_ssd_allow_t", "_ssd_t", "_ssd_t_key"):
                 m.__dict__.pop(a, None)
+
+
+# --- choosing the formulation by timing it on this CPU ---------------------------------------------
+
+
+def _run(method: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None) -> torch.Tensor:
+    if method == "xwt":
+        return torch.mm(x, wt)  # type: ignore[arg-type]
+    if method == "wxt":
+        return torch.mm(w, x.t()).t().contiguous()
+    return F.linear(x, w)
+
+
+@torch.inference_mode()
+def tune(weights: list[torch.Tensor], allow_t: bool, rows: range = range(1, MAX_FAST_ROWS + 1),
+         clock: Any = time.perf_counter) -> dict[int, str]:
+    """The fastest formulation for each row count, timed on these same-shape matrices: each pass
+    multiplies every one of them (up to ``TUNE_BYTES``), so they stream from memory."""
+    out_f, in_f = weights[0].shape
+    per = weights[0].numel() * weights[0].element_size()
+    ws = [w.detach() for w in weights[: max(1, min(len(weights), TUNE_BYTES // max(per, 1)))]]
+    wts = [w.t().contiguous() for w in ws] if allow_t else []
+    methods = [m for m in METHODS if allow_t or m != "xwt"]
+    best: dict[int, str] = {}
+    gen = torch.Generator().manual_seed(out_f * 131 + in_f)
+    for r in rows:
+        x = torch.randn(r, in_f, generator=gen, dtype=ws[0].dtype)
+        times: dict[str, float] = {}
+        for m in methods:
+            for w, t in zip(ws, wts or [None] * len(ws)):  # warm-up (and the transposes' first touch)
+                _run(m, x, w, t)
+            fastest = float("inf")
+            for _ in range(TUNE_REPEATS):
+                t0 = clock()
+                for w, t in zip(ws, wts or [None] * len(ws)):
+                    _run(m, x, w, t)
+                fastest = min(fastest, clock() - t0)
+            times[m] = fastest
+        best[r] = min(methods, key=lambda m: (times[m], METHODS.index(m)))
+    return best
+
+
+def _machine_key(allow_t: bool) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    ident = [cpu, torch.__version__, torch.get_num_threads(), allow_t, MAX_FAST_ROWS, "v1"]
+    return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
+
+
+def _store() -> Path:
+    from .models import cache_dir  # models imports this module
+
+    return cache_dir() / "fastlinear.json"
+
+
+def stored_or_tuned(by_shape: dict[tuple[int, int], list[torch.Tensor]], allow_t: bool) -> dict[tuple[int, int, int], str]:
+    """Choices for every shape in ``by_shape`` on this machine: from the store when timed before,
+    otherwise timed now (:func:`tune`) and added to the store.  A missing, unreadable or corrupt
+    store only means timing again."""
+    key = _machine_key(allow_t)
+    path = _store()
+    try:
+        stored = json.loads(path.read_text())
+        if not isinstance(stored, dict):
+            stored = {}
+    except (OSError, ValueError):
+        stored = {}
+    mine = stored.get(key) if isinstance(stored.get(key), dict) else {}
+    retune = _mode() == "retune"
+    out: dict[tuple[int, int, int], str] = {}
+    changed = False
+    for (out_f, in_f), ws in by_shape.items():
+        name = f"{out_f}x{in_f}"
+        got = mine.get(name)
+        valid = isinstance(got, dict) and all(got.get(str(r)) in METHODS for r in range(1, MAX_FAST_ROWS + 1))
+        if retune or not valid:
+            got = {str(r): m for r, m in tune(ws, allow_t).items()}
+            mine[name] = got
+            changed = True
+        out.update({(out_f, in_f, int(r)): m for r, m in got.items()})  # type: ignore[union-attr]
+    if changed:
+        stored[key] = mine
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(stored, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only cache dir: keep the choices for this process only
+    return out

@@ -1,6 +1,9 @@
-"""The few-row CPU Linear fast path: same products as F.linear, stale caches rebuilt, autograd untouched."""
+"""The few-row CPU Linear fast path: same products as F.linear, stale caches rebuilt, autograd untouched;
+the formulation per (shape, rows) chosen by timing on this CPU, stored and reused."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -8,6 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ssd_chat.engine import fastlinear
+
+
+@pytest.fixture(autouse=True)
+def _own_choices(tmp_path, monkeypatch):
+    """Each test times (or not) into its own store and choice table."""
+    monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(fastlinear, "_choices", {})
 
 
 def _linear(in_f: int, out_f: int, bias: bool) -> nn.Linear:
@@ -31,8 +41,9 @@ def test_matches_f_linear_for_every_row_count(in_f: int, out_f: int, bias: bool)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_every_path_is_taken_and_agrees() -> None:
-    """Row counts 1 (cached transpose), 2-5 (W @ x.T) and more (F.linear) on a tall matrix."""
+def test_every_path_is_taken_and_agrees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The static rule: row counts 1 (cached transpose), 2-5 (W @ x.T) and more (F.linear) on a tall matrix."""
+    monkeypatch.setenv("SSD_CHAT_FAST_LINEAR", "static")
     m = _linear(32, 96, True)
     w, b = m.weight.detach().clone(), m.bias.detach().clone()
     fastlinear.install(m)
@@ -85,3 +96,76 @@ def test_no_transpose_copy_for_big_models(monkeypatch: pytest.MonkeyPatch) -> No
         x = torch.randn(1, 16)
         torch.testing.assert_close(m(x), F.linear(x, m.weight), rtol=1e-5, atol=1e-5)
     assert m._ssd_t is None
+
+
+def test_tune_keeps_the_fastest_formulation_for_each_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    cost = {("linear", 1): 5, ("wxt", 1): 4, ("xwt", 1): 1, ("linear", 2): 3, ("wxt", 2): 2, ("xwt", 2): 9,
+            ("linear", 3): 1, ("wxt", 3): 2, ("xwt", 3): 3}
+    now = [0.0]
+    run = fastlinear._run
+
+    def timed(method, x, w, wt):
+        now[0] += cost[(method, x.shape[0])]
+        return run(method, x, w, wt)
+
+    monkeypatch.setattr(fastlinear, "_run", timed)
+    ws = [torch.randn(24, 16) for _ in range(3)]
+    assert fastlinear.tune(ws, True, range(1, 4), clock=lambda: now[0]) == {1: "xwt", 2: "wxt", 3: "linear"}
+    # without the transpose copy, x @ Wt is never a candidate
+    assert fastlinear.tune(ws, False, range(1, 4), clock=lambda: now[0]) == {1: "wxt", 2: "wxt", 3: "linear"}
+
+
+@pytest.mark.parametrize("method", fastlinear.METHODS)
+def test_each_chosen_formulation_is_used_and_agrees(method: str) -> None:
+    m = _linear(32, 96, True)
+    w, b = m.weight.detach().clone(), m.bias.detach().clone()
+    fastlinear.install(m)
+    fastlinear._choices.update({(96, 32, r): method for r in range(1, fastlinear.MAX_FAST_ROWS + 1)})
+    with torch.inference_mode():
+        for rows in range(1, 9):
+            x = torch.randn(rows, 32)
+            torch.testing.assert_close(m(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert (m._ssd_t is not None) == (method == "xwt")  # the transpose copy exists only when it is used
+
+
+def test_choices_are_timed_once_stored_and_reused(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    tune = fastlinear.tune
+
+    def counted(ws, allow_t, *a, **kw):
+        calls.append(tuple(ws[0].shape))
+        return tune(ws, allow_t, *a, **kw)
+
+    monkeypatch.setattr(fastlinear, "tune", counted)
+    model = nn.Sequential(_linear(16, 40, False), _linear(40, 16, False), _linear(16, 40, True))
+    fastlinear.install(model)
+    assert sorted(calls) == [(16, 40), (40, 16)]  # one timing per shape, not per layer
+    store = json.loads((tmp_path / "cache" / "fastlinear.json").read_text())
+    (mine,) = store.values()
+    assert set(mine) == {"40x16", "16x40"}
+    assert all(set(v) == {"1", "2", "3", "4", "5"} and set(v.values()) <= set(fastlinear.METHODS) for v in mine.values())
+    assert fastlinear._choices[(40, 16, 3)] == mine["40x16"]["3"]
+    calls.clear()
+    fastlinear._choices.clear()
+    fastlinear.install(nn.Sequential(_linear(16, 40, False)))  # a later load (another process): read back, not timed
+    assert calls == [] and fastlinear._choices[(40, 16, 1)] == mine["40x16"]["1"]
+    monkeypatch.setenv("SSD_CHAT_FAST_LINEAR", "retune")
+    fastlinear.install(nn.Sequential(_linear(16, 40, False)))
+    assert calls == [(40, 16)]
+    monkeypatch.setenv("SSD_CHAT_FAST_LINEAR", "static")
+    calls.clear()
+    fastlinear.install(nn.Sequential(_linear(8, 8, False)))
+    assert calls == []
+
+
+def test_a_corrupt_store_means_timing_again(tmp_path) -> None:
+    path = tmp_path / "cache" / "fastlinear.json"
+    path.parent.mkdir(parents=True)
+    path.write_text("{ not json")
+    m = _linear(16, 40, False)
+    assert fastlinear.install(m) == 1
+    assert "40x16" in next(iter(json.loads(path.read_text()).values()))
+    path.write_text(json.dumps({"x": 1, fastlinear._machine_key(True): {"40x16": {"1": "bogus"}}}))
+    fastlinear._choices.clear()
+    fastlinear.install(_linear(16, 40, False))
+    assert fastlinear._choices[(40, 16, 1)] in fastlinear.METHODS
