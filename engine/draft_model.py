@@ -60,6 +60,8 @@ class ReducedHead(nn.Module):
         self.register_buffer("fixed_bias", fixed, persistent=False)  # the target head's own bias, if any
         self.bias = nn.Parameter(torch.zeros(len(ids), dtype=rows.dtype, device=rows.device))  # trained
 
+    fast_linear_weights = ("rows",)  # fastlinear.install times its shape too
+
     def sub_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., H] -> logits over the reduced vocabulary [..., V']."""
         return fastlinear.linear(h, self.rows, None, self._rows_t) + (self.fixed_bias + self.bias)
@@ -374,8 +376,7 @@ def load(folder: str | Path, target: LoadedModel) -> LoadedModel:
             p.copy_(tensors[n].to(dev, dt))
     for p in state.values():
         p.requires_grad_(False)
-    if kind == "features":
-        fastlinear.install(draft)  # its new fc (the copied layers keep the target's fast path, if any)
+    fastlinear.install(draft)  # a feature draft's new fc; the head's shape is timed (copied layers keep the target's fast path)
     return LoadedModel(
         name=str(manifest.get("name") or folder.name),
         spec=ModelSpec(str(folder), "derived", str(folder)),

@@ -129,8 +129,11 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def install(model: nn.Module) -> int:
-    """Give every plain float32 CPU ``nn.Linear`` in ``model`` the few-row fast path.
-    Returns how many layers were changed (0 when disabled, on GPU, or for other dtypes)."""
+    """Give every plain float32 CPU ``nn.Linear`` in ``model`` the few-row fast path, with the
+    formulation per (shape, rows) timed on this CPU (:func:`stored_or_tuned`) for those and for
+    the weights a module lists in ``fast_linear_weights`` (a trained draft's reduced head, which
+    calls :func:`linear` itself).  Returns how many layers were changed (0 when disabled, on GPU,
+    or for other dtypes)."""
     if not enabled():
         return 0
     linears = [m for m in model.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in _DTYPES]
@@ -145,8 +148,9 @@ def install(model: nn.Module) -> int:
     allow_t = total <= MAX_TRANSPOSE_BYTES
     if _mode() != "static":
         by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
-        for m in linears:
-            by_shape.setdefault(tuple(m.weight.shape), []).append(m.weight)  # type: ignore[arg-type]
+        own = [getattr(m, n) for m in model.modules() for n in getattr(type(m), "fast_linear_weights", ())]
+        for w in [m.weight for m in linears] + [w for w in own if w.device.type == "cpu" and w.dtype in _DTYPES]:
+            by_shape.setdefault(tuple(w.shape), []).append(w)  # type: ignore[arg-type]
         _choices.update(stored_or_tuned(by_shape, allow_t))
     n = 0
     for m in linears:

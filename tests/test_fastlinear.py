@@ -169,3 +169,18 @@ def test_a_corrupt_store_means_timing_again(tmp_path) -> None:
     fastlinear._choices.clear()
     fastlinear.install(_linear(16, 40, False))
     assert fastlinear._choices[(40, 16, 1)] in fastlinear.METHODS
+
+
+def test_weights_a_module_names_are_timed_too(tmp_path) -> None:
+    class Head(nn.Module):
+        fast_linear_weights = ("rows",)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("rows", torch.randn(50, 16))
+            self.proj = nn.Linear(16, 16)
+
+    fastlinear.install(Head())
+    assert {(50, 16, r) for r in range(1, fastlinear.MAX_FAST_ROWS + 1)} <= set(fastlinear._choices)
+    (mine,) = json.loads((tmp_path / "cache" / "fastlinear.json").read_text()).values()
+    assert set(mine) == {"16x16", "50x16"}
