@@ -3,7 +3,9 @@ and per-test config/data/cache folders."""
 
 from __future__ import annotations
 
+import copy
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -49,7 +51,8 @@ class CharTokenizer:
         return {"input_ids": [ord(c) - ord("a") for c in text]}
 
 
-def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, hidden: int = 64, dtype=torch.float64, max_pos: int = 512):
+def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, hidden: int = 64, dtype=torch.float64, max_pos: int = 512,
+               head_scale: float = 8.0):
     """A random-weight Llama built from a config (float64: batched and incremental forwards agree).
 
     The output head is untied from the embedding and scaled up: a tied random head mostly
@@ -66,8 +69,24 @@ def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, hidden: int
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(dtype).eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+        model.lm_head.weight.mul_(head_scale)
     return model
+
+
+def perturbed(model: torch.nn.Module, eps: float, seed: int = 5) -> torch.nn.Module:
+    """A copy with relative Gaussian noise on every weight: a draft that agrees part of the time."""
+    out = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * eps * p.std())
+    return out
+
+
+def random_prompts(n: int, seed: int = 0, vocab_size: int = 64) -> list[list[int]]:
+    """``n`` prompts of 3-9 random token ids (training data for tiny targets)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(rng.randint(3, 9))] for _ in range(n)]
 
 
 def as_loaded(model, tokenizer, name: str = "tiny", eos_ids=frozenset()) -> LoadedModel:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import CharTokenizer, as_loaded, tiny_llama
+from conftest import CharTokenizer, as_loaded, random_prompts, tiny_llama
 from distribution import compare, exact_distribution, sample_outcomes
 from ssd_chat.engine import distill, draft_model, drafts
 from ssd_chat.engine.engine import Engine, EngineConfig
@@ -16,7 +16,6 @@ from ssd_chat.engine.errors import ModelError, ParamError
 from ssd_chat.engine.events import Done, Round
 from ssd_chat.engine.feature_draft import FeatureDraft, FeatureState, FeatureTap, is_feature_draft
 from ssd_chat.engine.params import SamplingParams
-from test_distill import _prompts
 
 
 def _target(seed: int = 0):
@@ -36,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def trained():
     """One tiny end-to-end run (seconds): answers with the target's features, vocabulary, training."""
     target = _target()
-    examples, feats = distill.generate(target, _prompts(256), CFG, capture=(0,))
+    examples, feats = distill.generate(target, random_prompts(256), CFG, capture=(0,))
     feats = feats[0]
     held = (examples[:32], distill.with_top1(target, distill.Features(feats.trunk[:32], feats.final[:32])))
     train = (examples[32:], distill.Features(feats.trunk[32:], feats.final[32:]))
@@ -60,7 +59,7 @@ def test_training_reduces_the_distillation_loss_and_raises_agreement(trained):
 def test_training_is_deterministic_and_resumes_from_its_checkpoint(trained, tmp_path):
     target, _, _, held = trained
     cfg = distill.TrainConfig(**{**{f: getattr(CFG, f) for f in CFG.__slots__}, "steps": 8, "eval_every": 4, "chain": True})
-    examples, feats = distill.generate(target, _prompts(32, seed=1), cfg, capture=(0,))
+    examples, feats = distill.generate(target, random_prompts(32, seed=1), cfg, capture=(0,))
     train = (examples, feats[0])
     vocab = distill.choose_vocab(target, *train, cfg.num_vocab)
     whole = distill.train_draft(target, train, held, vocab, cfg)
@@ -164,7 +163,7 @@ def test_greedy_sd_with_a_feature_draft_equals_ar(trained, tmp_path, k):
     draft = drafts.derive(str(tmp_path / "d"), target)
     params = SamplingParams(max_new_tokens=40)
     accepted = 0
-    for prompt in [[5], *_prompts(3, seed=9)]:
+    for prompt in [[5], *random_prompts(3, seed=9)]:
         out = {}
         for mode in ("ar", "sd"):
             events = list(Engine(EngineConfig(mode=mode, k=k), target, draft).stream(prompt, params))
@@ -211,12 +210,12 @@ def test_measure_runs_sd_for_real_with_a_feature_draft(trained):
     (the later tokens of a round are drafted on the draft's own features)."""
     target, result, _, _ = trained
     draft = as_loaded(result.draft, target.tokenizer, "feat")
-    stats = distill.measure(target, draft, _prompts(4, seed=5), max_new_tokens=16, ks=(1, 3))
+    stats = distill.measure(target, draft, random_prompts(4, seed=5), max_new_tokens=16, ks=(1, 3))
     assert stats["num_tokens"] == 64 and 0.0 < stats["agreement"] < 1.0
     assert 0.0 < stats["acceptance_k1"] < 1.0  # SD visits other positions than the agreement (not every one)
     assert stats["tokens_per_round_k1"] == pytest.approx(1 + stats["acceptance_k1"], abs=0.1)
     assert 1.0 <= stats["tokens_per_round_k3"] <= 4.0
-    same = distill.measure(target, as_loaded(target.model, target.tokenizer, "copy"), _prompts(2, seed=5), 16, ks=(3,))
+    same = distill.measure(target, as_loaded(target.model, target.tokenizer, "copy"), random_prompts(2, seed=5), 16, ks=(3,))
     assert same["agreement"] == 1.0 and same["acceptance_k3"] == 1.0
 
 
@@ -227,7 +226,7 @@ def test_sd_feeds_the_feature_draft_the_targets_true_features(trained, k):
     pass with the target's true features over the final sequence."""
     target, result, _, _ = trained
     draft = result.draft
-    prompt = _prompts(1, seed=5)[0]
+    prompt = random_prompts(1, seed=5)[0]
     events = list(Engine(EngineConfig(mode="sd", k=k), target, as_loaded(draft, target.tokenizer, "f")).stream(
         prompt, SamplingParams(max_new_tokens=24)))
     seq = list(prompt) + list([e for e in events if isinstance(e, Done)][0].token_ids)

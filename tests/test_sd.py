@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 import threading
 
 import pytest
 import torch
 
-from conftest import CharTokenizer, as_loaded, tiny_llama
+from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
 from distribution import compare, exact_distribution, sample_outcomes
 from ssd_chat.engine import drafts, sd
 from ssd_chat.engine.ar import ARDecoder
@@ -45,16 +44,6 @@ def untied_llama(vocab_size: int = 64, seed: int = 0, head_seed: int = 100, **kw
     model.lm_head.weight = torch.nn.Parameter(torch.randn(w.shape, generator=gen, dtype=w.dtype))
     model.config.tie_word_embeddings = False
     return model
-
-
-def perturbed(model: torch.nn.Module, eps: float, seed: int = 5) -> torch.nn.Module:
-    """A copy with relative Gaussian noise on every weight: a draft that agrees sometimes."""
-    out = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in out.parameters():
-            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * eps * p.std())
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from conftest import CharTokenizer, as_loaded
+from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
 from distribution import decoder_distribution_test
 from ssd_chat.engine.ar import ARDecoder
 from ssd_chat.engine.channel import Channel, Settings
@@ -23,35 +23,10 @@ from ssd_chat.engine.ssd import SSDDecoder
 PROMPTS = ([1, 2, 3], [5, 17, 40, 2, 9], [7, 7, 8, 60, 33, 12])
 
 
-def llama(vocab: int = 64, seed: int = 0, layers: int = 2, hidden: int = 64, scale: float = 3.0):
-    """A float64 random Llama with an untied, sharpened head: varied, non-repeating greedy text
-    (conftest's tied-embedding models mostly repeat their last token, so every draft agrees)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(torch.float64).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(scale)
-    return model
-
-
-def noisy(model, sigma: float, seed: int = 5):
-    """A copy with Gaussian noise on every weight: a draft that agrees with the target part of the time."""
-    d = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in d.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * sigma * p.std())
-    return d
-
-
 @pytest.fixture(scope="module")
 def pair():
-    base = llama()
-    return as_loaded(base, CharTokenizer(64), "t"), as_loaded(noisy(base, 0.1), CharTokenizer(64), "d")
+    base = tiny_llama(head_scale=3.0)  # untied, sharpened head: varied, non-repeating greedy text
+    return as_loaded(base, CharTokenizer(64), "t"), as_loaded(perturbed(base, 0.1), CharTokenizer(64), "d")
 
 
 def ssd(target, draft, **cfg) -> SSDDecoder:
@@ -256,8 +231,8 @@ def test_tree_branches_equal_sequential_drafting(pair, temperature):
 
 @pytest.fixture(scope="module")
 def small_pair():
-    base = llama(vocab=8, seed=3, scale=1.5)
-    return as_loaded(base, CharTokenizer(8), "t8"), as_loaded(noisy(base, 0.3), CharTokenizer(8), "d8")
+    base = tiny_llama(vocab_size=8, seed=3, head_scale=1.5)
+    return as_loaded(base, CharTokenizer(8), "t8"), as_loaded(perturbed(base, 0.3), CharTokenizer(8), "d8")
 
 
 DIST_CASES = [
@@ -292,7 +267,7 @@ def test_distribution_test_catches_a_wrong_proposal(small_pair, monkeypatch):
     """The same test fails when the verifier uses a q' other than the one the drafts came from
     (here: the unreshaped q while the draft sampled Saguaro's q' with C = 0.1)."""
     target, _ = small_pair
-    unrelated = as_loaded(llama(vocab=8, seed=11, scale=1.5), CharTokenizer(8), "other")
+    unrelated = as_loaded(tiny_llama(vocab_size=8, seed=11, head_scale=1.5), CharTokenizer(8), "other")
     dec = ssd(target, unrelated, k=2, fan_out="uniform:2", saguaro_c=0.1)
     orig = Channel.q_rows
 
