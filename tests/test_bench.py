@@ -4,7 +4,6 @@ deliberately mismatching decoder), the CLI on the packaged model, and the GPU pr
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import statistics
@@ -14,7 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import CharTokenizer, as_loaded
+from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
 from ssd_chat import bench_report as br
 from ssd_chat.bench import (FAMILIES, BenchError, BenchPrompt, BenchSettings, Hardware, build_report, gpu_preset, load_prompts,
                             make_plans, run_bench)
@@ -167,28 +166,11 @@ def test_bad_arguments_are_usage_errors(args, message):
 # --- the race on tiny models ----------------------------------------------------------------------
 
 
-def _llama(seed: int, scale: float = 3.0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(torch.float64).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(scale)
-    return model
-
-
 @pytest.fixture(scope="module")
 def tiny_pair():
     """float64 target + a noisy copy as draft: mixed accept/reject, exact greedy agreement with AR."""
-    base = _llama(0)
-    draft = copy.deepcopy(base)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1 * p.std())
+    base = tiny_llama(head_scale=3.0)
+    draft = perturbed(base, 0.1)
     return as_loaded(base, CharTokenizer(64), "tiny-target"), as_loaded(draft, CharTokenizer(64), "tiny-draft")
 
 

@@ -12,17 +12,17 @@ import time
 import psutil
 import pytest
 
-from conftest import CharTokenizer, as_loaded
+from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
 from ssd_chat.engine.ar import ARDecoder
 from ssd_chat.engine.events import Done, Notice, Round
 from ssd_chat.engine.params import SamplingParams
-from test_ssd import PROMPTS, llama, noisy, run, ssd
+from test_ssd import PROMPTS, run, ssd
 
 
 @pytest.fixture(scope="module")
 def pair():
-    base = llama(seed=2)
-    return as_loaded(base, CharTokenizer(64), "t"), as_loaded(noisy(base, 0.1), CharTokenizer(64), "d")
+    base = tiny_llama(seed=2, head_scale=3.0)
+    return as_loaded(base, CharTokenizer(64), "t"), as_loaded(perturbed(base, 0.1), CharTokenizer(64), "d")
 
 
 def gone(pid: int, within_s: float = 10.0) -> bool:
@@ -131,8 +131,8 @@ APP = textwrap.dedent("""
     from ssd_chat.engine.params import SamplingParams
 
     if __name__ == "__main__":
-        t = as_loaded(llama(), CharTokenizer(64), "t")
-        dec = ssd(t, as_loaded(llama(seed=1), CharTokenizer(64), "d"), k=2)
+        t = as_loaded(tiny_llama(head_scale=3.0), CharTokenizer(64), "t")
+        dec = ssd(t, as_loaded(tiny_llama(seed=1, head_scale=3.0), CharTokenizer(64), "d"), k=2)
         dec.ping()
         print(dec.worker_pid, flush=True)
         how = sys.argv[1]
