@@ -203,13 +203,13 @@ def test_bad_shapes_and_prompt_files_are_clear_errors(tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "hi"}\nnot json\n')
     with pytest.raises(ParamError, match="p.jsonl:2"):
-        distill.loadrandom_prompts(bad)
+        distill.load_prompts(bad)
     with pytest.raises(ParamError, match="cannot read prompt file"):
-        distill.loadrandom_prompts(tmp_path / "missing.jsonl")
+        distill.load_prompts(tmp_path / "missing.jsonl")
 
 
 def test_packaged_prompt_sets_are_disjoint():
-    train, held = distill.loadrandom_prompts(), distill.loadrandom_prompts(heldout=True)
+    train, held = distill.load_prompts(), distill.load_prompts(heldout=True)
     assert len(train) >= 300 and len(held) >= 30
     assert not set(train) & set(held)
 
@@ -240,7 +240,7 @@ def test_shipped_draft_loads_on_the_packaged_target_and_decodes_exactly(smollm2)
     assert draft_model.is_draft_dir(folder)
     draft = drafts.derive(folder, smollm2)
     assert draft.model.model.embed_tokens is smollm2.model.model.embed_tokens
-    stats = distill.measure(smollm2, draft, distill.loadrandom_prompts(heldout=True)[:4], max_new_tokens=48)
+    stats = distill.measure(smollm2, draft, distill.load_prompts(heldout=True)[:4], max_new_tokens=48)
     assert stats["agreement"] >= 0.2, stats  # measured 37 % on 10 held-out prompts (README)
     prompt = distill.prompt_ids(smollm2, ["Write a haiku about snow."])[0]
     params = SamplingParams(max_new_tokens=32)
@@ -314,13 +314,13 @@ def _chat_target(eos: int = 30):  # 30: a token the tiny target samples often at
 def test_the_target_writes_its_own_prompts_self_prompts_distinct_and_reproducible():
     target = _chat_target()
     assert distill.user_turn_prefix(target.tokenizer) == [ord(c) % 64 for c in "<user>"]
-    first = distill.writerandom_prompts(target, 12, seed=0, temperature=4.0)  # hot: the tiny target is very peaked
+    first = distill.write_prompts(target, 12, seed=0, temperature=4.0)  # hot: the tiny target is very peaked
     exclude = set(first[:3])
-    again = distill.writerandom_prompts(target, 12, seed=0, temperature=4.0)
+    again = distill.write_prompts(target, 12, seed=0, temperature=4.0)
     assert again == first  # deterministic for a seed
     assert len(set(first)) == 12 and all(len(p.split()) >= 3 for p in first)
-    assert distill.writerandom_prompts(target, 12, seed=1, temperature=4.0) != first
-    fewer = distill.writerandom_prompts(target, 12, seed=0, exclude=exclude, temperature=4.0)
+    assert distill.write_prompts(target, 12, seed=1, temperature=4.0) != first
+    fewer = distill.write_prompts(target, 12, seed=0, exclude=exclude, temperature=4.0)
     assert not exclude & set(fewer) and len(set(fewer)) == 12  # never one of the packaged / held-out prompts
 
 
@@ -328,11 +328,11 @@ def test_self_prompts_need_a_chat_template_and_an_end_of_turn():
     with pytest.raises(ParamError, match="--self-prompts"):
         distill.TrainConfig(self_prompts=-1)
     with pytest.raises(ParamError, match="chat template"):
-        distill.writerandom_prompts(_target(), 4, seed=0)
+        distill.write_prompts(_target(), 4, seed=0)
     target = _chat_target()
     target.eos_ids = frozenset()
     with pytest.raises(ParamError, match="end-of-turn"):
-        distill.writerandom_prompts(target, 4, seed=0)
+        distill.write_prompts(target, 4, seed=0)
 
 
 def test_run_with_self_written_prompts_trains_on_them_and_caches_them(tmp_path, monkeypatch):
@@ -358,6 +358,6 @@ def test_run_with_self_written_prompts_trains_on_them_and_caches_them(tmp_path, 
 def test_smollm2_writes_user_turns(smollm2):
     prefix = smollm2.tokenizer.decode(distill.user_turn_prefix(smollm2.tokenizer))
     assert prefix.endswith("<|im_start|>user\n") and "system" in prefix
-    own = distill.writerandom_prompts(smollm2, 3, seed=0, batch=8)
+    own = distill.write_prompts(smollm2, 3, seed=0, batch=8)
     assert len(set(own)) == 3
     assert all(len(p.split()) >= 3 and "<|im_" not in p and p == p.strip() for p in own)

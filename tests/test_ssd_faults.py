@@ -126,8 +126,8 @@ def test_no_draft_in_process_continues_as_ar(pair, monkeypatch):
 APP = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {tests!r})
-    from conftest import CharTokenizer, as_loaded
-    from test_ssd import llama, ssd
+    from conftest import CharTokenizer, as_loaded, tiny_llama
+    from test_ssd import ssd
     from ssd_chat.engine.params import SamplingParams
 
     if __name__ == "__main__":
@@ -151,7 +151,9 @@ def test_no_worker_outlives_the_app(how, repo_root):
     code = APP.format(tests=str(repo_root / "tests"))
     proc = subprocess.Popen([sys.executable, "-c", code, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=repo_root)
     try:
-        pid = int(proc.stdout.readline())
+        line = proc.stdout.readline()
+        assert line.strip(), f"the app script died before starting its worker: {proc.communicate(timeout=30)[1][-2000:]}"
+        pid = int(line)
         if how == "sigint":
             time.sleep(1.0)
             proc.send_signal(signal.SIGINT)
