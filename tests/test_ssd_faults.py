@@ -19,6 +19,12 @@ from ssd_chat.engine.params import SamplingParams
 from test_ssd import PROMPTS, run, ssd
 
 
+
+def _default_sigint() -> None:
+    """A harness that started us in the background (``cmd &``) passes SIGINT on as ignored, and Python then
+    installs no KeyboardInterrupt handler; the child must see Ctrl-C as a user's terminal delivers it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 @pytest.fixture(scope="module")
 def pair():
     base = tiny_llama(seed=2, head_scale=3.0)
@@ -149,7 +155,7 @@ APP = textwrap.dedent("""
 @pytest.mark.parametrize("how", ["normal", "exception", "sigint", "sigkill"])
 def test_no_worker_outlives_the_app(how, repo_root):
     code = APP.format(tests=str(repo_root / "tests"))
-    proc = subprocess.Popen([sys.executable, "-c", code, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=repo_root)
+    proc = subprocess.Popen([sys.executable, "-c", code, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=repo_root, preexec_fn=_default_sigint)
     try:
         line = proc.stdout.readline()
         assert line.strip(), f"the app script died before starting its worker: {proc.communicate(timeout=30)[1][-2000:]}"
