@@ -110,15 +110,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w
     out_f, in_f = w.shape
     rows = x.numel() // in_f if in_f else 0
     method = _choices.get((out_f, in_f, rows)) or static_choice(out_f, in_f, rows)
-    y = None
-    if method == "xwt":
-        t = wt() if callable(wt) else wt
-        if t is not None:
-            y = torch.mm(x.reshape(rows, in_f), t)
-    elif method == "wxt":
-        y = torch.mm(w, x.reshape(rows, in_f).t()).t().contiguous()
-    if y is None:
+    t = (wt() if callable(wt) else wt) if method == "xwt" else None
+    if method == "linear" or (method == "xwt" and t is None):
         return F.linear(x, w, bias)
+    y = _run(method, x.reshape(rows, in_f), w, t)  # the same products tune() timed
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], out_f)
