@@ -48,6 +48,7 @@ import os
 import platform
 import time
 import types
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +60,12 @@ MAX_TRANSPOSE_BYTES = 2 << 30  # 2 GiB of linear weights: a ~500M-parameter mode
 MAX_FAST_ROWS = 5
 TUNE_BYTES = 64 << 20  # matrices of one shape cycled through per timing: more than a CPU's last-level cache
 TUNE_REPEATS = 3  # timed passes per (shape, rows, formulation); the fastest counts
-METHODS = ("linear", "wxt", "xwt")  # F.linear; (W @ x.T).T; x @ Wt with the cached transpose
+METHODS = ("linear", "wxt", "xwt", "rows", "rows4")  # F.linear; (W @ x.T).T; x @ Wt with the cached transpose;
+# the numba row kernels (engine/rowkernels.py), one or four outputs per pass over x
 _DTYPES = (torch.float32,)
-_choices: dict[tuple[int, int, int], str] = {}  # (out, in, rows) -> the method measured fastest on this CPU
+_choices: dict[tuple[int, int, int, int], str] = {}  # (threads, out, in, rows) -> the method measured fastest on this CPU
+_retuned: set[tuple[int, int, int]] = set()  # (threads, out, in) timed again in this process under SSD_CHAT_FAST_LINEAR=retune
+_installed: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models install() changed: prepare() times their shapes
 
 
 def _mode() -> str:
@@ -109,9 +113,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w
         return F.linear(x, w, bias)
     out_f, in_f = w.shape
     rows = x.numel() // in_f if in_f else 0
-    method = _choices.get((out_f, in_f, rows)) or static_choice(out_f, in_f, rows)
+    method = _choices.get((torch.get_num_threads(), out_f, in_f, rows)) or static_choice(out_f, in_f, rows)
     t = (wt() if callable(wt) else wt) if method == "xwt" else None
-    if method == "linear" or (method == "xwt" and t is None):
+    if method == "linear" or (method == "xwt" and t is None) or not _runnable(method, w):
         return F.linear(x, w, bias)
     y = _run(method, x.reshape(rows, in_f), w, t)  # the same products tune() timed
     if bias is not None:
@@ -141,12 +145,9 @@ def install(model: nn.Module) -> int:
             seen.add(m.weight.data_ptr())
             total += m.weight.numel() * m.weight.element_size()
     allow_t = total <= MAX_TRANSPOSE_BYTES
-    if _mode() != "static":
-        by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
-        own = [getattr(m, n) for m in model.modules() for n in getattr(type(m), "fast_linear_weights", ())]
-        for w in [m.weight for m in linears] + [w for w in own if w.device.type == "cpu" and w.dtype in _DTYPES]:
-            by_shape.setdefault(tuple(w.shape), []).append(w)  # type: ignore[arg-type]
-        _choices.update(stored_or_tuned(by_shape, allow_t))
+    model._ssd_fast_allow_t = allow_t
+    _installed.add(model)
+    _prepare_model(model)
     n = 0
     for m in linears:
         if getattr(m, "_ssd_fast", False):
@@ -160,8 +161,44 @@ def install(model: nn.Module) -> int:
     return n
 
 
+def _weights_by_shape(model: nn.Module) -> dict[tuple[int, int], list[torch.Tensor]]:
+    by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
+    linears = [m.weight for m in model.modules() if getattr(m, "_ssd_fast", False) or
+               (type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in _DTYPES)]
+    own = [getattr(m, n) for m in model.modules() for n in getattr(type(m), "fast_linear_weights", ())]
+    for w in linears + [w for w in own if w.device.type == "cpu" and w.dtype in _DTYPES]:
+        by_shape.setdefault(tuple(w.shape), []).append(w)  # type: ignore[arg-type]
+    return by_shape
+
+
+def _prepare_model(model: nn.Module) -> None:
+    if _mode() == "static":
+        return
+    threads = torch.get_num_threads()
+    retune = _mode() == "retune"  # once per process, thread count and shape
+    by_shape = {s: ws for s, ws in _weights_by_shape(model).items()
+                if any((threads, *s, r) not in _choices for r in range(1, MAX_FAST_ROWS + 1))
+                or (retune and (threads, *s) not in _retuned)}
+    if by_shape:
+        _choices.update({(threads, *k): m for k, m in stored_or_tuned(by_shape, model._ssd_fast_allow_t).items()})
+        if retune:
+            _retuned.update((threads, *s) for s in by_shape)
+
+
+def prepare() -> None:
+    """Make sure every installed model has choices for torch's current thread count: call it
+    after changing the thread count for decoding (the choices differ: at 2 threads MKL's
+    products use both cores, the row kernels one).  Stored choices are read back; shapes never
+    timed with this thread count are timed now.  Cheap when nothing is missing."""
+    if not enabled():
+        return
+    for model in list(_installed):
+        _prepare_model(model)
+
+
 def uninstall(model: nn.Module) -> None:
     """Undo :func:`install` (and drop the transpose caches)."""
+    _installed.discard(model)
     for m in model.modules():
         if getattr(m, "_ssd_fast", False):
             del m.forward
@@ -172,7 +209,26 @@ def uninstall(model: nn.Module) -> None:
 # --- choosing the formulation by timing it on this CPU ---------------------------------------------
 
 
+def methods(allow_t: bool) -> list[str]:
+    """The formulations this process can run: ``xwt`` needs the transpose cache, the row kernels numba."""
+    from . import rowkernels
+
+    return [m for m in METHODS if (allow_t or m != "xwt") and (not m.startswith("rows") or rowkernels.available())]
+
+
+def _runnable(method: str, w: torch.Tensor) -> bool:
+    if method.startswith("rows"):
+        from . import rowkernels
+
+        return w.is_contiguous() and rowkernels.available()
+    return True
+
+
 def _run(method: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None) -> torch.Tensor:
+    if method in ("rows", "rows4"):
+        from . import rowkernels
+
+        return rowkernels.matmul_t(x, w, 4 if method == "rows4" else 1)
     if method == "xwt":
         return torch.mm(x, wt)  # type: ignore[arg-type]
     if method == "wxt":
@@ -189,13 +245,13 @@ def tune(weights: list[torch.Tensor], allow_t: bool, rows: range = range(1, MAX_
     per = weights[0].numel() * weights[0].element_size()
     ws = [w.detach() for w in weights[: max(1, min(len(weights), TUNE_BYTES // max(per, 1)))]]
     wts = [w.t().contiguous() for w in ws] if allow_t else []
-    methods = [m for m in METHODS if allow_t or m != "xwt"]
+    ms = [m for m in methods(allow_t) if _runnable(m, ws[0])]
     best: dict[int, str] = {}
     gen = torch.Generator().manual_seed(out_f * 131 + in_f)
     for r in rows:
         x = torch.randn(r, in_f, generator=gen, dtype=ws[0].dtype)
         times: dict[str, float] = {}
-        for m in methods:
+        for m in ms:
             for w, t in zip(ws, wts or [None] * len(ws)):  # warm-up (and the transposes' first touch)
                 _run(m, x, w, t)
             fastest = float("inf")
@@ -205,7 +261,7 @@ def tune(weights: list[torch.Tensor], allow_t: bool, rows: range = range(1, MAX_
                     _run(m, x, w, t)
                 fastest = min(fastest, clock() - t0)
             times[m] = fastest
-        best[r] = min(methods, key=lambda m: (times[m], METHODS.index(m)))
+        best[r] = min(ms, key=lambda m: (times[m], METHODS.index(m)))
     return best
 
 
@@ -218,7 +274,7 @@ def _machine_key(allow_t: bool) -> str:
                 break
     except OSError:
         pass
-    ident = [cpu, torch.__version__, torch.get_num_threads(), allow_t, MAX_FAST_ROWS, "v1"]
+    ident = [cpu, torch.__version__, torch.get_num_threads(), allow_t, MAX_FAST_ROWS, methods(allow_t), "v2"]
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from . import fastlinear
+from . import attention, fastlinear
 from .errors import DeviceError, ModelError, TokenizerMismatchError
 
 # alias -> hub id (instruct variants); "packaged" entries need no download
@@ -373,6 +373,7 @@ def load(
             raise ModelError(f"out of GPU memory placing '{name}' on {placement.device}") from e
     model.eval()
     fastlinear.install(model)  # CPU float32 only; a no-op elsewhere
+    attention.install(model)  # CPU only: GQA verification without copying the KV cache
     return LoadedModel(
         name=name,
         spec=spec,

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from . import fanout, kv
+from . import fanout, fastlinear, kv
 from .ar import context_budget, error_event
 from .channel import Channel, Reply, Settings
 from .detok import ReplyBuilder
@@ -130,6 +130,7 @@ def _pinned(cores: tuple[int, ...] | None, threads: int | None) -> Iterator[None
             os.sched_setaffinity(0, cores)
         if threads:
             torch.set_num_threads(threads)
+            fastlinear.prepare()  # the few-row choices for this thread count (stored after the first time)
         yield
     finally:
         if old_aff is not None:
@@ -211,6 +212,9 @@ class SSDDecoder:
         self._told_shared = False
         if start:
             self._start()
+            if self._worker is not None and self.plan.target_threads:
+                with _pinned(self.plan.target_cores, self.plan.target_threads):
+                    pass  # times the target's few-row linears for the thread count it will decode with, now rather than in the first reply
 
     # -- the worker's lifecycle -----------------------------------------------------------
     def _start(self) -> None:

@@ -244,6 +244,9 @@ class Pinning:
     def apply(self, cores: tuple[int, ...] | None, threads: int | None) -> None:
         if threads is not None:
             self._torch.set_num_threads(threads)
+            from ssd_chat.engine import fastlinear
+
+            fastlinear.prepare()  # few-row choices timed for this thread count (during the warm-up)
         if cores is not None and self.enforced:
             self._set_all(cores)
 
