@@ -6,6 +6,8 @@
 * ``int8``      an int8 dynamic-quantized copy (per-channel weights, CPU only):
                  ~79 % greedy acceptance on SmolLM2-135M at ~65 % of a target step
 * ``layers:N``  the target's embedding, first N layers, final norm and head (weights shared)
+* ``trained``   the layers draft shipped in ``assets/drafts`` for the target (SmolLM2-135M only)
+* ``features``  the feature draft shipped there (SD only: it reads the target's hidden states)
 * a folder with a ``draft.json`` manifest: a draft trained for this target by
   ``ssd-chat draft train`` (see draft_model.py); its shared part is rebuilt from the target
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import copy
 import re
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -26,16 +29,55 @@ from .models import LoadedModel, ModelSpec
 _LAYERS = re.compile(r"^layers:(\d+)$")
 
 
+SHIPPED = {"trained": "layers", "features": "features"}  # alias -> kind of a draft shipped in assets/drafts
+
+
 def is_derived(name: str) -> bool:
     from .draft_model import is_draft_dir
 
-    return name in ("copy", "int8") or bool(_LAYERS.match(name)) or is_draft_dir(name)
+    return name in ("copy", "int8") or name in SHIPPED or bool(_LAYERS.match(name)) or is_draft_dir(name)
+
+
+def shipped_drafts() -> list[tuple[str, str, str]]:
+    """(folder, target name, kind) of every trained draft in ``assets/drafts``."""
+    import json
+    from importlib.resources import files
+
+    from .draft_model import MANIFEST
+
+    out = []
+    root = Path(str(files("ssd_chat.assets") / "drafts"))
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        try:
+            m = json.loads((folder / MANIFEST).read_text())
+            out.append((str(folder), m["target"]["name"], m.get("kind", "layers")))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def shipped_draft(alias: str, target: LoadedModel) -> str:
+    """The folder of the draft shipped for ``target`` under ``alias`` (trained: the layers draft,
+    features: the feature draft), or a ModelError that says what exists."""
+    kind = SHIPPED[alias]
+    mine = [(f, k) for f, t, k in shipped_drafts() if t == target.name]
+    for folder, k in mine:
+        if k == kind:
+            return folder
+    have = ", ".join(a for a, kk in SHIPPED.items() if any(k == kk for _, k in mine))
+    raise ModelError(
+        f"no '{alias}' draft ships for target '{target.name}'"
+        + (f" (shipped for it: {have})" if have else "; drafts ship only for the packaged default model")
+        + "; train one with `ssd-chat draft train --target ... --out DIR` and pass --draft DIR"
+    )
 
 
 def derive(name: str, target: LoadedModel) -> LoadedModel:
     """Build the derived draft ``name`` from ``target``."""
     from . import draft_model
 
+    if name in SHIPPED:
+        name = shipped_draft(name, target)
     if draft_model.is_draft_dir(name):
         return draft_model.load(name, target)
     base = target.model

@@ -35,9 +35,16 @@ cache.  That takes a few seconds once; the choices are kept in ``fastlinear.json
 cache dir, keyed by CPU model, torch version, thread count and transpose permission, and
 reused by every later load (the app, the speculator process, the draft).
 
+**Row kernels.**  Since 2026-12-02 the candidates also include two numba kernels
+(``engine/rowkernels.py``) that read each weight once for all 1-5 rows; on the Zen 2 VM they
+win almost everywhere beyond one row.  Choices are kept per torch thread count, and
+:func:`prepare` times (or reads back) the ones for the count decoding actually runs with: the
+app loads its models with every core and decodes pinned to fewer (SSD), where at 2 threads
+MKL's products use both cores and the kernels one.
+
 ``SSD_CHAT_FAST_LINEAR``: ``0`` turns the whole thing off, ``static`` uses the Zen 4 rule
-without timing (both for A/B measurements), ``retune`` times again and overwrites the
-stored choices.
+without timing, ``torch`` times torch's three products only (no row kernels; all three for
+A/B measurements), ``retune`` times again and overwrites the stored choices.
 """
 
 from __future__ import annotations
@@ -213,14 +220,15 @@ def methods(allow_t: bool) -> list[str]:
     """The formulations this process can run: ``xwt`` needs the transpose cache, the row kernels numba."""
     from . import rowkernels
 
-    return [m for m in METHODS if (allow_t or m != "xwt") and (not m.startswith("rows") or rowkernels.available())]
+    kernels = _mode() != "torch" and rowkernels.available()
+    return [m for m in METHODS if (allow_t or m != "xwt") and (not m.startswith("rows") or kernels)]
 
 
 def _runnable(method: str, w: torch.Tensor) -> bool:
     if method.startswith("rows"):
         from . import rowkernels
 
-        return w.is_contiguous() and rowkernels.available()
+        return w.is_contiguous() and _mode() != "torch" and rowkernels.available()
     return True
 
 

@@ -17,8 +17,8 @@ from ssd_chat.engine import attention
 def _logits_after_prefix(model, prefix: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         cache = DynamicCache()
-        model(input_ids=prefix, past_key_values=cache, use_cache=True)
-        return model(input_ids=block, past_key_values=cache, use_cache=True).logits
+        model(input_ids=prefix, cache=cache, use_cache=True)
+        return model(input_ids=block, cache=cache, use_cache=True).logits
 
 
 def test_verification_block_matches_sdpa_without_copying_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,6 +42,15 @@ def test_is_derived():
         assert not drafts.is_derived(name)
 
 
+def test_shipped_aliases_name_the_packaged_models_drafts(target):
+    assert drafts.is_derived("trained") and drafts.is_derived("features")
+    shipped = drafts.shipped_drafts()
+    assert ("layers" in {k for _, t, k in shipped if t == "smollm2-135m-gguf"})
+    for alias in drafts.SHIPPED:  # a target nothing was trained for: one clear line, nothing loaded
+        with pytest.raises(ModelError, match=f"no '{alias}' draft ships for target 'tiny3'.*draft train"):
+            drafts.derive(alias, target)
+
+
 def test_unknown_derived_name_is_a_model_error(target):
     with pytest.raises(ModelError, match="unknown derived draft"):
         drafts.derive("layers:two", target)

@@ -125,6 +125,9 @@ def test_tune_keeps_the_fastest_formulation_for_each_row_count(monkeypatch: pyte
     # the row kernels win where they are fastest, and are no candidate without numba
     cost.update({("rows", 2): 1, ("rows4", 3): 0.5})
     assert fastlinear.tune(ws, True, range(1, 4), clock=lambda: now[0]) == {1: "xwt", 2: "rows", 3: "rows4"}
+    monkeypatch.setenv("SSD_CHAT_FAST_LINEAR", "torch")  # torch's products only, for A/B runs
+    assert fastlinear.tune(ws, True, range(1, 4), clock=lambda: now[0]) == {1: "xwt", 2: "wxt", 3: "linear"}
+    monkeypatch.delenv("SSD_CHAT_FAST_LINEAR")
     monkeypatch.setattr(rowkernels, "available", lambda: False)
     assert fastlinear.tune(ws, True, range(1, 4), clock=lambda: now[0]) == {1: "xwt", 2: "wxt", 3: "linear"}
 
