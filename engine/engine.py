@@ -75,8 +75,21 @@ def _ssd(e: "Engine") -> Any:
 DECODERS: dict[str, Callable[["Engine"], Any]] = {"ar": lambda e: ARDecoder(e.target), "sd": _sd, "ssd": _ssd}
 
 
+def check_draft_for_mode(mode: str, draft: models.LoadedModel | None) -> None:
+    """A ParamError now, before any reply, for a draft the mode cannot use."""
+    if mode == "ssd" and draft is not None:
+        from .draft_model import is_feature_draft
+
+        if is_feature_draft(draft.model):
+            raise ParamError(
+                f"draft '{draft.name}' is a feature draft: it reads the target's hidden states, which SSD's speculator does "
+                "not have while it drafts ahead; use it with --mode sd, or use SSD with another draft (e.g. --draft int8)"
+            )
+
+
 class Engine:
     def __init__(self, config: EngineConfig, target: models.LoadedModel, draft: models.LoadedModel | None = None) -> None:
+        check_draft_for_mode(config.mode, draft)
         self.config = config
         self.target = target
         self.draft = draft
@@ -128,6 +141,7 @@ class Engine:
         new = replace(self.config, **changes)
         if new.needs_draft and self.draft is None:
             raise ParamError(f"mode '{new.mode}' needs a draft model; restart with --draft")
+        check_draft_for_mode(new.mode, self.draft)
         self.config = new
 
     def decoder(self) -> Any:

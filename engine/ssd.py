@@ -47,7 +47,6 @@ from . import fanout, fastlinear, kv
 from .ar import context_budget, error_event
 from .channel import Channel, Reply, Settings
 from .detok import ReplyBuilder
-from .draft_model import is_feature_draft
 from .errors import ParamError, SpeculatorError
 from .events import Done, Event, Notice, Round, Token
 from .metrics import Metrics
@@ -195,11 +194,9 @@ class SSDDecoder:
     def __init__(self, engine: Any, start: bool = True) -> None:
         if engine.draft is None:
             raise ParamError("SSD needs a draft model (--draft copy|int8|layers:N|MODEL)")
-        if is_feature_draft(engine.draft.model):
-            raise ParamError(
-                f"draft '{engine.draft.name}' is a feature draft: it reads the target's hidden states, which SSD's "
-                "speculator does not have while it drafts ahead; use it with --mode sd, or use SSD with another draft (e.g. --draft int8)"
-            )
+        from .engine import check_draft_for_mode
+
+        check_draft_for_mode("ssd", engine.draft)
         self.engine = engine
         self.k: int = engine.config.k
         self.vocab = _vocab_size(engine.target.model)

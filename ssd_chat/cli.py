@@ -193,6 +193,8 @@ def ask(
     code = 0
     try:
         code = _answer(engine, prompt, values, params, json_out, stats)
+    except SSDChatError as e:  # raised while setting up the decoder, before any token
+        raise fail(str(e)) from None
     except KeyboardInterrupt:
         if not json_out:
             sys.stdout.write("\n")

@@ -60,6 +60,19 @@ def test_bad_input_is_a_clear_error(args, code, needle):
     assert needle in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args,code,needle",
+    [
+        (["ask", "--mode", "ssd", "--draft", "features", "hi"], 2, "is a feature draft"),
+    ],
+)
+def test_a_draft_the_mode_cannot_use_is_a_clear_error(args, code, needle):
+    r = cli(*args)
+    assert r.returncode == code, (r.returncode, r.stderr)
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
 def test_folder_that_is_not_a_model(tmp_path):
     r = cli("ask", "--target", str(tmp_path), "hi")
     assert r.returncode == 1 and "not a model" in r.stderr and "Traceback" not in r.stderr

@@ -11,7 +11,7 @@ from conftest import CharTokenizer, as_loaded, random_prompts, tiny_llama
 from ssd_chat.engine import distill, draft_model, drafts, kv
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.errors import ModelError, ParamError
-from ssd_chat.engine.events import Done
+from ssd_chat.engine.events import Done, Round
 from ssd_chat.engine.params import SamplingParams
 
 
@@ -249,6 +249,28 @@ def test_shipped_draft_loads_on_the_packaged_target_and_decodes_exactly(smollm2)
         engine = Engine(EngineConfig(mode=mode, k=3), smollm2, draft)
         out[mode] = [e for e in engine.stream(prompt, params) if isinstance(e, Done)][0].token_ids
     assert out["sd"] == out["ar"]
+
+
+@pytest.mark.slow
+def test_shipped_feature_draft_is_found_by_alias_and_decodes_exactly(smollm2):
+    """`--draft features`: the EAGLE-style draft shipped for the packaged target (SD only)."""
+    from ssd_chat.engine.draft_model import is_feature_draft
+
+    folder = drafts.shipped_draft("features", smollm2)
+    assert folder.endswith("smollm2-135m-instruct-features")
+    assert drafts.shipped_draft("trained", smollm2).endswith(SHIPPED)
+    draft = drafts.derive("features", smollm2)
+    assert is_feature_draft(draft.model)
+    prompt = distill.prompt_ids(smollm2, ["Give me two tips for learning to cook."])[0]
+    params = SamplingParams(max_new_tokens=40)
+    out, rounds = {}, []
+    for mode in ("ar", "sd"):
+        engine = Engine(EngineConfig(mode=mode, k=1), smollm2, draft)
+        events = list(engine.stream(prompt, params))
+        out[mode] = [e for e in events if isinstance(e, Done)][0].token_ids
+        rounds += [e for e in events if isinstance(e, Round)]
+    assert out["sd"] == out["ar"]
+    assert sum(r.accepted for r in rounds) > 0  # measured 42.9 % incremental agreement (README)
 
 
 class _ModTokenizer(CharTokenizer):

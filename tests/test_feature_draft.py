@@ -199,10 +199,15 @@ def test_a_features_recipe_is_validated():
 
 
 def test_ssd_refuses_a_feature_draft_with_a_clear_message(trained):
+    """Before any reply: when the engine is made for SSD, and when a running app switches to SSD."""
     target, result, _, _ = trained
-    engine = Engine(EngineConfig(mode="ssd", k=2), target, as_loaded(result.draft, target.tokenizer, "feat"))
+    draft = as_loaded(result.draft, target.tokenizer, "feat")
     with pytest.raises(ParamError, match="'feat' is a feature draft.*--mode sd"):
-        engine.decoder()
+        Engine(EngineConfig(mode="ssd", k=2), target, draft)
+    engine = Engine(EngineConfig(mode="sd", k=2), target, draft)
+    with pytest.raises(ParamError, match="'feat' is a feature draft"):
+        engine.reconfigure(mode="ssd")
+    assert engine.config.mode == "sd"  # unchanged: the app keeps decoding with SD
 
 
 def test_measure_runs_sd_for_real_with_a_feature_draft(trained):
