@@ -63,6 +63,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import rowkernels
+
 MAX_TRANSPOSE_BYTES = 2 << 30  # 2 GiB of linear weights: a ~500M-parameter model in fp32
 MAX_FAST_ROWS = 5
 TUNE_BYTES = 64 << 20  # matrices of one shape cycled through per timing: more than a CPU's last-level cache
@@ -218,24 +220,19 @@ def uninstall(model: nn.Module) -> None:
 
 def methods(allow_t: bool) -> list[str]:
     """The formulations this process can run: ``xwt`` needs the transpose cache, the row kernels numba."""
-    from . import rowkernels
-
     kernels = _mode() != "torch" and rowkernels.available()
     return [m for m in METHODS if (allow_t or m != "xwt") and (not m.startswith("rows") or kernels)]
 
 
 def _runnable(method: str, w: torch.Tensor) -> bool:
-    if method.startswith("rows"):
-        from . import rowkernels
-
-        return w.is_contiguous() and _mode() != "torch" and rowkernels.available()
+    """Per call, so cheap: a row kernel needs a contiguous weight (and numba, loaded once)."""
+    if method == "rows" or method == "rows4":
+        return w.is_contiguous() and rowkernels.available()
     return True
 
 
 def _run(method: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None) -> torch.Tensor:
-    if method in ("rows", "rows4"):
-        from . import rowkernels
-
+    if method == "rows" or method == "rows4":
         return rowkernels.matmul_t(x, w, 4 if method == "rows4" else 1)
     if method == "xwt":
         return torch.mm(x, wt)  # type: ignore[arg-type]

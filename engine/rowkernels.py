@@ -126,6 +126,7 @@ def _load() -> Any:
                 _failed = f"row kernels unavailable: {e}; {e2}"
                 return None
         _module = mod
+        _kernels.clear()
         return mod
 
 
@@ -133,11 +134,17 @@ def available() -> bool:
     return _load() is not None
 
 
+_kernels: dict[tuple[int, int], Callable[[Any, Any, Any], None]] = {}
+
+
 def kernel(rows: int, block: int) -> Callable[[Any, Any, Any], None] | None:
-    mod = _load()
-    if mod is None or not (1 <= rows <= MAX_ROWS) or block not in BLOCKS:
-        return None
-    return getattr(mod, f"k{rows}_{block}")
+    k = _kernels.get((rows, block))
+    if k is None:
+        mod = _load()
+        if mod is None or not (1 <= rows <= MAX_ROWS) or block not in BLOCKS:
+            return None
+        k = _kernels[(rows, block)] = getattr(mod, f"k{rows}_{block}")
+    return k
 
 
 def matmul_t(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:

@@ -265,6 +265,7 @@ def test_row_kernels_match_f_linear(block: int, out_f: int) -> None:
 def test_row_kernel_source_is_written_once_to_the_cache_dir(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rowkernels, "_module", None)
     monkeypatch.setattr(rowkernels, "_failed", None)
+    monkeypatch.setattr(rowkernels, "_kernels", {})
     assert rowkernels.available()
     (src,) = (tmp_path / "cache" / "kernels").glob("rowkernels_*.py")
     assert src.read_text() == rowkernels.source()
@@ -278,5 +279,6 @@ def test_row_kernels_compile_without_a_writable_cache_dir(tmp_path, monkeypatch:
     monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(blocker / "sub"))  # cannot be created
     monkeypatch.setattr(rowkernels, "_module", None)
     monkeypatch.setattr(rowkernels, "_failed", None)
+    monkeypatch.setattr(rowkernels, "_kernels", {})
     x, w = torch.randn(2, 8), torch.randn(5, 8)
     torch.testing.assert_close(rowkernels.matmul_t(x, w, 1), F.linear(x, w), rtol=1e-5, atol=1e-5)
