@@ -358,12 +358,14 @@ def run_bench(
                 continue
             target, draft = models_for(plan)
             cfg = replace(base_config, mode=plan.mode, target_device=plan.target_device, draft_device=plan.draft_device)
-            eng = Engine(cfg, target, draft if plan.mode != "ar" else None)
+            eng = None
             try:  # unpinned: the SSD decoder checks its --draft-device cores against this process's affinity
+                eng = Engine(cfg, target, draft if plan.mode != "ar" else None)  # refuses a draft the mode cannot use
                 eng.decoder()
             except Exception as e:  # noqa: BLE001 - any failure to build a decoder skips that mode, loudly
                 out.skipped[plan.mode] = _unavailable(e, plan.mode)
-                eng.close()
+                if eng is not None:
+                    eng.close()
                 del slots[key]
                 continue
             engines[key] = eng

@@ -320,6 +320,21 @@ def test_an_unavailable_mode_is_skipped_with_a_message(tiny_pair, monkeypatch):
     assert report["skipped_modes"] == result.skipped
 
 
+def test_a_draft_the_mode_refuses_skips_that_mode_with_its_message(tiny_pair, monkeypatch):
+    """E.g. `bench -d features`: SD runs, SSD is skipped with the engine's own message."""
+    from ssd_chat.engine import engine as engine_mod
+    from ssd_chat.engine.errors import ParamError
+
+    def refuse(mode, draft):  # noqa: ARG001
+        if mode == "ssd":
+            raise ParamError("draft 'tiny-draft' is a feature draft")
+
+    monkeypatch.setattr(engine_mod, "check_draft_for_mode", refuse)
+    result, report = _race(tiny_pair, modes=("ar", "sd", "ssd"), protocols=("paper",), max_new=4)
+    assert "is a feature draft" in result.skipped["ssd"]
+    assert set(report["protocols"]["paper"]["modes"]) == {"ar", "sd"}
+
+
 def test_pinning_is_restored(tiny_pair):
     threads = torch.get_num_threads()
     affinity = os.sched_getaffinity(0)
