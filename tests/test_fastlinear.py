@@ -155,6 +155,17 @@ def test_each_chosen_formulation_is_used_and_agrees(method: str, monkeypatch: py
     assert kernel_rows == ([(r, want) for r in range(1, fastlinear.MAX_FAST_ROWS + 1)] if want else [])
 
 
+def test_a_row_kernel_choice_without_numba_falls_back_to_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = _linear(32, 96, False)
+    fastlinear.install(m)
+    fastlinear._choices.update({_key(96, 32, r): "rows" for r in range(1, fastlinear.MAX_FAST_ROWS + 1)})
+    monkeypatch.setattr(rowkernels, "available", lambda: False)
+    monkeypatch.setattr(rowkernels, "matmul_t", lambda *a: pytest.fail("a row kernel ran without numba"))
+    with torch.inference_mode():
+        x = torch.randn(3, 32)
+        torch.testing.assert_close(m(x), F.linear(x, m.weight), rtol=1e-5, atol=1e-5)
+
+
 def test_choices_are_timed_once_stored_and_reused(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     tune = fastlinear.tune
