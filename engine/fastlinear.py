@@ -71,6 +71,7 @@ TUNE_BYTES = 64 << 20  # matrices of one shape cycled through per timing: more t
 TUNE_REPEATS = 3  # timed passes per (shape, rows, formulation); the fastest counts
 METHODS = ("linear", "wxt", "xwt", "rows", "rows4")  # F.linear; (W @ x.T).T; x @ Wt with the cached transpose;
 # the numba row kernels (engine/rowkernels.py), one or four outputs per pass over x
+_KERNEL_BLOCK = {"rows": 1, "rows4": 4}  # row-kernel method -> outputs per pass
 _DTYPES = (torch.float32,)
 _choices: dict[tuple[int, int, int, int], str] = {}  # (threads, out, in, rows) -> the method measured fastest on this CPU
 _retuned: set[tuple[int, int, int]] = set()  # (threads, out, in) timed again in this process under SSD_CHAT_FAST_LINEAR=retune
@@ -144,7 +145,7 @@ def install(model: nn.Module) -> int:
     or for other dtypes)."""
     if not enabled():
         return 0
-    linears = [m for m in model.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in _DTYPES]
+    linears = _plain_linears(model)
     if not linears:
         return 0
     seen: set[int] = set()
@@ -170,12 +171,15 @@ def install(model: nn.Module) -> int:
     return n
 
 
+def _plain_linears(model: nn.Module) -> list[nn.Linear]:
+    """The plain float32 CPU ``nn.Linear`` modules of ``model``: those the fast path serves."""
+    return [m for m in model.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in _DTYPES]
+
+
 def _weights_by_shape(model: nn.Module) -> dict[tuple[int, int], list[torch.Tensor]]:
     by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
-    linears = [m.weight for m in model.modules() if getattr(m, "_ssd_fast", False) or
-               (type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in _DTYPES)]
     own = [getattr(m, n) for m in model.modules() for n in getattr(type(m), "fast_linear_weights", ())]
-    for w in linears + [w for w in own if w.device.type == "cpu" and w.dtype in _DTYPES]:
+    for w in [m.weight for m in _plain_linears(model)] + [w for w in own if w.device.type == "cpu" and w.dtype in _DTYPES]:
         by_shape.setdefault(tuple(w.shape), []).append(w)  # type: ignore[arg-type]
     return by_shape
 
@@ -221,19 +225,19 @@ def uninstall(model: nn.Module) -> None:
 def methods(allow_t: bool) -> list[str]:
     """The formulations this process can run: ``xwt`` needs the transpose cache, the row kernels numba."""
     kernels = _mode() != "torch" and rowkernels.available()
-    return [m for m in METHODS if (allow_t or m != "xwt") and (not m.startswith("rows") or kernels)]
+    return [m for m in METHODS if (allow_t or m != "xwt") and (m not in _KERNEL_BLOCK or kernels)]
 
 
 def _runnable(method: str, w: torch.Tensor) -> bool:
     """Per call, so cheap: a row kernel needs a contiguous weight (and numba, loaded once)."""
-    if method == "rows" or method == "rows4":
+    if method in _KERNEL_BLOCK:
         return w.is_contiguous() and rowkernels.available()
     return True
 
 
 def _run(method: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None) -> torch.Tensor:
-    if method == "rows" or method == "rows4":
-        return rowkernels.matmul_t(x, w, 4 if method == "rows4" else 1)
+    if method in _KERNEL_BLOCK:
+        return rowkernels.matmul_t(x, w, _KERNEL_BLOCK[method])
     if method == "xwt":
         return torch.mm(x, wt)  # type: ignore[arg-type]
     if method == "wxt":
