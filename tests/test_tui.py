@@ -119,12 +119,16 @@ class FakeBackend(Backend):
 
 
 async def wait_until(pilot, predicate, timeout: float = 10.0) -> None:
-    """Poll rather than trust one pause()."""
+    """Poll rather than trust one pause().
+
+    It sleeps instead of calling ``pilot.pause()``: pause() waits for a callback queued on every widget,
+    and one that a streaming Markdown removes meanwhile never runs it, so pause() then hangs for 30 s.
+    """
     end = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > end:
             raise AssertionError("condition not reached in time")
-        await pilot.pause(0.02)
+        await asyncio.sleep(0.02)
 
 
 WORDS = ["Hello", " there", "!", " Here", " is", " some", " **bold**", " text", " and", " a", " list", ":\n\n", "- one", "\n- two"]
@@ -135,6 +139,42 @@ def replies_text(app: ChatApp) -> list[str]:
 
 
 class TestSend:
+    @pytest.mark.asyncio
+    async def test_a_frame_and_the_final_event_apply_one_at_a_time(self, tmp_path, monkeypatch):
+        """The frame timer runs in its own task: a frame still writing tokens must not resave a finished reply."""
+        import ssd_chat.tui.app as app_module
+
+        monkeypatch.setattr(app_module, "SAVE_EVERY_S", 0.0)  # every frame saves
+        history = History(tmp_path / "h.db")
+        app = ChatApp(FakeBackend([[]]), history=history)  # an empty stream: the events are applied by hand
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await app.submit("q")
+            app._frames.pause()
+            t = app.current
+            gate = asyncio.Event()
+            write = t.widget.append
+
+            async def slow_append(pieces):
+                await gate.wait()
+                await write(pieces)
+
+            t.widget.append = slow_append
+            t.pending = [Token(1, "Hi", "draft", 0.01)]
+            frame = asyncio.create_task(app._flush_pending())
+            await asyncio.sleep(0.05)  # the frame now waits inside append
+            t.widget.append = write
+            t.pending.append(Done("eos", "Hi!", (1, 2), Metrics("ssd").stats(0.03)))
+            final = asyncio.create_task(app._flush_pending())
+            await asyncio.sleep(0.05)
+            gate.set()
+            await asyncio.wait_for(asyncio.gather(frame, final), 10)
+            assert t.finished and t.status == "done" and t.text == "Hi!"
+            assert app.query_one(AssistantMessage).body.source == "Hi!"
+        conv = History(tmp_path / "h.db").list_conversations()[0]
+        msgs = History(tmp_path / "h.db").messages(conv.id)
+        assert [(m.content, m.status) for m in msgs] == [("q", "done"), ("Hi!", "done")]
+
     @pytest.mark.asyncio
     async def test_prompt_streams_reply_into_chat_and_history(self, tmp_path):
         backend = FakeBackend([ssd_events(WORDS)])

@@ -169,6 +169,7 @@ class ChatApp(ChatActions, App[int]):
             self.panel.set_measured(b)
         self.cache.token_text = self._lookup_text
         self.prompt.focus()
+        self._flush_lock = asyncio.Lock()
         self._frames = self.set_interval(FRAME_S, self._flush_pending, pause=True)  # runs only while a reply streams
         if self.history.warning:
             await self._warn(self.history.warning)
@@ -302,7 +303,16 @@ class ChatApp(ChatActions, App[int]):
             await self._flush_pending()
 
     async def _flush_pending(self) -> None:
-        """Apply pending events to the screen (called 20 times a second and at the end of a reply)."""
+        """Apply pending events to the screen (called 20 times a second and at the end of a reply).
+
+        Textual runs an interval's callback in the timer's own task, so the frame timer and the handler
+        of the final event could otherwise interleave at an await: a frame still writing its tokens
+        while the reply is finished, then saving the message back as "streaming".  One at a time.
+        """
+        async with self._flush_lock:
+            await self._apply_pending()
+
+    async def _apply_pending(self) -> None:
         t = self.current
         if t is None or t.status != "streaming" or not t.pending:
             return
