@@ -57,7 +57,7 @@ import time
 import types
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -137,12 +137,13 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, self.weight, self.bias, lambda: _transposed(self))
 
 
-def install(model: nn.Module) -> int:
+def install(model: nn.Module, announce: Callable[[], None] | None = None) -> int:
     """Give every plain float32 CPU ``nn.Linear`` in ``model`` the few-row fast path, with the
     formulation per (shape, rows) timed on this CPU (:func:`stored_or_tuned`) for those and for
     the weights a module lists in ``fast_linear_weights`` (a trained draft's reduced head, which
-    calls :func:`linear` itself).  Returns how many layers were changed (0 when disabled, on GPU,
-    or for other dtypes)."""
+    calls :func:`linear` itself).  ``announce`` is called once before any timing (the first load
+    on a machine: seconds, including compiling the row kernels), so a caller can say why it waits.
+    Returns how many layers were changed (0 when disabled, on GPU, or for other dtypes)."""
     if not enabled():
         return 0
     linears = _plain_linears(model)
@@ -157,7 +158,7 @@ def install(model: nn.Module) -> int:
     allow_t = total <= MAX_TRANSPOSE_BYTES
     model._ssd_fast_allow_t = allow_t
     _installed.add(model)
-    _prepare_model(model)
+    _prepare_model(model, announce)
     n = 0
     for m in linears:
         if getattr(m, "_ssd_fast", False):
@@ -184,7 +185,7 @@ def _weights_by_shape(model: nn.Module) -> dict[tuple[int, int], list[torch.Tens
     return by_shape
 
 
-def _prepare_model(model: nn.Module) -> None:
+def _prepare_model(model: nn.Module, announce: Callable[[], None] | None = None) -> None:
     if _mode() == "static":
         return
     threads = torch.get_num_threads()
@@ -193,7 +194,7 @@ def _prepare_model(model: nn.Module) -> None:
                 if any((threads, *s, r) not in _choices for r in range(1, MAX_FAST_ROWS + 1))
                 or (retune and (threads, *s) not in _retuned)}
     if by_shape:
-        _choices.update({(threads, *k): m for k, m in stored_or_tuned(by_shape, model._ssd_fast_allow_t).items()})
+        _choices.update({(threads, *k): m for k, m in stored_or_tuned(by_shape, model._ssd_fast_allow_t, announce).items()})
         if retune:
             _retuned.update((threads, *s) for s in by_shape)
 
@@ -293,10 +294,11 @@ def _store() -> Path:
     return cache_dir() / "fastlinear.json"
 
 
-def stored_or_tuned(by_shape: dict[tuple[int, int], list[torch.Tensor]], allow_t: bool) -> dict[tuple[int, int, int], str]:
+def stored_or_tuned(by_shape: dict[tuple[int, int], list[torch.Tensor]], allow_t: bool,
+                    announce: Callable[[], None] | None = None) -> dict[tuple[int, int, int], str]:
     """Choices for every shape in ``by_shape`` on this machine: from the store when timed before,
-    otherwise timed now (:func:`tune`) and added to the store.  A missing, unreadable or corrupt
-    store only means timing again."""
+    otherwise timed now (:func:`tune`, after one call of ``announce``) and added to the store.
+    A missing, unreadable or corrupt store only means timing again."""
     key = _machine_key(allow_t)
     path = _store()
     try:
@@ -314,6 +316,8 @@ def stored_or_tuned(by_shape: dict[tuple[int, int], list[torch.Tensor]], allow_t
         got = mine.get(name)
         valid = isinstance(got, dict) and all(got.get(str(r)) in METHODS for r in range(1, MAX_FAST_ROWS + 1))
         if retune or not valid:
+            if announce is not None and not changed:
+                announce()
             got = {str(r): m for r, m in tune(ws, allow_t).items()}
             mine[name] = got
             changed = True

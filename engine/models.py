@@ -372,7 +372,8 @@ def load(
         except torch.cuda.OutOfMemoryError as e:
             raise ModelError(f"out of GPU memory placing '{name}' on {placement.device}") from e
     model.eval()
-    fastlinear.install(model)  # CPU float32 only; a no-op elsewhere
+    fastlinear.install(  # CPU float32 only; a no-op elsewhere
+        model, announce=lambda: progress("timing matrix products on this CPU (first run only, some seconds)", None))
     attention.install(model)  # CPU only: GQA verification without copying the KV cache
     return LoadedModel(
         name=name,

@@ -176,8 +176,10 @@ def test_choices_are_timed_once_stored_and_reused(tmp_path, monkeypatch: pytest.
 
     monkeypatch.setattr(fastlinear, "tune", counted)
     model = nn.Sequential(_linear(16, 40, False), _linear(40, 16, False), _linear(16, 40, True))
-    fastlinear.install(model)
+    said = []
+    fastlinear.install(model, announce=lambda: said.append(len(calls)))
     assert sorted(calls) == [(16, 40), (40, 16)]  # one timing per shape, not per layer
+    assert said == [0]  # once, before the first timing
     store = json.loads((tmp_path / "cache" / "fastlinear.json").read_text())
     (mine,) = store.values()
     assert set(mine) == {"40x16", "16x40"}
@@ -185,8 +187,8 @@ def test_choices_are_timed_once_stored_and_reused(tmp_path, monkeypatch: pytest.
     assert fastlinear._choices[_key(40, 16, 3)] == mine["40x16"]["3"]
     calls.clear()
     fastlinear._choices.clear()
-    fastlinear.install(nn.Sequential(_linear(16, 40, False)))  # a later load (another process): read back, not timed
-    assert calls == [] and fastlinear._choices[_key(40, 16, 1)] == mine["40x16"]["1"]
+    fastlinear.install(nn.Sequential(_linear(16, 40, False)), announce=lambda: said.append("again"))  # a later load: read back
+    assert said == [0] and calls == [] and fastlinear._choices[_key(40, 16, 1)] == mine["40x16"]["1"]
     monkeypatch.setenv("SSD_CHAT_FAST_LINEAR", "retune")
     fastlinear.install(nn.Sequential(_linear(16, 40, False)))
     assert calls == [(40, 16)]
