@@ -383,3 +383,23 @@ def test_smollm2_writes_user_turns(smollm2):
     own = distill.write_prompts(smollm2, 3, seed=0, batch=8)
     assert len(set(own)) == 3
     assert all(len(p.split()) >= 3 and "<|im_" not in p and p == p.strip() for p in own)
+
+
+def test_draft_train_options_default_to_the_training_config():
+    """The CLI spells the defaults out for --help; they must be TrainConfig's, which the recipes in the README name."""
+    import dataclasses
+
+    import typer.main
+
+    from ssd_chat.draft_cmd import draft_app
+
+    train = typer.main.get_command(draft_app).commands["train"]
+    cli = {p.name: p.default for p in train.params}
+    names = {"num_shared": "layers", "num_vocab": "vocab"}
+    for f in dataclasses.fields(distill.TrainConfig):
+        if f.name == "init_from":
+            assert cli["init_from"] is None and f.default is None
+            continue
+        if f.name == "warmup":  # not a CLI option
+            continue
+        assert cli[names.get(f.name, f.name)] == f.default, f.name
