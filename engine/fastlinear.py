@@ -36,7 +36,7 @@ cache dir, keyed by CPU model, torch version, thread count and transpose permiss
 reused by every later load (the app, the speculator process, the draft).
 
 **Row kernels.**  Since 2026-12-02 the candidates also include two numba kernels
-(``engine/rowkernels.py``) that read each weight once for all 1-5 rows; on the Zen 2 VM they
+(``engine/rowkernels.py``) that read each weight once for all 1-8 rows; on the Zen 2 VM they
 win almost everywhere beyond one row.  Choices are kept per torch thread count, and
 :func:`prepare` times (or reads back) the ones for the count decoding actually runs with: the
 app loads its models with every core and decodes pinned to fewer (SSD), where at 2 threads
@@ -66,7 +66,8 @@ from torch import nn
 from . import rowkernels
 
 MAX_TRANSPOSE_BYTES = 2 << 30  # 2 GiB of linear weights: a ~500M-parameter model in fp32
-MAX_FAST_ROWS = 5
+MAX_FAST_ROWS = rowkernels.MAX_ROWS  # rows timed and served (1..8)
+STATIC_MAX_ROWS = 5  # the Zen 4 rule was measured up to 5 rows
 TUNE_BYTES = 64 << 20  # matrices of one shape cycled through per timing: more than a CPU's last-level cache
 TUNE_REPEATS = 3  # timed passes per (shape, rows, formulation); the fastest counts
 METHODS = ("linear", "wxt", "xwt", "rows", "rows4")  # F.linear; (W @ x.T).T; x @ Wt with the cached transpose;
@@ -109,7 +110,7 @@ def static_choice(out_f: int, in_f: int, rows: int) -> str:
     """The rule measured on the Zen 4 VM (the module docstring's table), used where nothing was timed."""
     if rows == 1:
         return "xwt"
-    if 2 <= rows <= MAX_FAST_ROWS and (rows == 2 or not _wide_input(out_f, in_f)):
+    if 2 <= rows <= STATIC_MAX_ROWS and (rows == 2 or not _wide_input(out_f, in_f)):
         return "wxt"
     return "linear"
 

@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import torch
 
-MAX_ROWS = 5
+MAX_ROWS = 8  # a verify of k + 1 <= 8 tokens; an SSD tree step of B = 2(k + 1) <= 8 outcomes
 BLOCKS = (1, 4)  # outputs computed together per pass over x
 VERSION = 1
 
