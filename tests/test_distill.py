@@ -252,6 +252,23 @@ def test_shipped_draft_loads_on_the_packaged_target_and_decodes_exactly(smollm2)
 
 
 @pytest.mark.slow
+def test_the_packaged_target_loads_its_trained_draft_by_default_and_ssd_stays_exact():
+    """No --draft on the packaged model: the shipped layers draft, in SSD as well (a speculator process)."""
+    from ssd_chat.engine import models
+
+    engine = Engine.load(EngineConfig(target=models.PACKAGED, mode="ssd", k=2, target_device="cpu", draft_device="cpu"))
+    try:
+        assert engine.draft.name == SHIPPED and draft_model.is_draft_dir(engine.draft.folder)
+        prompt = distill.prompt_ids(engine.target, ["Name three moons of Jupiter."])[0]
+        params = SamplingParams(max_new_tokens=32)
+        ssd = [e for e in engine.stream(prompt, params) if isinstance(e, Done)][0]
+        ar = [e for e in Engine(EngineConfig(mode="ar"), engine.target, None).stream(prompt, params) if isinstance(e, Done)][0]
+        assert ssd.token_ids == ar.token_ids and ssd.stats.mode == "ssd"
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
 def test_shipped_feature_draft_is_found_by_alias_and_decodes_exactly(smollm2):
     """`--draft features`: the EAGLE-style draft shipped for the packaged target (SD only)."""
     from ssd_chat.engine.draft_model import is_feature_draft

@@ -51,6 +51,14 @@ def test_shipped_aliases_name_the_packaged_models_drafts(target):
             drafts.derive(alias, target)
 
 
+def test_the_default_draft_is_the_trained_one_shipped_for_the_target_else_int8():
+    from ssd_chat.engine import models
+    from ssd_chat.engine.engine import default_draft
+
+    assert default_draft(models.PACKAGED) == "trained"  # assets/drafts/smollm2-135m-instruct
+    assert default_draft("tiny3") == "int8" and default_draft("HuggingFaceTB/SmolLM2-360M-Instruct") == "int8"
+
+
 def test_unknown_derived_name_is_a_model_error(target):
     with pytest.raises(ModelError, match="unknown derived draft"):
         drafts.derive("layers:two", target)
