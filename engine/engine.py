@@ -144,11 +144,21 @@ class Engine:
         return chat.prompt_ids(self.tokenizer, messages)
 
     def reconfigure(self, **changes: Any) -> None:
-        """Change mode / k / fan-out / ... between replies (models stay loaded)."""
+        """Change mode / k / fan-out / ... between replies (models stay loaded; switching from AR
+        to SD/SSD without a draft derives the default one from the target)."""
         new = replace(self.config, **changes)
-        if new.needs_draft and self.draft is None:
-            raise ParamError(f"mode '{new.mode}' needs a draft model; restart with --draft")
-        check_draft_for_mode(new.mode, self.draft)
+        draft = self.draft
+        if new.needs_draft and draft is None:
+            # started in AR without --draft: the default draft is derived from the loaded target
+            # (the shipped trained draft, or the int8 copy), so it can be made now
+            from . import drafts
+
+            name = new.draft or default_draft(new.target)
+            if not drafts.is_derived(name):
+                raise ParamError(f"mode '{new.mode}' needs the draft '{name}' loaded; restart with --mode {new.mode} --draft {name}")
+            draft = drafts.derive(name, self.target)
+        check_draft_for_mode(new.mode, draft)
+        self.draft = draft
         self.config = new
 
     def decoder(self) -> Any:

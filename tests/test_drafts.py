@@ -59,6 +59,22 @@ def test_the_default_draft_is_the_trained_one_shipped_for_the_target_else_int8()
     assert default_draft("tiny3") == "int8" and default_draft("HuggingFaceTB/SmolLM2-360M-Instruct") == "int8"
 
 
+def test_switching_from_ar_derives_the_default_draft_and_stays_exact(target):
+    from ssd_chat.engine.errors import ParamError
+
+    engine = Engine(EngineConfig(target=target.name, mode="ar", k=3), target, None)
+    params = SamplingParams(max_new_tokens=24)
+    ar = [e for e in engine.stream([1, 2, 3, 4], params) if isinstance(e, Done)][0].token_ids
+    engine.reconfigure(mode="sd")
+    assert engine.draft is not None and engine.draft.name == "int8"  # nothing ships for tiny3
+    sd = [e for e in engine.stream([1, 2, 3, 4], params) if isinstance(e, Done)][0]
+    assert sd.token_ids == ar and sd.stats.mode == "sd"
+    named = Engine(EngineConfig(target=target.name, draft="someone/a-draft", mode="ar"), target, None)
+    with pytest.raises(ParamError, match="restart with --mode ssd --draft someone/a-draft"):
+        named.reconfigure(mode="ssd")  # a separate model is not loaded mid-session
+    assert named.draft is None and named.config.mode == "ar"
+
+
 def test_unknown_derived_name_is_a_model_error(target):
     with pytest.raises(ModelError, match="unknown derived draft"):
         drafts.derive("layers:two", target)

@@ -48,3 +48,24 @@ async def test_real_engine_reply_matches_a_direct_greedy_run(smollm2):
         assert app.panel.stats.new_tokens == direct.stats.new_tokens
         setup = plain(app.panel.query_one("#setup"))
         assert "AR" in setup and "cpu" in setup
+
+
+@pytest.mark.asyncio
+async def test_switching_an_ar_session_to_sd_derives_the_default_draft(smollm2):
+    """Started in AR without --draft, `/mode sd` makes the shipped trained draft from the loaded target; greedy SD = AR."""
+    engine = Engine(EngineConfig(mode="ar"), smollm2)
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    ids, extra = engine.prompt_ids(msgs)
+    direct = [ev for ev in engine.stream(ids, SamplingParams(max_new_tokens=8, stop=extra), threading.Event())][-1]
+    app = ChatApp(Preloaded(engine), settings={"max_new_tokens": 8, "temperature": 0.0})
+    async with app.run_test(size=(140, 45)) as pilot:
+        await wait_until(pilot, lambda: app.ready, timeout=60)
+        await app.submit("/mode sd")
+        await wait_until(pilot, lambda: engine.config.mode == "sd", timeout=60)
+        assert engine.draft is not None and engine.draft.name == "smollm2-135m-instruct"
+        await app.submit("Name a colour.")
+        await wait_until(pilot, lambda: app.current is not None and app.current.finished, timeout=120)
+        assert app.query_one(AssistantMessage).text == direct.text
+        setup = plain(app.panel.query_one("#setup"))
+        assert "SD" in setup and "smollm2-135m-instruct" in setup
+    engine.close()

@@ -5,6 +5,7 @@ the command palette.  Mixed into :class:`ssd_chat.tui.app.ChatApp`, whose state 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,7 @@ class ChatActions:
         sampling = {k: v for k, v in changes.items() if k in SAMPLING_KEYS}
         if engine_changes:
             try:
-                self.backend.reconfigure(**engine_changes)
+                await asyncio.to_thread(self.backend.reconfigure, **engine_changes)  # may derive a draft (seconds)
             except Exception as e:  # noqa: BLE001 - shown, the old settings stay
                 await self.chat.add_notice(f"cannot change {', '.join(engine_changes)}: {readable(e)}", "error")
                 return False
