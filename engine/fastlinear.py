@@ -191,13 +191,18 @@ def _prepare_model(model: nn.Module, announce: Callable[[], None] | None = None)
         return
     threads = torch.get_num_threads()
     retune = _mode() == "retune"  # once per process, thread count and shape
-    by_shape = {s: ws for s, ws in _weights_by_shape(model).items()
+    all_shapes = _weights_by_shape(model)
+    shapes = set(all_shapes)
+    by_shape = {s: ws for s, ws in all_shapes.items()
                 if any((threads, *s, r) not in _choices for r in range(1, MAX_FAST_ROWS + 1))
                 or (retune and (threads, *s) not in _retuned)}
     if by_shape:
         _choices.update({(threads, *k): m for k, m in stored_or_tuned(by_shape, model._ssd_fast_allow_t, announce).items()})
         if retune:
             _retuned.update((threads, *s) for s in by_shape)
+    # the row kernels these choices name, loaded now rather than inside the first reply (~0.3 s)
+    rowkernels.warm({(r, _KERNEL_BLOCK[m]) for (t, o, i, r), m in _choices.items()
+                     if t == threads and m in _KERNEL_BLOCK and (o, i) in shapes})
 
 
 def prepare() -> None:

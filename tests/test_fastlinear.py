@@ -155,6 +155,23 @@ def test_each_chosen_formulation_is_used_and_agrees(method: str, monkeypatch: py
     assert kernel_rows == ([(r, want) for r in range(1, fastlinear.MAX_FAST_ROWS + 1)] if want else [])
 
 
+def test_the_chosen_kernels_are_loaded_at_install_with_the_signature_real_calls_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not rowkernels.available():
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(rowkernels, "_warmed", set())
+    rows = range(1, fastlinear.MAX_FAST_ROWS + 1)
+    fastlinear._choices.update({_key(96, 32, r): "rows4" for r in rows})  # stored choices: nothing to time
+    m = _linear(32, 96, False)
+    fastlinear.install(m)
+    assert rowkernels._warmed == {(r, 4) for r in rows}
+    signatures = {r: list(rowkernels.kernel(r, 4).signatures) for r in rows}
+    assert all(len(s) == 1 for s in signatures.values())
+    with torch.inference_mode():
+        for r in rows:
+            m(torch.randn(r, 32))
+    assert {r: list(rowkernels.kernel(r, 4).signatures) for r in rows} == signatures  # nothing new compiled or loaded
+
+
 def test_a_row_kernel_choice_without_numba_falls_back_to_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
     m = _linear(32, 96, False)
     fastlinear.install(m)
