@@ -34,7 +34,7 @@ def _choice(value: str | None, allowed: tuple[str, ...]) -> str | None:
 
 # --- shared engine options (CLI > environment > config file > default) ----------------------
 Target = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model: alias, hub id org/name, local folder or .gguf file. Default: smollm2-135m-gguf (packaged).", show_default=False)]
-Draft = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft model (same tokenizer as the target), or a draft derived from the target: copy, int8, layers:N, trained / features (the drafts shipped for the packaged model), or a trained draft folder.", show_default=False)]
+Draft = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft model (same tokenizer as the target), or a draft derived from the target: copy, int8, layers:N, trained / features (the drafts shipped for the packaged model), or a trained draft folder. Default: trained for the packaged model, int8 for others.", show_default=False)]
 Mode = Annotated[Optional[str], typer.Option("--mode", "-m", callback=lambda v: _choice(v, ("ar", "sd", "ssd")), help="Decoding: ar (autoregressive), sd (speculative), ssd (speculative speculative, Saguaro).", show_default=False)]
 K = Annotated[Optional[int], typer.Option("--k", "-k", min=1, max=32, help="Draft tokens per round (SD/SSD).", show_default=False)]
 Temperature = Annotated[Optional[float], typer.Option("--temperature", min=0.0, help="0 = greedy (exact token-for-token reproducibility).", show_default=False)]
