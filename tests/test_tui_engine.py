@@ -32,13 +32,18 @@ class Preloaded(EngineBackend):
         self.engine = None
 
 
+def direct_greedy_reply(engine: Engine, prompt: str, max_new_tokens: int) -> Done:
+    """The engine's reply to one user turn, run directly (no app), as the app sends it."""
+    ids, extra = engine.prompt_ids([{"role": "user", "content": prompt}])
+    last = [ev for ev in engine.stream(ids, SamplingParams(max_new_tokens=max_new_tokens, stop=extra), threading.Event())][-1]
+    assert isinstance(last, Done)
+    return last
+
+
 @pytest.mark.asyncio
 async def test_real_engine_reply_matches_a_direct_greedy_run(smollm2):
     engine = Engine(EngineConfig(mode="ar"), smollm2)
-    msgs = [{"role": "user", "content": "Name a colour."}]
-    ids, extra = engine.prompt_ids(msgs)
-    direct = [ev for ev in engine.stream(ids, SamplingParams(max_new_tokens=5, stop=extra), threading.Event())][-1]
-    assert isinstance(direct, Done)
+    direct = direct_greedy_reply(engine, "Name a colour.", 5)
     app = ChatApp(Preloaded(engine), settings={"max_new_tokens": 5, "temperature": 0.0})
     async with app.run_test(size=(140, 45)) as pilot:
         await wait_until(pilot, lambda: app.ready, timeout=60)
@@ -54,9 +59,7 @@ async def test_real_engine_reply_matches_a_direct_greedy_run(smollm2):
 async def test_switching_an_ar_session_to_sd_derives_the_default_draft(smollm2):
     """Started in AR without --draft, `/mode sd` makes the shipped trained draft from the loaded target; greedy SD = AR."""
     engine = Engine(EngineConfig(mode="ar"), smollm2)
-    msgs = [{"role": "user", "content": "Name a colour."}]
-    ids, extra = engine.prompt_ids(msgs)
-    direct = [ev for ev in engine.stream(ids, SamplingParams(max_new_tokens=8, stop=extra), threading.Event())][-1]
+    direct = direct_greedy_reply(engine, "Name a colour.", 8)
     app = ChatApp(Preloaded(engine), settings={"max_new_tokens": 8, "temperature": 0.0})
     async with app.run_test(size=(140, 45)) as pilot:
         await wait_until(pilot, lambda: app.ready, timeout=60)
