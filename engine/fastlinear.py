@@ -192,7 +192,6 @@ def _prepare_model(model: nn.Module, announce: Callable[[], None] | None = None)
     threads = torch.get_num_threads()
     retune = _mode() == "retune"  # once per process, thread count and shape
     all_shapes = _weights_by_shape(model)
-    shapes = set(all_shapes)
     by_shape = {s: ws for s, ws in all_shapes.items()
                 if any((threads, *s, r) not in _choices for r in range(1, MAX_FAST_ROWS + 1))
                 or (retune and (threads, *s) not in _retuned)}
@@ -202,7 +201,7 @@ def _prepare_model(model: nn.Module, announce: Callable[[], None] | None = None)
             _retuned.update((threads, *s) for s in by_shape)
     # the row kernels these choices name, loaded now rather than inside the first reply (~0.3 s)
     rowkernels.warm({(r, _KERNEL_BLOCK[m]) for (t, o, i, r), m in _choices.items()
-                     if t == threads and m in _KERNEL_BLOCK and (o, i) in shapes})
+                     if t == threads and m in _KERNEL_BLOCK and (o, i) in all_shapes})
 
 
 def prepare() -> None:
