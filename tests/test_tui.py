@@ -458,6 +458,38 @@ class TestSettings:
             assert "SD" in plain(app.panel.query_one("#setup"))
 
     @pytest.mark.asyncio
+    async def test_a_prompt_sent_while_the_mode_switches_waits_in_the_box(self):
+        """A switch that derives a draft takes seconds in a thread; a prompt or another change
+        sent meanwhile is refused with a notice (not run on the old mode), and works after."""
+        release = threading.Event()
+
+        class SlowSwitch(FakeBackend):
+            def reconfigure(self, **changes):
+                release.wait(10)
+                super().reconfigure(**changes)
+
+        backend = SlowSwitch([ssd_events(["hi"])])
+        app = ChatApp(backend)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            k_before = backend.info_["k"]
+            switch = asyncio.create_task(app.submit("/mode sd"))
+            await wait_until(pilot, lambda: app.switching is not None)
+            app.prompt.set_text("tell me")
+            await app.submit("tell me")
+            assert app.prompt.text == "tell me" and app.current is None and backend.calls == []
+            await app.submit(f"/k {k_before + 2}")
+            notices = [n.text for n in app.query("Notice")]
+            assert any("still switching to mode sd; your prompt stays in the box" in t for t in notices), notices
+            assert any("still switching to mode sd; change settings after that" in t for t in notices), notices
+            release.set()
+            await switch
+            assert app.switching is None and backend.info_["mode"] == "sd" and backend.info_["k"] == k_before
+            await app.submit("tell me")
+            await wait_until(pilot, lambda: app.current is not None and app.current.finished)
+            assert len(backend.calls) == 1
+
+    @pytest.mark.asyncio
     async def test_settings_dialog_applies_and_rejects_bad_values(self):
         backend = FakeBackend([])
         app = ChatApp(backend)

@@ -86,11 +86,17 @@ class ChatActions:
         engine_changes = {k: v for k, v in changes.items() if k in ("mode", "k", "fan_out")}
         sampling = {k: v for k, v in changes.items() if k in SAMPLING_KEYS}
         if engine_changes:
+            if self.switching is not None:
+                await self.chat.add_notice(f"still switching to {self.switching}; change settings after that", "warning")
+                return False
+            self.switching = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in engine_changes.items())
             try:
                 await asyncio.to_thread(self.backend.reconfigure, **engine_changes)  # may derive a draft (seconds)
             except Exception as e:  # noqa: BLE001 - shown, the old settings stay
                 await self.chat.add_notice(f"cannot change {', '.join(engine_changes)}: {readable(e)}", "error")
                 return False
+            finally:
+                self.switching = None
         self.params.update(sampling)
         self._update_info()
         desc = ", ".join(f"{k.replace('_', '-')} {v if v is not None else 'default'}" for k, v in changes.items())

@@ -122,6 +122,7 @@ class ChatApp(ChatActions, App[int]):
         self.turn_count = 0
         self.clipboard_text: str | None = None
         self._reply_worker: Any = None
+        self.switching: str | None = None  # an engine change in progress ("mode sd"): prompts wait for it
         self._token_text: dict[int, str] = {}
         self._seen_ids: set[int] = set()
         self._quitting = False
@@ -230,6 +231,9 @@ class ChatApp(ChatActions, App[int]):
             return
         if self.current is not None and not self.current.finished:
             self.notify("a reply is still streaming — Esc stops it", severity="warning")
+            return
+        if self.switching is not None:
+            await self.chat.add_notice(f"still switching to {self.switching}; your prompt stays in the box", "warning")
             return
         if self._reply_worker is not None and self._reply_worker.is_running:
             try:  # the engine checks the stop flag every step: this is short
