@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from . import chat, draft_model, kv
 from .draft_model import DraftShape
 from .errors import ModelError, ParamError
-from .feature_draft import FeatureDraft, FeatureState, FeatureTap, is_feature_draft
+from .feature_draft import FeatureDraft, FeatureState, FeatureTap, check_fuse_layer, is_feature_draft
 from .models import LoadedModel, cache_dir
 
 PROMPT_TEMPERATURE = 0.9  # of the prompts the target writes itself (--self-prompts)
@@ -66,6 +66,8 @@ class TrainConfig:
     gen_batch: int = 128
     temperature: float = 0.8  # of the sampled training answers
     samples: int = 5  # sampled answers per training prompt, besides the greedy one
+    fuse_layer: int | None = None  # features: also read the output of the target's first n layers
+    feature_noise: float = 0.0  # features: uniform noise of this amplitude on the input features in training
     self_prompts: int = 0  # extra training prompts written by the target itself (answered greedily)
     eval_every: int = 25
     seed: int = 0
@@ -77,6 +79,10 @@ class TrainConfig:
             raise ParamError(f"--layers must be >= 0, got {self.num_shared}")
         if self.num_vocab < 2:
             raise ParamError(f"--vocab must be at least 2, got {self.num_vocab}")
+        if self.fuse_layer is not None and (self.kind != "features" or self.fuse_layer < 0):
+            raise ParamError(f"--fuse-layer needs --kind features and a layer >= 0, got {self.fuse_layer} with --kind {self.kind}")
+        if self.feature_noise < 0 or (self.feature_noise and self.kind != "features"):
+            raise ParamError(f"--feature-noise needs --kind features and a value >= 0, got {self.feature_noise} with --kind {self.kind}")
         if self.samples < 0:
             raise ParamError(f"--samples must be >= 0, got {self.samples}")
         if self.self_prompts < 0:
@@ -90,6 +96,12 @@ class TrainConfig:
             raise ParamError(f"--lr must be > 0, got {self.lr}")
         if self.temperature < 0:
             raise ParamError(f"--temperature must be >= 0, got {self.temperature}")
+
+    @property
+    def capture(self) -> int:
+        """The hidden state recorded with the answers (``Features.trunk``): the output of the first
+        n target layers, the draft's input ("layers") or the fused feature ("features" with ``fuse_layer``)."""
+        return self.fuse_layer if self.fuse_layer is not None else self.num_shared
 
     def shape(self, num_target_layers: int) -> DraftShape:
         if self.kind == "features":
@@ -221,7 +233,7 @@ def generate(target: LoadedModel, prompts: list[list[int]], cfg: TrainConfig, ca
     target's final normed hidden state (its exact logits, recomputed in training): no second
     teacher pass is needed."""
     model, dev = target.model, target.device
-    capture = tuple(capture) if capture is not None else (cfg.num_shared,)
+    capture = tuple(capture) if capture is not None else (cfg.capture,)
     inner, layers, norm, _ = draft_model._parts(model)
     eos = sorted(target.eos_ids)
     pad = eos[0] if eos else 0
@@ -410,7 +422,7 @@ def train_draft(
     torch.manual_seed(cfg.seed)
     features = cfg.kind == "features"
     if features:
-        draft = FeatureDraft(model, shape.init_from, vocab_ids)
+        draft = FeatureDraft(model, shape.init_from, vocab_ids, cfg.fuse_layer)
         tail = draft
     else:
         draft = draft_model.build(model, shape, vocab_ids)
@@ -438,8 +450,11 @@ def train_draft(
     for step in range(start, cfg.steps):
         idx = _order(len(examples), step, cfg.batch_size, cfg.seed)
         if features:
-            ids, f_in, final, _, mask, pos = _fbatch(feats, examples, idx, dev, dt)
-            loss, parts = feature_losses(draft, ids, f_in, final, mask, pos, chain=cfg.chain)
+            ids, true, final, _, mask, pos = _fbatch(feats, examples, idx, dev, dt, fused=cfg.fuse_layer is not None)
+            noise = None
+            if cfg.feature_noise:  # a generator per step, so a resumed run draws the same noise
+                noise = (cfg.feature_noise, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))
+            loss, parts = feature_losses(draft, ids, true, final, mask, pos, chain=cfg.chain, noise=noise)
             info.update(parts)
         else:
             trunk, final, _, mask, pos = _batch(feats, examples, idx, dev, dt)
@@ -520,28 +535,28 @@ def load_data(target: LoadedModel, cfg: TrainConfig, prompts: list[str], heldout
     def greedy() -> dict[str, Any]:
         tr, trf = generate(target, train_ids, cfg, progress=progress, temperature=0.0, stage="answers")
         he, hef = generate(target, prompt_ids(target, heldout), cfg, progress=progress, temperature=0.0, stage="held-out")
-        return {"train": _pack(tr, trf[cfg.num_shared]), "heldout": _pack(he, hef[cfg.num_shared])}
+        return {"train": _pack(tr, trf[cfg.capture]), "heldout": _pack(he, hef[cfg.capture])}
 
     def sampled(i: int) -> Callable[[], dict[str, Any]]:
         def make() -> dict[str, Any]:
             tr, trf = generate(target, train_ids, cfg, progress=progress, temperature=cfg.temperature,
                                stage=f"sample {i + 1}/{cfg.samples}", seed=cfg.seed * 1_000_003 + i + 1)
-            return _pack(tr, trf[cfg.num_shared])
+            return _pack(tr, trf[cfg.capture])
         return make
 
-    data = _cached(work / f"answers-{cfg.num_shared}.pt", greedy)
+    data = _cached(work / f"answers-{cfg.capture}.pt", greedy)
     (train_ex, train_f), (held_ex, held_f) = _unpack(data["train"]), _unpack(data["heldout"])
     for i in range(cfg.samples):  # one cache file per round of samples, so an interrupted run resumes between rounds
-        ex, f = _unpack(_cached(work / f"sampled-{cfg.num_shared}-t{cfg.temperature:g}-{i}.pt", sampled(i)))
+        ex, f = _unpack(_cached(work / f"sampled-{cfg.capture}-t{cfg.temperature:g}-{i}.pt", sampled(i)))
         train_ex, train_f = train_ex + ex, Features(train_f.trunk + f.trunk, train_f.final + f.final)
     if cfg.self_prompts:
         own = self_written_prompts(target, cfg, prompts, heldout, work, progress)
 
         def answers() -> dict[str, Any]:
             ex, f = generate(target, prompt_ids(target, own), cfg, progress=progress, temperature=0.0, stage="answers to own prompts")
-            return _pack(ex, f[cfg.num_shared])
+            return _pack(ex, f[cfg.capture])
 
-        ex, f = _unpack(_cached(work / f"self-answers-{cfg.num_shared}-{cfg.self_prompts}-s{cfg.seed}.pt", answers))
+        ex, f = _unpack(_cached(work / f"self-answers-{cfg.capture}-{cfg.self_prompts}-s{cfg.seed}.pt", answers))
         train_ex, train_f = train_ex + ex, Features(train_f.trunk + f.trunk, train_f.final + f.final)
     return (train_ex, train_f), (held_ex, held_f)
 
@@ -568,6 +583,7 @@ def run(
     prompts = prompts if prompts is not None else load_prompts()
     heldout = heldout if heldout is not None else load_prompts(heldout=True)
     draft_model.check_shape(target.model, cfg.shape(target.model.config.num_hidden_layers))
+    check_fuse_layer(target.model, cfg.fuse_layer)
     work = Path(work) if work is not None else work_dir(target, cfg, prompts, heldout)
     work.mkdir(parents=True, exist_ok=True)
     if fresh:
@@ -608,7 +624,7 @@ def measure(target: LoadedModel, draft: LoadedModel, prompts: list[str] | list[l
     for ids in all_ids:
         tc = kv.new_cache(target.model)
         x = torch.tensor(ids, device=target.device)
-        tap = FeatureTap(target.model) if features else None
+        tap = FeatureTap(target.model, draft.model.fuse_layer) if features else None
         try:
             tl = kv.forward(target.model, x, tc, last_only=True)[-1]
             if tap is not None:  # a feature draft reads the target's features: of every position before its token
@@ -701,14 +717,15 @@ def _sd_rounds(target: LoadedModel, draft: LoadedModel, all_ids: list[list[int]]
 # --- feature drafts (EAGLE-style, see feature_draft.py) ---------------------------------------------
 
 
-def _fbatch(feats: Features, examples: list[Example], idx: list[int], dev: torch.device, dt: torch.dtype):
-    """Inputs of a feature draft: tokens, the target feature of the position before each
-    (zeros for the first), the target feature at each position, the target's greedy next
-    token, the answer-position mask and positions; all [B, W(, H)] with W = longest - 1."""
+def _fbatch(feats: Features, examples: list[Example], idx: list[int], dev: torch.device, dt: torch.dtype, fused: bool = False):
+    """Inputs of a feature draft: tokens, the target's features at each position as
+    :class:`FeatureTap` takes them ([final], or [mid | final] when ``fused``), the target's
+    final feature at each position, its greedy next token, the answer-position mask and
+    positions; all [B, W(, H or 2H)] with W = longest - 1."""
     width = max(len(examples[i].ids) for i in idx) - 1
     hid = feats.final[0].shape[-1]
     ids = torch.zeros((len(idx), width), dtype=torch.long)
-    f_in = torch.zeros((len(idx), width, hid), dtype=dt)
+    true = torch.zeros((len(idx), width, 2 * hid if fused else hid), dtype=dt)
     final = torch.zeros((len(idx), width, hid), dtype=dt)
     nxt = torch.zeros((len(idx), width), dtype=torch.long)
     mask = torch.zeros((len(idx), width), dtype=torch.bool)
@@ -716,26 +733,34 @@ def _fbatch(feats: Features, examples: list[Example], idx: list[int], dev: torch
         ex, n = examples[i], len(examples[i].ids)
         ids[r, : n - 1] = ex.ids[: n - 1]
         final[r, : n - 1] = feats.final[i]
-        f_in[r, 1 : n - 1] = feats.final[i][: n - 2]
+        true[r, : n - 1] = torch.cat([feats.trunk[i], feats.final[i]], dim=-1) if fused else feats.final[i]
         nxt[r, : n - 1] = feats.top1[i] if feats.top1 is not None else ex.ids[1:]
         mask[r, ex.start - 1 : n - 1] = True
     pos = torch.arange(width)[None].expand(len(idx), -1)
-    return ids.to(dev), f_in.to(dev), final.to(dev), nxt.to(dev), mask.to(dev), pos.to(dev)
+    return ids.to(dev), true.to(dev), final.to(dev), nxt.to(dev), mask.to(dev), pos.to(dev)
 
 
 def _shift_own(h: torch.Tensor) -> torch.Tensor:
-    """The draft's own features as the next positions' inputs (position 0 keeps zeros)."""
+    """Features as the next positions' inputs: position t reads h[t-1] (position 0 zeros)."""
     out = torch.zeros_like(h)
     out[:, 1:] = h[:, :-1]
     return out
 
 
-def feature_losses(draft, ids, f_in, final, mask, pos, chain: bool) -> tuple[torch.Tensor, dict[str, float]]:
+def feature_losses(draft, ids, true, final, mask, pos, chain: bool,
+                   noise: tuple[float, torch.Generator] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """KL to the target at every answer position, a smooth-L1 pull of the draft's hidden state
     towards the target's feature, and (``chain``) the KL once more with every input feature
-    replaced by the draft's own from the first pass, as when it drafts several tokens in a row."""
+    replaced by the draft's own from the first pass, as when it drafts several tokens in a row.
+    ``true``: the target's features per position as :func:`_fbatch` gives them; ``noise``
+    (amplitude, generator): uniform noise added to the input features (EAGLE's augmentation:
+    the draft learns to read features that are a little off, like its own)."""
     head = draft.lm_head
     teacher = _teacher_logits(head, final, mask)
+    f_in = _shift_own(draft.true_features(true))
+    if noise is not None:
+        amp, gen = noise
+        f_in = f_in + (2 * torch.rand(f_in.shape, generator=gen) - 1).to(f_in) * amp
     out = draft(input_ids=ids, features=f_in, position_ids=pos, use_cache=False)
     h = out.hidden
     kl = kl_loss(head.sub_logits(h[mask]), teacher)
@@ -762,7 +787,8 @@ def feature_heldout_metrics(draft, feats: Features, examples: list[Example], bat
     ids_cpu = head.ids.cpu()
     for b in range(0, len(examples), batch):
         idx = list(range(b, min(b + batch, len(examples))))
-        ids, f_in, final, nxt, mask, pos = _fbatch(feats, examples, idx, dev, dt)
+        ids, true, final, nxt, mask, pos = _fbatch(feats, examples, idx, dev, dt, fused=draft.fuse_layer is not None)
+        f_in = _shift_own(draft.true_features(true))
         h = draft(input_ids=ids, features=f_in, position_ids=pos, use_cache=False).hidden
         logits = head.sub_logits(h[mask])
         agree += int((head.ids[logits.argmax(-1)] == nxt[mask]).sum())

@@ -312,6 +312,7 @@ def save(draft: nn.Module, folder: Path, target_name: str, target: nn.Module, ex
         "init_from": list(shape.init_from),
         "num_vocab": int(draft.lm_head.ids.numel()),
         "kind": kind,
+        **({"fuse_layer": draft.fuse_layer} if kind == "features" and draft.fuse_layer is not None else {}),
         **(extra or {}),
     }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -360,9 +361,13 @@ def load(folder: str | Path, target: LoadedModel) -> LoadedModel:
     shape = DraftShape(num_shared, tuple(int(i) for i in manifest["init_from"]))
     dev, dt = target.device, next(model.parameters()).dtype
     if kind == "features":
+        from .errors import ParamError
         from .feature_draft import FeatureDraft
 
-        draft = FeatureDraft(model, shape.init_from, tensors.pop("vocab_ids").to(torch.long))
+        try:
+            draft = FeatureDraft(model, shape.init_from, tensors.pop("vocab_ids").to(torch.long), manifest.get("fuse_layer"))
+        except ParamError as e:
+            raise ModelError(f"draft '{folder}' does not fit '{target.name}': {e}") from e
     elif kind == "layers":
         draft = build(model, shape, tensors.pop("vocab_ids").to(torch.long))
     else:

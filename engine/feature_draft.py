@@ -15,6 +15,11 @@ model (measured on SmolLM2-135M in the README).  Shape, for a Llama-style target
   distribution (KL).  When the draft drafts several tokens in a row, the feature of a
   drafted position is the draft's own ``h``; once the target has verified a token, its
   true feature replaces the draft's.
+* With ``fuse_layer`` n (EAGLE-3-style, Li et al. 2025), the feature of a position the
+  target has run is ``fuse([mid_norm(m) | f])``, where m is the output of the target's first n
+  layers there: a lower layer keeps more of the context than the final state, which the
+  target has already spent on predicting the next token.  ``fuse`` starts as "f alone", so an
+  untrained fused draft equals the plain one.
 * Like :mod:`draft_model`, the folder stores only the draft's own tensors (fc, layers,
   norm, a bias over the reduced vocabulary, the vocabulary ids); the embedding and the
   head rows are rebuilt from the target, whose hash the manifest records.
@@ -38,6 +43,7 @@ import torch
 from torch import nn
 
 from .draft_model import DraftShape, _parts, _set_layer_idx, _shallow, _sub_config, check_shape, is_feature_draft, own_state, reduced_head
+from .errors import ParamError
 
 __all__ = ["FeatureDraft", "FeatureOutput", "FeatureState", "FeatureTap", "is_feature_draft"]
 
@@ -53,10 +59,12 @@ class FeatureDraft(nn.Module):
 
     needs_features = True
 
-    def __init__(self, target: nn.Module, init_from: tuple[int, ...], vocab_ids: torch.Tensor) -> None:
+    def __init__(self, target: nn.Module, init_from: tuple[int, ...], vocab_ids: torch.Tensor,
+                 fuse_layer: int | None = None) -> None:
         super().__init__()
         inner, layers, norm, head = _parts(target)
         self.init_from = tuple(int(i) for i in init_from)
+        self.fuse_layer = check_fuse_layer(target, fuse_layer)
         self.ssd_shape = DraftShape(0, self.init_from)  # nothing shared but the embedding and head rows
         check_shape(target, self.ssd_shape)
         lm_head = reduced_head(head, vocab_ids)
@@ -70,6 +78,14 @@ class FeatureDraft(nn.Module):
             self.fc.weight[:, :hid].copy_(torch.eye(hid))
             self.fc.weight[:, hid:].copy_(torch.eye(hid))
             self.fc.bias.zero_()
+        if self.fuse_layer is not None:  # fuse(mid_norm(mid), final): starts as "final" alone
+            self.mid_norm = copy.deepcopy(norm)
+            self.fuse = nn.Linear(2 * hid, hid, bias=True, device=w.device, dtype=w.dtype)
+            with torch.no_grad():
+                self.mid_norm.weight.fill_(1.0)
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, hid:].copy_(torch.eye(hid))
+                self.fuse.bias.zero_()
         new_layers = []
         for j, src in enumerate(self.init_from):
             layer = copy.deepcopy(layers[src])
@@ -95,6 +111,15 @@ class FeatureDraft(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
 
+    def true_features(self, f: torch.Tensor) -> torch.Tensor:
+        """The feature the draft reads for a position the target has run: the target's final
+        normed hidden state ``f`` [.., H], or, for a fused draft, ``fuse`` over [mid | final]
+        (``f`` [.., 2H] as :class:`FeatureTap` records it)."""
+        if self.fuse_layer is None:
+            return f
+        hid = self.hidden_size
+        return self.fuse(torch.cat([self.mid_norm(f[..., :hid]), f[..., hid:]], dim=-1))
+
     def inputs(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         e = self._embed(input_ids).detach().to(self.fc.weight.dtype)
         return self.fc(torch.cat([e, features.to(e.dtype)], dim=-1))
@@ -110,30 +135,57 @@ class FeatureDraft(nn.Module):
         return FeatureOutput(self.lm_head(hk), h)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        fc = {f"fc.{n}": p for n, p in self.fc.named_parameters()}
-        return {**fc, **own_state(self.body.layers, self.body.norm, self.lm_head)}
+        own = {f"fc.{n}": p for n, p in self.fc.named_parameters()}
+        if self.fuse_layer is not None:
+            own.update({f"fuse.{n}": p for n, p in self.fuse.named_parameters()})
+            own.update({f"mid_norm.{n}": p for n, p in self.mid_norm.named_parameters()})
+        return {**own, **own_state(self.body.layers, self.body.norm, self.lm_head)}
+
+
+def check_fuse_layer(target: nn.Module, fuse_layer: int | None) -> int | None:
+    """``fuse_layer`` n: the draft also reads the output of the target's first n layers
+    (0: the embedding); it must be a layer below the last."""
+    if fuse_layer is None:
+        return None
+    n = int(target.config.num_hidden_layers)
+    if not 0 <= int(fuse_layer) < n:
+        raise ParamError(f"--fuse-layer must be between 0 and {n - 1} for this target ({n} layers), got {fuse_layer}")
+    return int(fuse_layer)
 
 
 class FeatureTap:
     """Records the output of the target's final norm (its feature at every position it runs)
-    while installed; ``take()`` returns and clears the last forward's [T, H] (batch row 0)."""
+    while installed; ``take()`` returns and clears the last forward's [T, H] (batch row 0).
+    With ``fuse_layer`` n it also records the output of the first n layers and ``take()``
+    returns [T, 2H]: [that | final], what :meth:`FeatureDraft.true_features` reads."""
 
-    def __init__(self, target: nn.Module) -> None:
-        _, _, norm, _ = _parts(target)
+    def __init__(self, target: nn.Module, fuse_layer: int | None = None) -> None:
+        inner, layers, norm, _ = _parts(target)
         self.last: torch.Tensor | None = None
-        self._hook = norm.register_forward_hook(self._record)
+        self.mid: torch.Tensor | None = None
+        self.fused = fuse_layer is not None
+        self._hooks = [norm.register_forward_hook(self._record)]
+        if fuse_layer is not None:
+            mod = inner.embed_tokens if fuse_layer == 0 else layers[fuse_layer - 1]
+            self._hooks.append(mod.register_forward_hook(self._record_mid))
 
     def _record(self, mod: Any, args: Any, out: Any) -> None:
         self.last = (out[0] if isinstance(out, tuple) else out)[0].detach()
 
+    def _record_mid(self, mod: Any, args: Any, out: Any) -> None:
+        self.mid = (out[0] if isinstance(out, tuple) else out)[0].detach()
+
     def take(self) -> torch.Tensor:
-        if self.last is None:
+        if self.last is None or (self.fused and self.mid is None):
             raise RuntimeError("the target ran no forward since the last take()")
         t, self.last = self.last, None
+        if self.fused:
+            t, self.mid = torch.cat([self.mid.to(t.dtype), t], dim=-1), None
         return t
 
     def close(self) -> None:
-        self._hook.remove()
+        for h in self._hooks:
+            h.remove()
 
     def __enter__(self) -> "FeatureTap":
         return self
@@ -161,8 +213,11 @@ class FeatureState:
         self.valid = 0  # cached positions fed true features
 
     def add_features(self, f: torch.Tensor, start: int) -> None:
-        """Target features for positions ``start..start+len(f)-1`` (replacing what was there)."""
-        self.feats = torch.cat([self.feats[:start], f.to(self.device, self.feats.dtype)], dim=0)
+        """Target features (as :class:`FeatureTap` takes them) for positions
+        ``start..start+len(f)-1``, replacing what was there."""
+        with torch.no_grad():
+            g = self.model.true_features(f.to(self.device, self.feats.dtype))
+        self.feats = torch.cat([self.feats[:start], g], dim=0)
 
     def _feat_in(self, start: int, n: int) -> torch.Tensor:
         """Input features for tokens at positions start..start+n-1: feats[p-1] (zeros for p = 0)."""

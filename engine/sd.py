@@ -106,7 +106,7 @@ class SDDecoder:
         temp, top_k, top_p = params.temperature, params.top_k, params.top_p
         reason = None
         features = is_feature_draft(dmodel)
-        tap = FeatureTap(tmodel) if features else None
+        tap = FeatureTap(tmodel, dmodel.fuse_layer) if features else None
         try:
             # prefill: everything but the last prompt token, which the first round feeds
             seq = list(prompt_ids)

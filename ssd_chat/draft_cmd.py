@@ -67,6 +67,8 @@ def train(
     target: TargetOpt = None,
     kind: Annotated[str, typer.Option("--kind", help="features: one layer over the target's own hidden states (EAGLE-style, SD only); layers: shared first layers + trained layers (SD and SSD).")] = "layers",
     chain: Annotated[bool, typer.Option("--chain/--no-chain", help="--kind features: also train on the draft's own hidden states, as when it drafts several tokens in a row (about 1.5x the training time).")] = False,
+    fuse_layer: Annotated[Optional[int], typer.Option("--fuse-layer", min=0, help="--kind features: also read the output of the target's first N layers, fused with its final hidden state (EAGLE-3-style; e.g. 15 of 30).", show_default=False)] = None,
+    feature_noise: Annotated[float, typer.Option("--feature-noise", min=0.0, help="--kind features: amplitude of the uniform noise added to the input features in training (EAGLE's augmentation; 0: none).")] = 0.0,
     layers: Annotated[int, typer.Option("--layers", min=0, help="Target layers shared (frozen) at the bottom of the draft (--kind layers).")] = 2,
     init_from: Annotated[Optional[str], typer.Option("--init-from", help="Target layers copied as the draft's new trained layers, e.g. '29' or '2,29' (default: the target's last two layers; with --kind features its last layer).", show_default=False)] = None,
     vocab: Annotated[int, typer.Option("--vocab", min=2, help="Size of the draft's reduced vocabulary (tokens the target emits most).")] = 8192,
@@ -106,6 +108,7 @@ def train(
         cfg = distill.TrainConfig(
             kind=kind, chain=chain, num_shared=layers, init_from=_init_from(init_from), num_vocab=vocab, steps=steps, batch_size=batch_size,
             lr=lr, max_new_tokens=max_new_tokens, gen_batch=gen_batch, temperature=temperature, samples=samples, self_prompts=self_prompts, eval_every=eval_every, seed=seed,
+            fuse_layer=fuse_layer, feature_noise=feature_noise,
         )
         train_prompts = distill.load_prompts(prompts)
         held_prompts = distill.load_prompts(heldout, heldout=True)

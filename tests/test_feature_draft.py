@@ -248,3 +248,165 @@ def test_sd_feeds_the_feature_draft_the_targets_true_features(trained, k):
                 checked += 1
             pos += e.accepted + 1
     assert checked >= 6
+
+
+# --- fused feature drafts (--fuse-layer): the output of a lower target layer besides the final state ---
+
+FUSED = distill.TrainConfig(**{**{f: getattr(CFG, f) for f in CFG.__slots__}, "fuse_layer": 1})
+
+
+@pytest.fixture(scope="module")
+def fused():
+    """The tiny run of ``trained`` with a draft that also reads the output of target layer 1 of 2."""
+    target = _target()
+    examples, feats = distill.generate(target, random_prompts(256), FUSED)
+    feats = feats[1]
+    held = (examples[:32], distill.with_top1(target, distill.Features(feats.trunk[:32], feats.final[:32])))
+    train = (examples[32:], distill.Features(feats.trunk[32:], feats.final[32:]))
+    vocab = distill.choose_vocab(target, train[0], train[1], FUSED.num_vocab)
+    before = distill.feature_heldout_metrics(FeatureDraft(target.model, (1,), vocab, fuse_layer=1), held[1], held[0])
+    result = distill.train_draft(target, train, held, vocab, FUSED)
+    return target, result, before, held
+
+
+def _true_features(target, ids, fuse_layer):
+    """[T, 2H]: [output of the first ``fuse_layer`` layers | final normed state], computed directly."""
+    mid, final = draft_model.trunk_output(target.model, ids[None], fuse_layer)
+    return torch.cat([mid[0], final[0]], dim=-1)
+
+
+def test_a_fused_draft_starts_as_the_plain_one():
+    """fuse starts as "the final state alone", so before training the two drafts agree exactly."""
+    target = _target()
+    vocab = torch.arange(0, 64, 2)
+    plain, fused_ = FeatureDraft(target.model, (1,), vocab), FeatureDraft(target.model, (1,), vocab, fuse_layer=1)
+    ids = random_prompts(1, seed=3)[0]
+    ids = torch.tensor(ids)
+    true = _true_features(target, ids, 1)
+    pos = torch.arange(len(ids))[None]
+    with torch.no_grad():
+        a = plain(input_ids=ids[None], features=distill._shift_own(plain.true_features(true[None, :, 64:])), position_ids=pos)
+        b = fused_(input_ids=ids[None], features=distill._shift_own(fused_.true_features(true[None])), position_ids=pos)
+    torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-6)
+
+
+def test_training_a_fused_draft_raises_agreement_and_trains_the_fusion(fused):
+    target, result, before, _ = fused
+    after = result.history[-1]
+    assert after["kl"] < 0.6 * before["kl"], (before, after)
+    assert after["agreement"] > before["agreement"] + 0.04, (before, after)
+    w = result.draft.fuse.weight
+    assert w[:, :64].abs().max() > 0  # the lower layer's half, zero at the start, was learned
+
+
+def test_the_tap_records_the_fused_layer_and_the_final_state(fused):
+    target, _, _, held = fused
+    ids = held[0][0].ids
+    with FeatureTap(target.model, fuse_layer=1) as tap:
+        with torch.no_grad():
+            target.model(input_ids=ids[None])
+        got = tap.take()
+        with pytest.raises(RuntimeError):
+            tap.take()
+    torch.testing.assert_close(got, _true_features(target, ids, 1), rtol=0, atol=0)
+
+
+def test_cached_drafting_with_a_fused_draft_equals_a_full_forward(fused):
+    target, result, _, held = fused
+    draft = result.draft
+    ids = held[0][0].ids
+    true = _true_features(target, ids, 1)
+    n = len(ids)
+    with torch.no_grad():
+        f_in = distill._shift_own(draft.true_features(true[None]))
+        full = draft(input_ids=ids[None], features=f_in, position_ids=torch.arange(n)[None], use_cache=False)
+    st = FeatureState(draft, torch.device("cpu"))
+    st.add_features(true[:4], 0)
+    out = st.catch_up(ids[:5].tolist())
+    torch.testing.assert_close(out.hidden[-1], full.hidden[0, 4], rtol=0, atol=1e-6)
+    st.forward([int(ids[5])], feats=out.hidden[-1:])
+    st.rollback()
+    st.add_features(true[4:7], 4)
+    out = st.catch_up(ids[:8].tolist())
+    torch.testing.assert_close(out.logits[-1], full.logits[0, 7], rtol=0, atol=1e-6)
+
+
+def test_a_fused_draft_round_trips_and_sd_with_it_equals_ar(fused, tmp_path):
+    target, result, _, _ = fused
+    draft_model.save(result.draft, tmp_path / "d", target.name, target.model)
+    manifest = json.loads((tmp_path / "d" / draft_model.MANIFEST).read_text())
+    assert manifest["fuse_layer"] == 1
+    from safetensors.torch import load_file
+
+    assert {"fuse.weight", "fuse.bias", "mid_norm.weight"} <= set(load_file(str(tmp_path / "d" / draft_model.WEIGHTS)))
+    draft = drafts.derive(str(tmp_path / "d"), target)
+    assert draft.model.fuse_layer == 1
+    params = SamplingParams(max_new_tokens=40)
+    accepted = 0
+    for prompt in [[5], *random_prompts(3, seed=9)]:
+        out = {}
+        for mode in ("ar", "sd"):
+            events = list(Engine(EngineConfig(mode=mode, k=3), target, draft).stream(prompt, params))
+            out[mode] = [e for e in events if isinstance(e, Done)][0].token_ids
+            accepted += sum(e.accepted for e in events if isinstance(e, Round))
+        assert out["sd"] == out["ar"]
+    assert accepted > 0
+    got = distill.measure(target, draft, random_prompts(2, seed=4), max_new_tokens=12, ks=(2,))
+    assert got["agreement"] > 0 and got["num_tokens"] > 0
+
+
+def test_sd_with_a_fused_draft_samples_the_exact_target_distribution():
+    params = SamplingParams(temperature=1.0)
+    target = as_loaded(tiny_llama(vocab_size=8, seed=0, hidden=32, layers=2), CharTokenizer(8), "t8")
+    torch.manual_seed(0)
+    draft = FeatureDraft(target.model, (1,), torch.tensor([0, 2, 3, 5, 7]), fuse_layer=1)
+    with torch.no_grad():
+        for p in draft.trainable_state().values():
+            p.add_(0.05 * torch.randn_like(p))
+    exact = exact_distribution(target, [1, 2, 3], 3, params)
+    counts = sample_outcomes(Engine(EngineConfig(mode="sd", k=3), target, as_loaded(draft, target.tokenizer, "f8")).stream,
+                             [1, 2, 3], params, 3, 1200)
+    result = compare(counts, exact)
+    assert result.p_value > 1e-3, result
+
+
+def test_fuse_layer_is_validated(fused, tmp_path):
+    with pytest.raises(ParamError, match="--fuse-layer needs --kind features"):
+        distill.TrainConfig(kind="layers", fuse_layer=1)
+    target, result, _, _ = fused
+    with pytest.raises(ParamError, match="--fuse-layer must be between 0 and 1"):
+        FeatureDraft(target.model, (1,), torch.arange(8), fuse_layer=2)
+    with pytest.raises(ParamError, match="--fuse-layer must be between 0 and 1"):  # before any answer is generated
+        distill.run(target, tmp_path / "out", distill.TrainConfig(kind="features", fuse_layer=7), ["a"], ["b"], work=tmp_path / "w")
+    assert not list(tmp_path.rglob("*.pt"))
+    draft_model.save(result.draft, tmp_path / "d", target.name, target.model)
+    path = tmp_path / "d" / draft_model.MANIFEST
+    path.write_text(path.read_text().replace('"fuse_layer": 1', '"fuse_layer": 5'))
+    with pytest.raises(ModelError, match="does not fit 'tiny-0'.*--fuse-layer must be between 0 and 1"):
+        drafts.derive(str(tmp_path / "d"), target)
+
+
+def test_feature_noise_is_drawn_per_step_so_a_resumed_run_is_identical(fused, tmp_path):
+    target, _, _, held = fused
+    base = {**{f: getattr(FUSED, f) for f in FUSED.__slots__}, "steps": 6, "eval_every": 3}
+    cfg = distill.TrainConfig(**{**base, "feature_noise": 0.05})
+    examples, feats = distill.generate(target, random_prompts(24, seed=2), cfg)
+    train = (examples, feats[1])
+    vocab = distill.choose_vocab(target, *train, cfg.num_vocab)
+    whole = distill.train_draft(target, train, held, vocab, cfg)
+    quiet = distill.train_draft(target, train, held, vocab, distill.TrainConfig(**base))
+
+    def stop_at_3(stage, done, total, info):
+        if done == 3:
+            raise KeyboardInterrupt
+
+    ck = tmp_path / "ck.pt"
+    with pytest.raises(KeyboardInterrupt):
+        distill.train_draft(target, train, held, vocab, cfg, ck, stop_at_3)
+    resumed = distill.train_draft(target, train, held, vocab, cfg, ck)
+    a, b, c = (draft_model.trainable_state(r.draft) for r in (whole, resumed, quiet))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-12)
+    assert not torch.equal(a["fc.weight"], c["fc.weight"])  # the noise is used
+    with pytest.raises(ParamError, match="--feature-noise needs --kind features"):
+        distill.TrainConfig(kind="layers", feature_noise=0.1)
