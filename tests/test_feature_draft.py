@@ -31,6 +31,17 @@ CFG = distill.TrainConfig(kind="features", init_from=(1,), num_vocab=48, steps=6
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def interrupted_at(step: int, train) -> None:
+    """Run ``train(progress)`` and stop it with a KeyboardInterrupt (as Ctrl-C would) once ``step`` is done."""
+
+    def progress(stage, done, total, info):
+        if done == step:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(progress)
+
+
 @pytest.fixture(scope="module")
 def trained():
     """One tiny end-to-end run (seconds): answers with the target's features, vocabulary, training."""
@@ -64,13 +75,8 @@ def test_training_is_deterministic_and_resumes_from_its_checkpoint(trained, tmp_
     vocab = distill.choose_vocab(target, *train, cfg.num_vocab)
     whole = distill.train_draft(target, train, held, vocab, cfg)
 
-    def stop_at_4(stage, done, total, info):
-        if done == 4:
-            raise KeyboardInterrupt
-
     ck = tmp_path / "ck.pt"
-    with pytest.raises(KeyboardInterrupt):
-        distill.train_draft(target, train, held, vocab, cfg, ck, stop_at_4)
+    interrupted_at(4, lambda progress: distill.train_draft(target, train, held, vocab, cfg, ck, progress))
     seen: list[int] = []
     resumed = distill.train_draft(target, train, held, vocab, cfg, ck, lambda s, d, t, i: seen.append(d))
     assert seen[0] == 4
@@ -396,13 +402,8 @@ def test_feature_noise_is_drawn_per_step_so_a_resumed_run_is_identical(fused, tm
     whole = distill.train_draft(target, train, held, vocab, cfg)
     quiet = distill.train_draft(target, train, held, vocab, distill.TrainConfig(**base))
 
-    def stop_at_3(stage, done, total, info):
-        if done == 3:
-            raise KeyboardInterrupt
-
     ck = tmp_path / "ck.pt"
-    with pytest.raises(KeyboardInterrupt):
-        distill.train_draft(target, train, held, vocab, cfg, ck, stop_at_3)
+    interrupted_at(3, lambda progress: distill.train_draft(target, train, held, vocab, cfg, ck, progress))
     resumed = distill.train_draft(target, train, held, vocab, cfg, ck)
     a, b, c = (draft_model.trainable_state(r.draft) for r in (whole, resumed, quiet))
     for name in a:
