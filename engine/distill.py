@@ -234,7 +234,7 @@ def generate(target: LoadedModel, prompts: list[list[int]], cfg: TrainConfig, ca
     teacher pass is needed."""
     model, dev = target.model, target.device
     capture = tuple(capture) if capture is not None else (cfg.capture,)
-    inner, layers, norm, _ = draft_model._parts(model)
+    _, _, norm, _ = draft_model._parts(model)
     eos = sorted(target.eos_ids)
     pad = eos[0] if eos else 0
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -250,13 +250,12 @@ def generate(target: LoadedModel, prompts: list[list[int]], cfg: TrainConfig, ca
 
     def hook(key: Any) -> Callable[..., None]:
         def fn(mod: Any, args: Any, out: Any) -> None:
-            calls[key].append((out[0] if isinstance(out, tuple) else out).float().cpu())
+            calls[key].append(draft_model.hidden_of(out).float().cpu())
         return fn
 
     hooks = [norm.register_forward_hook(hook("final"))]
     for n in capture:
-        mod = inner.embed_tokens if n == 0 else layers[n - 1]
-        hooks.append(mod.register_forward_hook(hook(n)))
+        hooks.append(draft_model.output_module(model, n).register_forward_hook(hook(n)))
     torch.manual_seed(cfg.seed if seed is None else seed)
     try:
         for b in range(0, len(order), cfg.gen_batch):

@@ -222,18 +222,27 @@ def tail(draft: nn.Module) -> nn.Module:
     return t
 
 
+def output_module(target: nn.Module, n: int) -> nn.Module:
+    """The module whose output is the output of the target's first ``n`` layers (the embedding for 0);
+    a forward hook on it records that hidden state (see :func:`hidden_of`)."""
+    inner, layers, _, _ = _parts(target)
+    return inner.embed_tokens if n == 0 else layers[n - 1]
+
+
+def hidden_of(out: Any) -> torch.Tensor:
+    """The hidden state in a module's output (decoder layers may return a tuple)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def trunk_output(target: nn.Module, ids: torch.Tensor, num_shared: int, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the target over ``ids`` [B, T] once; return (output of layer num_shared-1 (the
     embedding when 0), the target's final normed hidden state), both [B, T, H]."""
-    inner, layers, norm, _ = _parts(target)
+    _, _, norm, _ = _parts(target)
     got: dict[str, torch.Tensor] = {}
-    hooks = []
-    if num_shared == 0:
-        hooks.append(inner.embed_tokens.register_forward_hook(lambda m, a, o: got.__setitem__("trunk", o)))
-    else:
-        hooks.append(layers[num_shared - 1].register_forward_hook(
-            lambda m, a, o: got.__setitem__("trunk", o[0] if isinstance(o, tuple) else o)))
-    hooks.append(norm.register_forward_hook(lambda m, a, o: got.__setitem__("final", o)))
+    hooks = [
+        output_module(target, num_shared).register_forward_hook(lambda m, a, o: got.__setitem__("trunk", hidden_of(o))),
+        norm.register_forward_hook(lambda m, a, o: got.__setitem__("final", o)),
+    ]
     try:
         with torch.no_grad():  # not inference_mode: training reuses these tensors
             target.model(input_ids=ids, attention_mask=attention_mask, use_cache=False)

@@ -42,7 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .draft_model import DraftShape, _parts, _set_layer_idx, _shallow, _sub_config, check_shape, is_feature_draft, own_state, reduced_head
+from .draft_model import (DraftShape, _parts, _set_layer_idx, _shallow, _sub_config, check_shape, hidden_of, is_feature_draft,
+                          output_module, own_state, reduced_head)
 from .errors import ParamError
 
 __all__ = ["FeatureDraft", "FeatureOutput", "FeatureState", "FeatureTap", "is_feature_draft"]
@@ -160,20 +161,18 @@ class FeatureTap:
     returns [T, 2H]: [that | final], what :meth:`FeatureDraft.true_features` reads."""
 
     def __init__(self, target: nn.Module, fuse_layer: int | None = None) -> None:
-        inner, layers, norm, _ = _parts(target)
+        _, _, norm, _ = _parts(target)
         self.last: torch.Tensor | None = None
         self.mid: torch.Tensor | None = None
         self.fused = fuse_layer is not None
-        self._hooks = [norm.register_forward_hook(self._record)]
+        self._hooks = [norm.register_forward_hook(self._recorder("last"))]
         if fuse_layer is not None:
-            mod = inner.embed_tokens if fuse_layer == 0 else layers[fuse_layer - 1]
-            self._hooks.append(mod.register_forward_hook(self._record_mid))
+            self._hooks.append(output_module(target, fuse_layer).register_forward_hook(self._recorder("mid")))
 
-    def _record(self, mod: Any, args: Any, out: Any) -> None:
-        self.last = (out[0] if isinstance(out, tuple) else out)[0].detach()
-
-    def _record_mid(self, mod: Any, args: Any, out: Any) -> None:
-        self.mid = (out[0] if isinstance(out, tuple) else out)[0].detach()
+    def _recorder(self, attr: str) -> Any:
+        def record(mod: Any, args: Any, out: Any) -> None:
+            setattr(self, attr, hidden_of(out)[0].detach())
+        return record
 
     def take(self) -> torch.Tensor:
         if self.last is None or (self.fused and self.mid is None):
