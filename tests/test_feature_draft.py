@@ -42,18 +42,23 @@ def interrupted_at(step: int, train) -> None:
         train(progress)
 
 
-@pytest.fixture(scope="module")
-def trained():
-    """One tiny end-to-end run (seconds): answers with the target's features, vocabulary, training."""
+def tiny_run(cfg: distill.TrainConfig):
+    """One tiny end-to-end run (seconds): answers with the target's features (32 held out),
+    vocabulary, the untrained draft's held-out metrics, training."""
     target = _target()
-    examples, feats = distill.generate(target, random_prompts(256), CFG, capture=(0,))
-    feats = feats[0]
+    examples, feats = distill.generate(target, random_prompts(256), cfg, capture=(cfg.capture,))
+    feats = feats[cfg.capture]
     held = (examples[:32], distill.with_top1(target, distill.Features(feats.trunk[:32], feats.final[:32])))
     train = (examples[32:], distill.Features(feats.trunk[32:], feats.final[32:]))
-    vocab = distill.choose_vocab(target, train[0], train[1], CFG.num_vocab)
-    before = distill.feature_heldout_metrics(FeatureDraft(target.model, (1,), vocab), held[1], held[0])
-    result = distill.train_draft(target, train, held, vocab, CFG)
+    vocab = distill.choose_vocab(target, train[0], train[1], cfg.num_vocab)
+    before = distill.feature_heldout_metrics(FeatureDraft(target.model, (1,), vocab, cfg.fuse_layer), held[1], held[0])
+    result = distill.train_draft(target, train, held, vocab, cfg)
     return target, result, before, held
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return tiny_run(CFG)
 
 
 def test_training_reduces_the_distillation_loss_and_raises_agreement(trained):
@@ -264,15 +269,7 @@ FUSED = distill.TrainConfig(**{**{f: getattr(CFG, f) for f in CFG.__slots__}, "f
 @pytest.fixture(scope="module")
 def fused():
     """The tiny run of ``trained`` with a draft that also reads the output of target layer 1 of 2."""
-    target = _target()
-    examples, feats = distill.generate(target, random_prompts(256), FUSED)
-    feats = feats[1]
-    held = (examples[:32], distill.with_top1(target, distill.Features(feats.trunk[:32], feats.final[:32])))
-    train = (examples[32:], distill.Features(feats.trunk[32:], feats.final[32:]))
-    vocab = distill.choose_vocab(target, train[0], train[1], FUSED.num_vocab)
-    before = distill.feature_heldout_metrics(FeatureDraft(target.model, (1,), vocab, fuse_layer=1), held[1], held[0])
-    result = distill.train_draft(target, train, held, vocab, FUSED)
-    return target, result, before, held
+    return tiny_run(FUSED)
 
 
 def _true_features(target, ids, fuse_layer):
