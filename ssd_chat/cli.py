@@ -231,7 +231,8 @@ def _answer(engine, prompt: str, values: dict[str, Any], params, json_out: bool,
                 out = {
                     "text": ev.text,
                     "token_ids": list(ev.token_ids),
-                    "mode": engine.config.mode,
+                    "mode": s.ran_as or s.mode,  # the mode that produced the end of the reply
+                    "mode_label": s.label,
                     "target": engine.target.name,
                     "draft": engine.draft.name if engine.draft is not None and engine.config.mode != "ar" else None,
                     "finish_reason": ev.reason,

@@ -240,7 +240,7 @@ class History:
             db.execute(
                 """INSERT OR REPLACE INTO turn_metrics(message_id, mode, target, draft, new_tokens, tok_per_s, ttft_s,
                    mean_accepted_length, acceptance_rate, cache_hit_rate, stats_json) VALUES (?,?,?,?,?,?,?,?,?,?,?)""",
-                (message_id, d.get("mode"), target, draft, d.get("new_tokens"), d.get("tok_per_s"), d.get("ttft_s"),
+                (message_id, _ran(d), target, draft, d.get("new_tokens"), d.get("tok_per_s"), d.get("ttft_s"),
                  d.get("mean_accepted_length"), d.get("acceptance_rate"), d.get("cache_hit_rate"), json.dumps(d)),
             )
 
@@ -305,7 +305,10 @@ def metrics_line(m: dict[str, Any]) -> str:
         v = m.get(key)
         return None if v is None else format(v, spec) + suffix
 
-    parts = [m.get("mode") or "?", f"{m.get('new_tokens', 0)} tokens"]
+    from .engine.events import mode_label  # here: importing the engine package loads torch
+
+    mode = m.get("mode")
+    parts = [mode_label(mode, m.get("ran_as"), m.get("switched_after")).lower() if mode else "?", f"{m.get('new_tokens', 0)} tokens"]
     for label, key, spec, suffix in (("", "tok_per_s", ".1f", " tok/s"), ("TTFT ", "ttft_s", ".2f", " s"),
                                      ("τ ", "mean_accepted_length", ".2f", ""), ("acceptance ", "acceptance_rate", ".0%", ""),
                                      ("cache hits ", "cache_hit_rate", ".0%", "")):
@@ -313,6 +316,12 @@ def metrics_line(m: dict[str, Any]) -> str:
         if v is not None:
             parts.append(label + v)
     return ", ".join(parts)
+
+
+def _ran(d: dict[str, Any]) -> str | None:
+    """The mode column: the configured mode, or ``ssd→sd`` when the reply switched."""
+    mode, ran = d.get("mode"), d.get("ran_as")
+    return f"{mode}→{ran}" if ran and ran != mode else mode
 
 
 def _reason(e: BaseException) -> str:

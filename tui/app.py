@@ -214,6 +214,14 @@ class ChatApp(ChatActions, App[int]):
         self.panel.set_info(info)
         self.sub_title = f"{(info.get('mode') or '?').upper()} · {info.get('target') or ''}"
 
+    def _show_mode(self, label: str) -> None:
+        """The status line and the panel name the mode that is really running this reply."""
+        info = dict(self.backend.info())
+        info.setdefault("temperature", self.params.get("temperature", 0.0))
+        info["mode_label"] = label
+        self.panel.set_info(info)
+        self.sub_title = f"{label} · {info.get('target') or ''}"
+
     # -- sending -------------------------------------------------------------------------
     @on(PromptInput.Submitted)
     async def on_prompt_submitted(self, event: PromptInput.Submitted) -> None:
@@ -340,6 +348,7 @@ class ChatApp(ChatActions, App[int]):
                     self._seen_ids.add(ev.bonus_id)
                 t.last_t_s = max(t.last_t_s, ev.t_s)
             elif isinstance(ev, Notice):
+                t.metrics.add(ev)  # a switch of mode (SSD without its speculator) is part of the reply's stats
                 notices.append(ev)
             elif isinstance(ev, (Done, Error)):
                 end = ev
@@ -351,6 +360,8 @@ class ChatApp(ChatActions, App[int]):
         if end is None:
             self.panel.show(t.metrics.stats(t.last_t_s), live=True)
         for ev in notices:
+            if ev.mode is not None:
+                self._show_mode(t.metrics.label)
             await self.chat.add_notice(ev.message, ev.level)
         if pieces:
             await t.widget.append(pieces)

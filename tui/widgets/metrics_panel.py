@@ -80,7 +80,7 @@ class MetricsPanel(Vertical):
         t = Table.grid(padding=(0, 1))
         t.add_column(style="bold", no_wrap=True)
         t.add_column()
-        mode = (i.get("mode") or "?").upper()
+        mode = i.get("mode_label") or (i.get("mode") or "?").upper()
         if i.get("k"):
             mode += f"  k={i['k']}"
         if i.get("fan_out"):
