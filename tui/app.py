@@ -27,6 +27,7 @@ from ..engine.events import Done, Error, Event, Notice, Round, Token
 from ..engine.metrics import Metrics
 from ..engine.params import SamplingParams
 from ..history import History, metrics_line
+from ..terminal import printable
 from .actions import SAMPLING_KEYS, ChatActions
 from .backend import Backend, readable
 from .figures import Baseline
@@ -127,6 +128,11 @@ class ChatApp(ChatActions, App[int]):
         self._seen_ids: set[int] = set()
         self._quitting = False
 
+    def notify(self, message: str, *, title: str = "", severity: Any = "information", timeout: float | None = None,
+               markup: bool = False) -> None:
+        """Plain text unless asked: notifications quote paths, model names and chat titles."""
+        super().notify(printable(message), title=title, severity=severity, timeout=timeout, markup=markup)
+
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in self.MAIN_SCREEN_ACTIONS and isinstance(self.screen, ModalScreen):
             return False  # let the dialog have its keys (ctrl+s saves the system prompt there)
@@ -212,7 +218,7 @@ class ChatApp(ChatActions, App[int]):
         info = dict(self.backend.info())
         info.setdefault("temperature", self.params.get("temperature", 0.0))
         self.panel.set_info(info)
-        self.sub_title = f"{(info.get('mode') or '?').upper()} · {info.get('target') or ''}"
+        self.sub_title = printable(f"{(info.get('mode') or '?').upper()} · {info.get('target') or ''}", one_line=True)
 
     # -- sending -------------------------------------------------------------------------
     @on(PromptInput.Submitted)
