@@ -82,6 +82,9 @@ def run_headless(values: dict, prompts: list[str]) -> int:
                     raise fail(ev.message)
         if rec is not None:
             rec.vocab({i: t for i in sorted(seen) if (t := backend.token_text(i)) is not None})
+            rec.close()
+            if rec.error:  # the session ran, but its recording is cut short
+                raise fail(rec.stopped_reason)
             typer.echo(f"recorded to {values['record']}", err=True)
     except (SSDChatError, RecordingError, ValueError) as e:
         raise fail(str(e)) from None

@@ -326,6 +326,7 @@ class ChatApp(ChatActions, App[int]):
         t = self.current
         if t is None or t.status != "streaming" or not t.pending:
             return
+        await self._check_recorder()
         events, t.pending = t.pending, []
         pieces: list[tuple[str, str]] = []
         rounds: list[tuple[Round, str | None]] = []
@@ -387,6 +388,7 @@ class ChatApp(ChatActions, App[int]):
         self.prompt.remove_class("-busy")
         self._frames.pause()
         await self._check_history()
+        await self._check_recorder()
         t.finished = True
         if self.script and not self._quitting:
             self.type_next_prompt()
@@ -471,6 +473,12 @@ class ChatApp(ChatActions, App[int]):
     async def _warn(self, message: str) -> None:
         await self.chat.add_notice("warning: " + message, "warning")
         self.notify(message, severity="warning", timeout=8)
+
+    async def _check_recorder(self) -> None:
+        r = self.recorder
+        if r is not None and r.error:
+            self.recorder = None  # one notice, no more writes (launch still closes the file)
+            await self._warn(f"{r.stopped_reason}; the chat goes on")
 
     async def _check_history(self) -> None:
         w = self.history.warning
