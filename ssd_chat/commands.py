@@ -86,8 +86,15 @@ def register(app: typer.Typer) -> None:
             values, sources = config.resolve(given)
         except config.ConfigError as e:
             raise _fail(str(e)) from None
+        try:
+            config.check(values, sources)
+            invalid = None
+        except config.ConfigError as e:  # shown with the values, then exit non-zero
+            invalid = e
         if json_out:
             typer.echo(json.dumps({k_: {"value": values[k_], "source": sources[k_]} for k_ in config.DEFAULTS}, indent=2))
+            if invalid is not None:
+                raise _fail(str(invalid), 2 if invalid.usage else 1)
             return
         from rich.console import Console
         from rich.table import Table
@@ -100,6 +107,8 @@ def register(app: typer.Typer) -> None:
             v = values[key]
             table.add_row(key, "—" if v is None else str(v), config.describe_source(key, sources[key]))
         Console().print(table)
+        if invalid is not None:
+            raise _fail(str(invalid), 2 if invalid.usage else 1)
 
     @config_app.command("path")
     def config_path() -> None:
