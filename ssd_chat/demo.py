@@ -29,7 +29,7 @@ def run_headless(values: dict, prompts: list[str]) -> int:
 
     from . import cli
     from .engine.errors import SSDChatError
-    from .engine.events import Done, Error, Round, Token
+    from .engine.events import Done, Error, Notice, Round, Token
     from .recorder import Recorder, RecordingError
     from .session import Session
     from .tui.backend import EngineBackend
@@ -73,6 +73,8 @@ def run_headless(values: dict, prompts: list[str]) -> int:
                     sys.stdout.write(ev.text)
                     sys.stdout.flush()
                     streamed += ev.text
+                elif isinstance(ev, Notice):
+                    typer.echo(f"[{ev.message}]", err=True)
                 elif isinstance(ev, Round):
                     seen.update(c for _, cands in (ev.predicted or ()) for c in cands)
                 elif isinstance(ev, Done):
