@@ -253,3 +253,56 @@ async def test_the_app_resuming_a_damaged_chat_says_so_and_goes_on(tmp_path):
         await wait_until(pilot, lambda: app.conversation_id == 1)
         await pilot.press("ctrl+c")
     assert app.return_code == 0
+
+
+def test_a_database_locked_mid_session_in_a_real_terminal(tmp_path):
+    """The real app (a recorded session replayed, no model) while another program takes the
+    database's write lock after the first reply: the session plays to the end, one warning, exit 0."""
+    import os
+    import time
+
+    pexpect = pytest.importorskip("pexpect")
+    from test_recorder import shipped
+
+    from ssd_chat.recorder import read
+
+    source = next(p for p in shipped() if len(read(p).turns) >= 3)
+    turns = len(read(source).turns)
+    db = tmp_path / "h.db"
+    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"),
+               SSD_CHAT_DATA_DIR=str(tmp_path / "data"), HF_HUB_OFFLINE="1")
+    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--db", str(db), "demo", "--replay", str(source), "--speed", "20",
+                                           "--type-delay", "0"],
+                          env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=120)
+    screen: list[str] = []
+    other = None
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            try:
+                screen.append(child.read_nonblocking(65536, timeout=0.3))
+            except pexpect.TIMEOUT:
+                pass
+            except pexpect.EOF:  # the app is gone (it crashed)
+                break
+            text = "".join(screen)
+            if other is None and text.count("last reply") >= 1:  # the first reply is saved: now lock the file
+                other = sqlite3.connect(db)
+                other.execute("BEGIN EXCLUSIVE")
+            if text.count("last reply") >= turns and text.rfind("last reply") > text.rfind("streaming…"):
+                break
+        if child.isalive():
+            time.sleep(0.5)
+            child.send("\x03")
+            child.expect(pexpect.EOF, timeout=30)
+            screen.append(child.before or "")
+    finally:
+        child.close(force=True)
+        if other is not None:
+            other.rollback()
+            other.close()
+    text = "".join(screen)
+    assert other is not None and "could not write the chat history" in text, text[-3000:]
+    assert "Traceback" not in text and "IntegrityError" not in text
+    assert text.count("last reply") >= turns and text.rfind("last reply") > text.rfind("streaming…")
+    assert child.exitstatus == 0, text[-3000:]
