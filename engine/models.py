@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -366,6 +367,12 @@ def load(
         raise ModelError(f"could not load '{name}': {e}") from e
     except OSError as e:
         raise ModelError(f"could not load '{name}': {e}") from e
+    except pickle.UnpicklingError as e:  # torch's multi-paragraph advice, boiled down to the refused object
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f" ({refused.group(1)})" if refused else ""
+        raise ModelError(
+            f"could not load '{name}': its pickle checkpoint holds an object that is not a plain tensor{what}; pickles are "
+            "read only with torch's weights-only loader, since a pickle can run code: use a copy saved as safetensors") from e
     if not placement.device_map:
         try:
             model = model.to(placement.device)

@@ -68,9 +68,10 @@ def settings(values: dict[str, Any]) -> dict[str, Any]:
     from . import config
 
     try:
-        resolved, _sources = config.resolve(values)
-    except config.ConfigError as e:  # a bad SSD_CHAT_* variable or config.toml entry: one line, exit 1
-        raise fail(str(e)) from None
+        resolved, sources = config.resolve(values)
+        config.check(resolved, sources)
+    except config.ConfigError as e:  # one line naming the flag, SSD_CHAT_* variable or config.toml entry
+        raise fail(str(e), 2 if e.usage else 1) from None
     return resolved
 
 

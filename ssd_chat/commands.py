@@ -86,8 +86,15 @@ def register(app: typer.Typer) -> None:
             values, sources = config.resolve(given)
         except config.ConfigError as e:
             raise _fail(str(e)) from None
+        try:
+            config.check(values, sources)
+            invalid = None
+        except config.ConfigError as e:  # shown with the values, then exit non-zero
+            invalid = e
         if json_out:
             typer.echo(json.dumps({k_: {"value": values[k_], "source": sources[k_]} for k_ in config.DEFAULTS}, indent=2))
+            if invalid is not None:
+                raise _fail(str(invalid), 2 if invalid.usage else 1)
             return
         from rich.console import Console
         from rich.table import Table
@@ -100,6 +107,8 @@ def register(app: typer.Typer) -> None:
             v = values[key]
             table.add_row(key, "—" if v is None else str(v), config.describe_source(key, sources[key]))
         Console().print(table)
+        if invalid is not None:
+            raise _fail(str(invalid), 2 if invalid.usage else 1)
 
     @config_app.command("path")
     def config_path() -> None:
@@ -137,14 +146,33 @@ def register(app: typer.Typer) -> None:
                             no_args_is_help=True)
     Db = Annotated[Optional[Path], typer.Option("--db", help="History database (default: the XDG data dir).", show_default=False)]
 
-    def _history(ctx: typer.Context, db: Path | None):
-        from .history import History, default_db_path
+    def _db_path(ctx: typer.Context, db: Path | None) -> Path:
+        """The database the app uses: --db, then SSD_CHAT_DB or the config file's ``db``, then the default."""
+        from . import config
+        from .history import default_db_path
 
-        path = db or (ctx.obj or {}).get("db") or default_db_path()
-        h = History(Path(path))
+        given = db or (ctx.obj or {}).get("db")
+        try:
+            values, _ = config.resolve({"db": str(given) if given else None})
+        except config.ConfigError as e:
+            raise _fail(str(e)) from None
+        return Path(values["db"] or default_db_path())
+
+    def _history(ctx: typer.Context, db: Path | None):
+        """The saved chats, or None when there is no database yet (reading never creates one)."""
+        from .history import History
+
+        path = _db_path(ctx, db)
+        if not path.is_file():
+            return None
+        h = History(path)
         if h.warning:
             raise _fail(h.warning.split(";")[0])
         return h
+
+    def _no_chat(chat_id: int, h) -> typer.Exit:
+        where = "" if h is not None else " (there is no chat history database there yet)"
+        return _fail(f"no saved chat with id {chat_id}{where} (see `ssd-chat chats list`)")
 
     @chats_app.command("list")
     def chats_list(ctx: typer.Context, db: Db = None,
@@ -152,25 +180,30 @@ def register(app: typer.Typer) -> None:
         """List saved chats, newest first."""
         import time
 
+        from .history import HistoryError
+        from .terminal import printable
+
         h = _history(ctx, db)
-        convs = h.list_conversations()
+        try:
+            convs = h.list_conversations() if h is not None else []
+        except HistoryError as e:
+            raise _fail(str(e)) from None
         if json_out:
             typer.echo(json.dumps([{"id": c.id, "title": c.title, "messages": c.num_messages, "updated_at": c.updated_at}
                                    for c in convs], indent=2))
             return
         if not convs:
-            typer.echo(f"no saved chats in {h.path}")
+            path = _db_path(ctx, db)
+            typer.echo(f"no saved chats in {printable(str(path))}" + ("" if h is not None else " (it does not exist yet)"))
             return
         for c in convs:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated_at))
-            typer.echo(f"{c.id:>5}  {when}  {c.num_messages:>3} messages  {c.title}")
+            typer.echo(f"{c.id:>5}  {when}  {c.num_messages:>3} messages  {printable(c.title, one_line=True)}")
 
     @chats_app.command("path")
     def chats_path(ctx: typer.Context, db: Db = None) -> None:
         """Print the history database's path."""
-        from .history import default_db_path
-
-        typer.echo(str(db or (ctx.obj or {}).get("db") or default_db_path()))
+        typer.echo(str(_db_path(ctx, db)))
 
     @chats_app.command("export")
     def chats_export(
@@ -181,15 +214,22 @@ def register(app: typer.Typer) -> None:
         db: Db = None,
     ) -> None:
         """Export a chat with its per-reply metrics as Markdown or JSONL."""
+        from .history import HistoryError
+        from .terminal import for_stream
+
         if fmt not in ("md", "markdown", "jsonl"):
             raise typer.BadParameter("use md or jsonl", param_hint="--format")
         h = _history(ctx, db)
+        if h is None:
+            raise _no_chat(chat_id, h)
         try:
             text = h.export_jsonl(chat_id) if fmt == "jsonl" else h.export_markdown(chat_id)
         except KeyError:
-            raise _fail(f"no saved chat with id {chat_id} (see `ssd-chat chats list`)") from None
+            raise _no_chat(chat_id, h) from None
+        except HistoryError as e:
+            raise _fail(str(e)) from None
         if output is None:
-            sys.stdout.write(text if text.endswith("\n") else text + "\n")
+            sys.stdout.write(for_stream(text if text.endswith("\n") else text + "\n", sys.stdout))
         else:
             try:
                 output.write_text(text, encoding="utf-8")
@@ -206,8 +246,13 @@ def register(app: typer.Typer) -> None:
     def chats_delete(ctx: typer.Context, chat_id: Annotated[int, typer.Argument(metavar="ID")], db: Db = None) -> None:
         """Delete a saved chat."""
         h = _history(ctx, db)
-        if not h.delete_conversation(chat_id):
-            raise _fail(f"no saved chat with id {chat_id} (see `ssd-chat chats list`)")
+        if h is None:
+            raise _no_chat(chat_id, h)
+        deleted = h.delete_conversation(chat_id)
+        if h.warning:  # the file refused the write (the copy in memory does not count)
+            raise _fail(h.warning.split(";")[0])
+        if not deleted:
+            raise _no_chat(chat_id, h)
         typer.echo(f"deleted chat {chat_id}")
 
     app.add_typer(chats_app, name="chats")

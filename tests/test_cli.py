@@ -52,6 +52,8 @@ def test_ask_json_and_stdin():
         (["ask", "--target-device", "cpu:64", "hi"], 1, "cores"),
         (["ask", "--temperature", "-1", "hi"], 2, "temperature"),
         (["ask", "--top-p", "0", "hi"], 2, "top-p"),
+        (["ask", "--mode", "ssd", "--budget", "1000", "hi"], 2, "at most 256"),
+        (["ask", "--mode", "ssd", "--fan-out", "uniform:500", "hi"], 2, "at most 256"),
     ],
 )
 def test_bad_input_is_a_clear_error(args, code, needle):

@@ -13,7 +13,7 @@ from typing import Any
 from textual.app import SystemCommand
 from textual.screen import Screen
 
-from ..history import data_dir, metrics_line
+from ..history import HistoryError, data_dir, metrics_line
 from .backend import readable
 from .widgets.chats_dialog import ChatsDialog
 from .widgets.settings_dialog import SettingsDialog, parse_settings
@@ -115,7 +115,12 @@ class ChatActions:
         if self.current is not None and not self.current.finished:
             await self.chat.add_notice("stop the reply first (Esc)", "warning")
             return False
-        conv = self.history.get_conversation(conversation_id)
+        try:  # read it all before changing anything: a damaged chat leaves the current one as it was
+            conv = self.history.get_conversation(conversation_id)
+            saved = self.history.messages(conversation_id) if conv is not None else []
+        except HistoryError as e:
+            await self.chat.add_notice(f"cannot resume: {e}", "error")
+            return False
         if conv is None:
             await self.chat.add_notice(f"no saved chat with id {conversation_id} (see `ssd-chat chats list`)", "error")
             return False
@@ -125,7 +130,7 @@ class ChatActions:
         self.cache.clear()
         self.conversation_id, self.system, self.messages = conv.id, conv.system, []
         await self.chat.add_notice(f"resumed chat {conv.id}: {conv.title}")
-        for m in self.history.messages(conv.id):
+        for m in saved:
             if m.role == "user":
                 await self.chat.add_user(m.content)
             elif m.role == "assistant":
@@ -149,7 +154,7 @@ class ChatActions:
             out = data_dir() / "exports" / f"chat-{self.conversation_id}.{fmt}"
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text, encoding="utf-8")
-        except (KeyError, OSError) as e:
+        except (KeyError, OSError, HistoryError) as e:
             self.notify(f"could not export: {e}", severity="error")
             return None
         self.notify(f"exported to {out}")

@@ -27,6 +27,7 @@ from ..engine.events import Done, Error, Event, Notice, Round, Token
 from ..engine.metrics import Metrics
 from ..engine.params import SamplingParams
 from ..history import History, metrics_line
+from ..terminal import printable
 from .actions import SAMPLING_KEYS, ChatActions
 from .backend import Backend, readable
 from .figures import Baseline
@@ -127,6 +128,11 @@ class ChatApp(ChatActions, App[int]):
         self._seen_ids: set[int] = set()
         self._quitting = False
 
+    def notify(self, message: str, *, title: str = "", severity: Any = "information", timeout: float | None = None,
+               markup: bool = False) -> None:
+        """Plain text unless asked: notifications quote paths, model names and chat titles."""
+        super().notify(printable(message), title=title, severity=severity, timeout=timeout, markup=markup)
+
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in self.MAIN_SCREEN_ACTIONS and isinstance(self.screen, ModalScreen):
             return False  # let the dialog have its keys (ctrl+s saves the system prompt there)
@@ -212,7 +218,7 @@ class ChatApp(ChatActions, App[int]):
         info = dict(self.backend.info())
         info.setdefault("temperature", self.params.get("temperature", 0.0))
         self.panel.set_info(info)
-        self.sub_title = f"{(info.get('mode') or '?').upper()} · {info.get('target') or ''}"
+        self.sub_title = printable(f"{(info.get('mode') or '?').upper()} · {info.get('target') or ''}", one_line=True)
 
     def _show_mode(self, label: str) -> None:
         """The status line and the panel name the mode that is really running this reply."""
@@ -328,6 +334,7 @@ class ChatApp(ChatActions, App[int]):
         t = self.current
         if t is None or t.status != "streaming" or not t.pending:
             return
+        await self._check_recorder()
         events, t.pending = t.pending, []
         pieces: list[tuple[str, str]] = []
         rounds: list[tuple[Round, str | None]] = []
@@ -392,6 +399,7 @@ class ChatApp(ChatActions, App[int]):
         self.prompt.remove_class("-busy")
         self._frames.pause()
         await self._check_history()
+        await self._check_recorder()
         t.finished = True
         if self.script and not self._quitting:
             self.type_next_prompt()
@@ -476,6 +484,12 @@ class ChatApp(ChatActions, App[int]):
     async def _warn(self, message: str) -> None:
         await self.chat.add_notice("warning: " + message, "warning")
         self.notify(message, severity="warning", timeout=8)
+
+    async def _check_recorder(self) -> None:
+        r = self.recorder
+        if r is not None and r.error:
+            self.recorder = None  # one notice, no more writes (launch still closes the file)
+            await self._warn(f"{r.stopped_reason}; the chat goes on")
 
     async def _check_history(self) -> None:
         w = self.history.warning

@@ -120,12 +120,9 @@ class EngineBackend(Backend):
         return info
 
     def stream(self, messages: list[dict[str, str]], params: SamplingParams, stop: threading.Event) -> Iterator[Event]:
-        from dataclasses import replace
+        from ..session import stream_messages  # a chat longer than the context leaves out its oldest turns
 
-        ids, extra_stop = self.engine.prompt_ids(messages)
-        if extra_stop:
-            params = replace(params, stop=tuple(params.stop) + tuple(extra_stop))
-        return self.engine.stream(ids, params, stop)
+        return stream_messages(self.engine, messages, params, stop)
 
     def reconfigure(self, **changes: Any) -> None:
         self.engine.reconfigure(**changes)

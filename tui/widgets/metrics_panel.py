@@ -11,6 +11,7 @@ from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
 
 from ...engine.events import Round, Stats
+from ...terminal import printable
 from ..figures import Baseline, panel_values
 
 LABELS = [
@@ -87,10 +88,11 @@ class MetricsPanel(Vertical):
             mode += f"  fan-out {i['fan_out']}"
         if i.get("replay"):
             mode += "  (replay)"
-        t.add_row("mode", mode)
-        t.add_row("target", f"{i.get('target') or '?'}" + (f" @ {i['target_device']}" if i.get("target_device") else ""))
+        # model names and devices come from the user (paths, hub ids): Text, so Rich reads no markup in them
+        t.add_row("mode", Text(printable(mode)))
+        t.add_row("target", Text(printable(f"{i.get('target') or '?'}" + (f" @ {i['target_device']}" if i.get("target_device") else ""))))
         if i.get("draft"):
-            t.add_row("draft", f"{i['draft']}" + (f" @ {i['draft_device']}" if i.get("draft_device") else ""))
+            t.add_row("draft", Text(printable(f"{i['draft']}" + (f" @ {i['draft_device']}" if i.get("draft_device") else ""))))
         if i.get("temperature") is not None:
             t.add_row("temp", f"{i['temperature']:g}")
         if self.is_mounted:
