@@ -134,13 +134,16 @@ def _hub_download(repo_id: str, patterns: list[str], tqdm_class: Any = None) -> 
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, tqdm_class=tqdm_class))
     except GatedRepoError as e:
-        raise ModelError(f"'{repo_id}' is gated on the Hugging Face hub: accept its licence and log in (hf auth login)") from e
+        raise ModelError(f"'{repo_id}' is gated on the Hugging Face hub: accept its licence at https://huggingface.co/{repo_id}, "
+                         "then set HF_TOKEN or log in (hf auth login)") from e
     except RepositoryNotFoundError as e:
         raise ModelError(f"no model '{repo_id}' on the Hugging Face hub (or it is private)") from e
     except LocalEntryNotFoundError as e:
+        from .catalog import fetch_hint
+
         raise ModelError(
             f"'{repo_id}' is not in the local Hugging Face cache ({os.environ.get('HF_HOME', '~/.cache/huggingface')}) "
-            "and it cannot be downloaded now (offline mode or no network)"
+            f"and cannot be downloaded now (offline mode or no network); {fetch_hint(repo_id)}"
         ) from e
     except OSError as e:  # network errors and the like
         raise ModelError(f"could not download '{repo_id}': {e}") from e
@@ -232,9 +235,9 @@ _DTYPES = {
 }
 
 
-def parse_placement(device: str = "auto", dtype: str = "auto") -> Placement:
+def parse_placement(device: str = "auto", dtype: str = "auto", option: str = "--target-device") -> Placement:
     """Validate ``--*-device`` / ``--dtype`` (``auto``, ``cpu``, ``cpu:1``, ``cpu:0-3``, ``cuda``, ``cuda:N``,
-    ``cuda:0,cuda:1``, ``mps``) against the hardware present."""
+    ``cuda:0,cuda:1``, ``mps``) against the hardware present; errors name ``option``, the one the user gave."""
     spec = (device or "auto").strip().lower()
     cores = None
     devs: list[str]
@@ -243,13 +246,13 @@ def parse_placement(device: str = "auto", dtype: str = "auto") -> Placement:
     else:
         devs = [d.strip() for d in spec.split(",") if d.strip()]
     if not devs:
-        raise DeviceError(f"invalid device '{device}'")
+        raise DeviceError(f"{option}: invalid device '{device}'")
     parsed: list[torch.device] = []
     for d in devs:
         m = re.fullmatch(r"cpu(?::(\d+)(?:-(\d+))?)?", d)
         if m:
             if len(devs) > 1:
-                raise DeviceError("a model can be split over several GPUs, not over CPU and GPU")
+                raise DeviceError(f"{option}: a model can be split over several GPUs, not over CPU and GPU")
             if m.group(1) is not None:
                 lo = int(m.group(1))
                 hi = int(m.group(2)) if m.group(2) else lo
@@ -257,7 +260,7 @@ def parse_placement(device: str = "auto", dtype: str = "auto") -> Placement:
                 want = tuple(range(lo, hi + 1))
                 missing = [c for c in want if c not in avail]
                 if missing or hi < lo:
-                    raise DeviceError(f"device '{d}': this machine has CPU cores {avail[0]}-{avail[-1]} only")
+                    raise DeviceError(f"{option} {d}: this machine has CPU cores {avail[0]}-{avail[-1]} only")
                 cores = want
             parsed.append(torch.device("cpu"))
             continue
@@ -265,20 +268,20 @@ def parse_placement(device: str = "auto", dtype: str = "auto") -> Placement:
         if m:
             if not torch.cuda.is_available():
                 raise DeviceError(
-                    f"device '{d}' requested but no CUDA GPU is available "
-                    f"(torch {torch.__version__}{'' if torch.version.cuda else ', a CPU-only build'}); use --target-device cpu"
+                    f"{option} {d}: no CUDA GPU is available "
+                    f"(torch {torch.__version__}{'' if torch.version.cuda else ', a CPU-only build'}); use {option} cpu"
                 )
             idx = int(m.group(1) or 0)
             if idx >= torch.cuda.device_count():
-                raise DeviceError(f"device '{d}' does not exist: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+                raise DeviceError(f"{option} {d}: no such device, this machine has {torch.cuda.device_count()} CUDA GPU(s)")
             parsed.append(torch.device("cuda", idx))
             continue
         if d == "mps":
             if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-                raise DeviceError("device 'mps' requested but Apple Metal is not available")
+                raise DeviceError(f"{option} mps: Apple Metal is not available")
             parsed.append(torch.device("mps"))
             continue
-        raise DeviceError(f"unknown device '{d}' (use cpu, cpu:N, cuda, cuda:N, cuda:0,cuda:1 or mps)")
+        raise DeviceError(f"{option}: unknown device '{d}' (use cpu, cpu:N, cuda, cuda:N, cuda:0,cuda:1 or mps)")
     first = parsed[0]
     dt = (dtype or "auto").strip().lower()
     if dt == "auto":
