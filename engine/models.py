@@ -7,13 +7,9 @@ loader (transformers 5's default, which we never turn off).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
 import os
 import re
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,40 +167,10 @@ def model_folder(spec: ModelSpec, progress: ProgressFn = _no_progress, tqdm_clas
 
 
 def _converted_gguf(gguf: Path, progress: ProgressFn) -> Path:
-    """Dequantize a GGUF once into a cached fp32 safetensors folder (loads in ~2 s instead of ~18 s)."""
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    out = cache_dir() / "converted" / f"{gguf.stem}-{key}"
-    if (out / "ssd-chat-converted.json").is_file():
-        return out
-    progress(f"converting {gguf.name} to safetensors (once)", None)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """Dequantize a GGUF once into a cached fp32 safetensors folder, keyed by content (see convert.py)."""
+    from .convert import converted_gguf
 
-    try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    except Exception as e:  # corrupt or unsupported GGUF
-        raise ModelError(f"could not read GGUF file '{gguf}': {e}") from e
-    cfg = src.config
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.load_state_dict(src.state_dict())
-    model.generation_config = src.generation_config
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / "ssd-chat-converted.json").write_text(json.dumps({"gguf": str(gguf), "size": st.st_size}))
-        try:
-            tmp.rename(out)
-        except OSError:  # another process finished first
-            pass
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return converted_gguf(gguf, cache_dir() / "converted", progress)
 
 
 # --- devices and dtypes --------------------------------------------------------------------
@@ -339,6 +305,9 @@ def eos_ids_of(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+_TIMING = "timing matrix products on this CPU (first start only)"
+
+
 def load(
     name: str,
     placement: Placement,
@@ -376,7 +345,7 @@ def load(
             raise ModelError(f"out of GPU memory placing '{name}' on {placement.device}") from e
     model.eval()
     fastlinear.install(  # CPU float32 only; a no-op elsewhere
-        model, announce=lambda: progress("timing matrix products on this CPU (first run only, some seconds)", None))
+        model, announce=lambda: progress(_TIMING, 0.0), tuned=lambda frac: progress(_TIMING, frac))
     attention.install(model)  # CPU only: GQA verification without copying the KV cache
     return LoadedModel(
         name=name,
