@@ -305,7 +305,8 @@ def metrics_line(m: dict[str, Any]) -> str:
         v = m.get(key)
         return None if v is None else format(v, spec) + suffix
 
-    parts = [m.get("mode") or "?", f"{m.get('new_tokens', 0)} tokens"]
+    n = m.get("new_tokens", 0)
+    parts = [m.get("mode") or "?", f"{n} token{'' if n == 1 else 's'}"]
     for label, key, spec, suffix in (("", "tok_per_s", ".1f", " tok/s"), ("TTFT ", "ttft_s", ".2f", " s"),
                                      ("τ ", "mean_accepted_length", ".2f", ""), ("acceptance ", "acceptance_rate", ".0%", ""),
                                      ("cache hits ", "cache_hit_rate", ".0%", "")):
