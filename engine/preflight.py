@@ -88,7 +88,7 @@ def check(config: "EngineConfig") -> Preflight:
         models.parse_placement(config.draft_device, config.dtype, "--draft-device")
     named = config.draft
     kind = draft_kind(named, config.target) if named else None
-    warnings = list(_memory_warnings(config, tspec, tplace))
+    warnings = _memory_warnings(tspec, tplace)
     if config.mode == "auto":
         if named is None and not _shipped_trained(config.target):
             mode, reason = "ar", (f"AR: no draft for {config.target}; SSD needs one: --draft MODEL (a small model with the "
@@ -116,11 +116,11 @@ def check(config: "EngineConfig") -> Preflight:
                              "name a small model of the target's family as --draft")
         if kind == "model":
             dplace = models.parse_placement(config.draft_device, config.dtype, "--draft-device")
-            warnings += _memory_warnings(config, models.resolve(draft), dplace)
+            warnings += _memory_warnings(models.resolve(draft), dplace)
     return Preflight(config, draft, reason, auto, tuple(warnings))
 
 
-def _memory_warnings(config: "EngineConfig", spec: models.ModelSpec, place: models.Placement) -> list[str]:
+def _memory_warnings(spec: models.ModelSpec, place: models.Placement) -> list[str]:
     if spec.kind != "hub":
         return []
     w = catalog.memory_warning(spec.name, spec.source, place.device, place.dtype, len(place.device_map or ()) or 1)
