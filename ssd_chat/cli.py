@@ -235,7 +235,8 @@ def ask(
     if prompt is None or prompt == "-":
         if sys.stdin is None or sys.stdin.isatty():
             raise typer.BadParameter("give a PROMPT, or pipe one on standard input", param_hint="PROMPT")
-        prompt = utf8_text(sys.stdin.buffer.read(), "standard input")
+        raw = getattr(sys.stdin, "buffer", None)  # bytes, so a bad byte gets our message, not a traceback
+        prompt = utf8_text(raw.read() if raw is not None else sys.stdin.read(), "standard input")
     prompt = utf8_text(prompt, "the prompt")
     if values.get("system"):
         values["system"] = utf8_text(values["system"], "--system")
