@@ -13,7 +13,8 @@ from .errors import ParamError
 from .events import Event
 from .params import SamplingParams
 
-MODES = ("ar", "sd", "ssd")
+MODES = ("ar", "sd", "ssd")  # the decoders
+CONFIG_MODES = (*MODES, "auto")  # auto: resolved by preflight.check before loading (SSD where it can run)
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +23,7 @@ class EngineConfig:
 
     target: str = models.DEFAULT_TARGET
     draft: str | None = None  # None: the default draft for the target (see default_draft)
-    mode: str = "ar"
+    mode: str = "auto"
     k: int = 2  # measured on SmolLM2-135M: SD with int8 fastest at k=2 (README "Speculative decoding"), SSD with the trained draft at k=2 1.07x AR
     target_device: str = "auto"
     draft_device: str = "auto"
@@ -36,8 +37,8 @@ class EngineConfig:
     speculator_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ParamError(f"unknown mode '{self.mode}' (use one of {', '.join(MODES)})")
+        if self.mode not in CONFIG_MODES:
+            raise ParamError(f"unknown mode '{self.mode}' (use one of {', '.join(CONFIG_MODES)})")
         if not 1 <= self.k <= 32:
             raise ParamError(f"k must be between 1 and 32, got {self.k}")
         if not 0.0 <= self.saguaro_c <= 1.0:
@@ -95,19 +96,32 @@ def check_draft_for_mode(mode: str, draft: models.LoadedModel | None) -> None:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, target: models.LoadedModel, draft: models.LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, target: models.LoadedModel, draft: models.LoadedModel | None = None,
+                 mode_reason: str | None = None) -> None:
+        if config.mode == "auto":
+            raise ParamError("mode 'auto' is resolved before loading: use Engine.load, or preflight.check(config).config")
         check_draft_for_mode(config.mode, draft)
         self.config = config
         self.target = target
         self.draft = draft
+        self.loaded_mode = config.mode
+        self.mode_reason = mode_reason  # why ``auto`` chose this mode (see preflight); shown while the mode is unchanged
         self._decoder: Any = None
         self._decoder_key: tuple | None = None
 
     # -- construction -------------------------------------------------------------------
     @classmethod
-    def load(cls, config: EngineConfig, progress: models.ProgressFn = models._no_progress, tqdm_class: Any = None) -> "Engine":
+    def load(cls, config: EngineConfig, progress: models.ProgressFn = models._no_progress, tqdm_class: Any = None,
+             warn: Callable[[str], None] | None = None) -> "Engine":
+        """Check what can be checked (:func:`preflight.check`: ``auto``, devices, draft against mode, sizes;
+        ``warn`` hears its warnings before any download), then load the models."""
+        from .preflight import check
+
+        pre = check(config)
+        for w in pre.warnings:
+            (warn or (lambda _m: None))(w)
+        config, draft_name = pre.config, pre.draft
         tplace = models.parse_placement(config.target_device, config.dtype)
-        draft_name = config.draft or (default_draft(config.target) if config.needs_draft else None)
         if config.needs_draft and config.mode not in DECODERS:
             raise ParamError(f"mode '{config.mode}' is not available in this version")
         dplace = None
@@ -115,7 +129,7 @@ class Engine:
             from . import drafts
 
             if not drafts.is_derived(draft_name):
-                dplace = models.parse_placement(config.draft_device, config.dtype)
+                dplace = models.parse_placement(config.draft_device, config.dtype, "--draft-device")
                 # compare vocabularies before any weights are loaded
                 tspec, dspec = models.resolve(config.target), models.resolve(draft_name)
                 progress("checking tokenizers", None)
@@ -133,7 +147,7 @@ class Engine:
             else:
                 assert dplace is not None
                 draft = models.load(draft_name, dplace, config.trust_remote_code, progress, tqdm_class)
-        return cls(config, target, draft)
+        return cls(config, target, draft, pre.reason if pre.auto else None)
 
     # -- use ----------------------------------------------------------------------------
     @property

@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
         dtype: Dtype = None, fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None,
         fallback: Fallback = None, trust_remote_code: TrustRemote = None, system: System = None,
     ) -> None:
-        """A scripted multi-turn chat that types itself into the app (real engine, SSD by default),
+        """A scripted multi-turn chat that types itself into the app (real engine, mode auto as everywhere),
         or with --replay, a recorded session played at recorded timing with no model loaded."""
         if not speed > 0:
             raise typer.BadParameter("must be > 0", param_hint="--speed")
@@ -56,7 +56,6 @@ def register(app: typer.Typer) -> None:
             values = {"db": merged.get("db"), "record": merged.get("record"), "resume": None}
             values.update({k_: v for k_, v in recording.info.items() if k_ in ("mode", "target", "draft")})
             raise typer.Exit(launch(values, backend=ReplayBackend(recording, speed), type_delay_s=type_delay / speed))
-        merged.setdefault("mode", "ssd")
         from .config import ConfigError
 
         try:
@@ -66,6 +65,77 @@ def register(app: typer.Typer) -> None:
         if headless:
             raise typer.Exit(run_headless(values, demo_prompts()))
         raise typer.Exit(launch(values, script=demo_prompts(), type_delay_s=type_delay))
+
+    # -- compare -------------------------------------------------------------------------
+    @app.command()
+    def compare(
+        ctx: typer.Context,
+        prompt: Annotated[str, typer.Argument(help="The question to answer in each mode.", show_default=False)],
+        json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object with every run and the verdict.")] = False,
+        target: Target = None, draft: Draft = None, k: K = None, max_new_tokens: MaxNew = None,
+        target_device: TargetDevice = None, draft_device: DraftDevice = None, dtype: Dtype = None,
+        fan_out: FanOut = None, budget: Budget = None, fallback: Fallback = None, trust_remote_code: TrustRemote = None,
+        system: System = None,
+    ) -> None:
+        """Answer PROMPT greedily in AR, SD and SSD one after another on the same models: the tok/s of each
+        and whether the three outputs are identical (exit 1 if they are not, or a mode failed)."""
+        import threading
+
+        from . import compare as cmp
+        from .engine import chat
+        from .engine.errors import ParamError, SSDChatError
+
+        local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "prompt", "json_out")}
+        merged = cli._merge(ctx, local)
+        given_n = merged.get("max_new_tokens")
+        prompt = cli.utf8_text(prompt, "the prompt")
+        if not prompt.strip():
+            raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
+        # loaded as SD: the draft loads, no speculator starts until the SSD run
+        values = cli.settings({**merged, "mode": "sd", "temperature": 0.0, "top_p": 1.0, "top_k": 0})
+        values["max_new_tokens"] = given_n or cmp.DEFAULT_MAX_NEW_TOKENS
+        if values.get("system"):
+            values["system"] = cli.utf8_text(values["system"], "--system")
+        try:
+            params = cli.sampling_params(values)
+            engine = cli.load_engine(values)
+        except ParamError as e:
+            raise _fail(str(e), 2) from None
+        except SSDChatError as e:
+            raise _fail(str(e)) from None
+        if not json_out:
+            typer.echo(f"AR, SD and SSD one after another, greedy, up to {params.max_new_tokens} tokens "
+                       f"(target {engine.target.name}, draft {engine.draft.name if engine.draft else '?'}, k={engine.config.k}):")
+        stop = threading.Event()
+        try:
+            ids, extra = engine.prompt_ids(chat.messages_for(prompt, values.get("system"), []))
+            if extra:
+                from dataclasses import replace
+
+                params = replace(params, stop=tuple(params.stop) + tuple(extra))
+            from dataclasses import replace as _with
+
+            result = cmp.run(lambda m: engine.reconfigure(mode=m),
+                             lambda n: engine.stream(ids, _with(params, max_new_tokens=n) if n else params, stop), "sd",
+                             on_run=None if json_out else (lambda r: typer.echo(cmp.run_line(r))), stop=stop)
+        except KeyboardInterrupt:
+            stop.set()
+            raise typer.Exit(130) from None
+        finally:
+            engine.close()
+        if json_out:
+            typer.echo(json.dumps(result.to_dict(), ensure_ascii=False))
+        else:
+            for r in result.runs:
+                for n in r.notices:
+                    typer.echo(f"ssd-chat: {r.mode}: {n}", err=True)
+            typer.echo(cmp.summary(result))
+            if result.finished:
+                first = result.finished[0]
+                typer.echo(f"--- reply ({first.mode.upper()}{', the same in all' if result.identical else ''}) ---")
+                typer.echo(first.done.text)
+        failed = any(r.done is None for r in result.runs) or result.identical is False
+        raise typer.Exit(1 if failed else 0)
 
     # -- config --------------------------------------------------------------------------
     config_app = typer.Typer(help="Show or change settings (CLI > environment > config file > defaults).",
@@ -91,24 +161,55 @@ def register(app: typer.Typer) -> None:
             invalid = None
         except config.ConfigError as e:  # shown with the values, then exit non-zero
             invalid = e
+        engine = engine_in_force(values) if invalid is None else {"mode_error": str(invalid)}
         if json_out:
-            typer.echo(json.dumps({k_: {"value": values[k_], "source": sources[k_]} for k_ in config.DEFAULTS}, indent=2))
+            out = {k_: {"value": values[k_], "source": sources[k_]} for k_ in config.DEFAULTS}
+            for k_, v in engine.items():
+                if k_ in out and out[k_]["value"] is None:  # left to the engine: what it will use
+                    out[k_]["in_force"] = v
+            out["mode"].update({"resolved": engine.get("mode"), "reason": engine.get("mode_reason"),
+                                "warnings": engine.get("warnings", []), "error": engine.get("mode_error")})
+            typer.echo(json.dumps(out, indent=2))
             if invalid is not None:
                 raise _fail(str(invalid), 2 if invalid.usage else 1)
             return
-        from rich.console import Console
         from rich.table import Table
 
         table = Table(title=f"ssd-chat settings (file: {config.config_file()})", title_justify="left")
-        table.add_column("setting")
-        table.add_column("value")
-        table.add_column("source")
+        table.add_column("setting", no_wrap=True)
+        table.add_column("value", overflow="fold")
+        table.add_column("source", overflow="fold")
         for key in config.DEFAULTS:
             v = values[key]
-            table.add_row(key, "—" if v is None else str(v), config.describe_source(key, sources[key]))
-        Console().print(table)
+            shown = "—" if v is None else str(v)
+            if key == "mode" and v == "auto" and "mode" in engine:
+                shown = f"auto → {engine['mode']}"
+            elif key in engine and v is None:
+                shown = f"{engine[key]} (engine default)"
+            table.add_row(key, shown, config.describe_source(key, sources[key]))
+        cli.console().print(table)
         if invalid is not None:
             raise _fail(str(invalid), 2 if invalid.usage else 1)
+        if "mode_reason" in engine:
+            cli.console().print(f"mode: {engine['mode_reason']}", markup=False, highlight=False)
+            for w in engine["warnings"]:
+                cli.console().print(f"warning: {w}", markup=False, highlight=False)
+        else:
+            cli.console().print(f"these settings cannot start: {engine['mode_error']}", markup=False, highlight=False)
+
+    def engine_in_force(values: dict) -> dict:
+        """What the engine will use for the settings left to it, and what mode ``auto`` resolves to here;
+        ``{"mode_error": ...}`` when the settings cannot load (the same error a start would give)."""
+        from .engine.errors import SSDChatError
+        from .engine.preflight import check, in_force
+
+        try:
+            pre = check(cli.engine_config(values))
+        except (SSDChatError, ValueError) as e:
+            return {"mode_error": str(e)}
+        out = dict(in_force(pre.config))
+        out.update(mode=pre.config.mode, mode_reason=pre.reason, warnings=list(pre.warnings))
+        return out
 
     @config_app.command("path")
     def config_path() -> None:

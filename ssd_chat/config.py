@@ -24,7 +24,7 @@ from typing import Any
 DEFAULTS: dict[str, Any] = {
     "target": "smollm2-135m-gguf",
     "draft": None,
-    "mode": "ar",
+    "mode": "auto",  # SSD where it can run (engine/preflight.py), else AR with the reason
     "k": None,
     "temperature": 0.0,
     "top_p": 1.0,

@@ -382,8 +382,8 @@ def metrics_line(m: dict[str, Any]) -> str:
 
     from .engine.events import mode_label  # here: importing the engine package loads torch
 
-    mode = m.get("mode")
-    parts = [mode_label(mode, m.get("ran_as"), m.get("switched_after")).lower() if mode else "?", f"{m.get('new_tokens', 0)} tokens"]
+    mode, n = m.get("mode"), m.get("new_tokens", 0)
+    parts = [mode_label(mode, m.get("ran_as"), m.get("switched_after")).lower() if mode else "?", f"{n} token{'' if n == 1 else 's'}"]
     for label, key, spec, suffix in (("", "tok_per_s", ".1f", " tok/s"), ("TTFT ", "ttft_s", ".2f", " s"),
                                      ("τ ", "mean_accepted_length", ".2f", ""), ("acceptance ", "acceptance_rate", ".0%", ""),
                                      ("cache hits ", "cache_hit_rate", ".0%", "")):

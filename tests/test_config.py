@@ -76,7 +76,8 @@ def test_config_command_shows_values_and_sources(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["temperature"] == {"value": 0.2, "source": "cli"}
-    assert data["mode"] == {"value": "sd", "source": "env"}
+    assert {k: data["mode"][k] for k in ("value", "source")} == {"value": "sd", "source": "env"}
+    assert data["mode"]["resolved"] == "sd"
     assert data["k"] == {"value": 3, "source": "file"}
     assert data["top_p"]["source"] == "default"
     table = CliRunner().invoke(app, ["config"])

@@ -25,8 +25,10 @@ SLASH_KEYS = {"mode": "mode", "k": "k", "fan-out": "fan_out", "fanout": "fan_out
 
 HELP = """Keys: Enter send · Shift+Enter / Ctrl+J new line · ↑/↓ prompt history · Esc stop the reply ·
 Ctrl+N new chat · Ctrl+Y copy last reply · Ctrl+S system prompt · Ctrl+O settings (mode, k, fan-out, temperature) ·
+Ctrl+G compare (the prompt in the box, or the last one, in AR, SD and SSD: tok/s and identical outputs) ·
 Ctrl+R chats · Ctrl+T token colours · Ctrl+P command palette · Ctrl+C quit.
-Commands: /mode ar|sd|ssd · /k N · /fan-out SPEC · /temp X · /max N · /system TEXT · /new · /copy · /chats · /colour · /help"""
+Commands: /mode ar|sd|ssd · /k N · /fan-out SPEC · /temp X · /max N · /system TEXT · /compare [PROMPT] · /new · /copy ·
+/chats · /colour · /help"""
 
 
 class ChatActions:
@@ -41,6 +43,7 @@ class ChatActions:
         self.conversation_id = None
         self.current = None
         self.panel.reset()
+        self.panel.forget_replies()
         self.cache.clear()
         await self.chat.add_notice("new chat")
 
@@ -127,6 +130,7 @@ class ChatActions:
         await self.chat.clear()
         self.current = None
         self.panel.reset()
+        self.panel.forget_replies()
         self.cache.clear()
         self.conversation_id, self.system, self.messages = conv.id, conv.system, []
         await self.chat.add_notice(f"resumed chat {conv.id}: {conv.title}")
@@ -190,6 +194,10 @@ class ChatActions:
             self.action_chats()
         elif name in ("colour", "color"):
             self.action_toggle_colour()
+        elif name == "compare":
+            if arg:
+                self.prompt.set_text(arg)
+            await self.action_compare()
         elif name == "help":
             await self.chat.add_notice(HELP)
         else:
@@ -205,6 +213,8 @@ class ChatActions:
         for m in ("ar", "sd", "ssd"):
             yield SystemCommand(f"Switch to {m.upper()}", f"Decode the next reply with {m.upper()} (models stay loaded)",
                                 lambda m=m: self.run_worker(self.apply_settings({"mode": m})))
+        yield SystemCommand("Compare AR, SD and SSD", "The prompt in the box (or the last one) in each mode: tok/s, identical? (Ctrl+G)",
+                            self.action_compare)
         yield SystemCommand("Chats", "Resume or delete a saved chat (Ctrl+R)", self.action_chats)
         yield SystemCommand("Export chat as Markdown", "With each reply's metrics, to the data dir's exports/", lambda: self.export_chat("md"))
         yield SystemCommand("Export chat as JSONL", "With each reply's metrics, to the data dir's exports/", lambda: self.export_chat("jsonl"))

@@ -30,7 +30,8 @@ from ..history import History, metrics_line
 from ..terminal import printable
 from .actions import SAMPLING_KEYS, ChatActions
 from .backend import Backend, readable
-from .figures import Baseline
+from .comparing import CompareActions
+from .figures import Baseline, baseline_from_reply, ran_as
 from .widgets.cache_view import CacheView
 from .widgets.chat_log import AssistantMessage, ChatLog
 from .widgets.load_status import LoadStatus
@@ -58,7 +59,7 @@ class Turn:
     last_t_s: float = 0.0
 
 
-class ChatApp(ChatActions, App[int]):
+class ChatApp(CompareActions, ChatActions, App[int]):
     CSS_PATH = "app.tcss"
     TITLE = "ssd-chat"
     BINDINGS = [
@@ -73,8 +74,10 @@ class ChatApp(ChatActions, App[int]):
         Binding("ctrl+o", "settings", "Settings", priority=True),
         Binding("ctrl+r", "chats", "Chats", priority=True),
         Binding("ctrl+t", "toggle_colour", "Colours", priority=True),
+        Binding("ctrl+g", "compare", "AR·SD·SSD", priority=True),
     ]
-    MAIN_SCREEN_ACTIONS = {"new_chat", "copy_reply", "system_prompt", "settings", "chats", "toggle_colour", "stop", "quit_key"}
+    MAIN_SCREEN_ACTIONS = {"new_chat", "copy_reply", "system_prompt", "settings", "chats", "toggle_colour", "stop", "quit_key",
+                           "compare"}
 
     class ReplyEvent(Message):
         def __init__(self, turn: int, event: Event) -> None:
@@ -190,6 +193,8 @@ class ChatApp(ChatActions, App[int]):
         threading.Thread(target=self._load, name="ssd-chat-load", daemon=True).start()
 
     def _load(self) -> None:
+        # warnings found before loading (a model too large for this machine) reach the chat at once
+        self.backend.warn = lambda message: self.post_message(self.ReplyEvent(-1, Notice(message, "warning")))
         try:
             self.backend.load(lambda stage, frac: self.post_message(self.LoadProgress(stage, frac)))
         except BaseException as e:  # noqa: BLE001 - shown in the app, never as a traceback
@@ -304,6 +309,9 @@ class ChatApp(ChatActions, App[int]):
     async def on_chat_app_reply_event(self, msg: ReplyEvent) -> None:
         t = self.current
         ev = msg.event
+        if msg.turn == -1 and isinstance(ev, Notice):  # not part of a reply
+            await self._warn(ev.message)
+            return
         if t is None or msg.turn != t.index:
             return
         if self._quitting:
@@ -381,6 +389,8 @@ class ChatApp(ChatActions, App[int]):
         elif isinstance(end, Done):
             status = "done" if end.reason in ("eos", "stop", "length") else "stopped"
             self.panel.show(end.stats, live=False)
+            if status == "done" and (b := baseline_from_reply(end.stats, f"{ran_as(end.stats).upper()} reply {t.index + 1} in this chat")):
+                self.panel.set_measured(b)  # later replies in another mode are measured against it
             info = self.backend.info()
             self.history.save_metrics(t.message_id, end.stats, info.get("target"), info.get("draft"))
             meta = metrics_line(dataclasses.asdict(end.stats)) + ("" if status == "done" else f" · {status}")
@@ -406,7 +416,9 @@ class ChatApp(ChatActions, App[int]):
 
     # -- actions -------------------------------------------------------------------------
     async def action_stop(self) -> None:
-        """Esc: stop the reply now; keep what streamed, and put the prompt back in the box."""
+        """Esc: stop the reply (or the comparison) now; keep what streamed, and put the prompt back in the box."""
+        if self._compare_stop is not None:
+            self._compare_stop.set()
         t = self.current
         if t is None or t.status != "streaming":
             return
@@ -443,6 +455,7 @@ class ChatApp(ChatActions, App[int]):
                 await asyncio.wait_for(w.wait(), 15)
             except Exception:  # noqa: BLE001
                 pass
+        await self.stop_compare()
         await self._release()
         self.exit(0)
 
