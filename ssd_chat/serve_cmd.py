@@ -90,7 +90,9 @@ def register(app: typer.Typer) -> None:
         url = _url(host, sock.getsockname()[1])
         state = []
         cfg = engine.config
-        desc = cfg.mode + (f", draft {cfg.draft or 'default'}, k={cfg.k}" if engine.draft is not None and cfg.mode != "ar" else "")
+        from .engine.engine import default_draft
+
+        desc = cfg.mode + (f", draft {cfg.draft or default_draft(cfg.target)}, k={cfg.k}" if engine.draft is not None and cfg.mode != "ar" else "")
 
         def ready() -> None:
             state.append(write_state(url, cfg.target, api_key is not None))

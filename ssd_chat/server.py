@@ -166,12 +166,12 @@ class _API:
         if name is not None and name != self.model_id:
             raise APIError(404, f"the model '{name}' does not exist: this server serves '{self.model_id}'", "model", "model_not_found")
 
-    def _max_new(self, num_prompt: int, wanted: int | None, param: str) -> int:
+    def _max_new(self, num_prompt: int, wanted: int | None, prompt_param: str) -> int:
         ctx = self.context
         if num_prompt == 0:
-            raise APIError(400, "the prompt is empty", "messages" if param == "max_completion_tokens" else "prompt")
+            raise APIError(400, "the prompt is empty", prompt_param)
         if ctx and num_prompt >= ctx:
-            raise APIError(400, f"the prompt is {num_prompt} tokens but the model's context is {ctx} tokens", param, "context_length_exceeded")
+            raise APIError(400, f"the prompt is {num_prompt} tokens but the model's context is {ctx} tokens", prompt_param, "context_length_exceeded")
         if wanted is None:
             return min(self.defaults.max_new_tokens, ctx - num_prompt) if ctx else self.defaults.max_new_tokens
         if ctx and num_prompt + wanted > ctx:
@@ -181,7 +181,7 @@ class _API:
 
     async def _answer(self, req: ChatRequest | CompletionRequest, request: Request, ids: list[int], extra_stop: tuple[str, ...],
                       chat_api: bool) -> Response:
-        max_new = self._max_new(len(ids), req.wanted_tokens, "max_tokens")
+        max_new = self._max_new(len(ids), req.wanted_tokens, "messages" if chat_api else "prompt")
         try:
             params = req.sampling(self.defaults, max_new, extra_stop)
         except ValueError as e:  # ParamError: a setting out of range

@@ -123,14 +123,18 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.logprobs:
             raise APIError(400, "logprobs are not supported", "logprobs")
-        if self.tools:
-            raise APIError(400, "tools (function calling) are not supported", "tools")
+        # Offered tools are not shown to the model, and it answers in text: under "auto" (the default)
+        # that is a valid answer (the model chose not to call one), which keeps chat clients that
+        # always offer tools working.  A call the client insists on cannot be honoured.
+        if self.tools and self.tool_choice not in (None, "auto", "none"):
+            raise APIError(400, "tool calls are not supported: the model always answers in text (tool_choice must be auto or none)", "tool_choice")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise APIError(400, "response_format other than text is not supported", "response_format")
         if self.messages[-1].role == "assistant":

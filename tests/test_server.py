@@ -167,11 +167,14 @@ def test_a_full_queue_answers_429_with_retry_after(loaded):
     ({"messages": []}, 400, "messages"),
     ({}, 400, "messages"),
     ({"messages": MSG, "max_tokens": 5000}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "word " * 5000}]}, 400, "messages"),  # the prompt alone is past the context
     ({"messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": MSG, "top_p": 0}, 400, "top_p"),
     ({"messages": MSG, "n": 2}, 400, "n"),
     ({"messages": MSG, "ssd_mode": "turbo"}, 400, "ssd_mode"),
     ({"messages": MSG, "stop": [""]}, 400, "stop"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, 400, "tool_choice"),
+    ({"messages": MSG, "logprobs": True}, 400, "logprobs"),
     ({"messages": MSG, "model": "gpt-4o"}, 404, "model"),
 ])
 def test_bad_input_is_an_openai_error_and_the_server_stays_up(sd_server, body, status, param):
@@ -191,8 +194,9 @@ def test_other_routes_and_methods_are_openai_errors(sd_server):
     assert status == 404 and out["error"]["type"] == "not_found_error"
     status, _h, out = get(f"{url}/v1/chat/completions")
     assert status == 405 and "error" in out
-    status, _h, out = post(f"{url}/v1/completions", {"prompt": [1, 2, 10**9]})
-    assert status == 400 and out["error"]["param"] == "prompt"
+    for prompt in ([1, 2, 10**9], []):
+        status, _h, out = post(f"{url}/v1/completions", {"prompt": prompt})
+        assert status == 400 and out["error"]["param"] == "prompt"
 
 
 def test_ssd_mode_per_request_then_back(sd_server, loaded):
@@ -262,3 +266,13 @@ def test_ssd_server_reports_cache_hits_and_leaves_no_speculator(loaded):
         assert 'ssd_chat:ssd_cache_lookups_total{model_name="' in text
     gone, alive = psutil.wait_procs(speculators, timeout=30)
     assert not alive
+
+
+def test_offered_tools_are_answered_in_text(sd_server):
+    """Chat clients such as oterm offer tools on every request; with tool_choice auto the model may answer in text."""
+    url, _ = sd_server
+    tools = [{"type": "function", "function": {"name": "date_time", "parameters": {"type": "object", "properties": {}}}}]
+    for choice in (None, "auto", "none"):
+        body = {"messages": MSG, "max_tokens": 3, "tools": tools, **({"tool_choice": choice} if choice else {})}
+        status, _h, out = post(f"{url}/v1/chat/completions", body)
+        assert status == 200 and out["usage"]["completion_tokens"] == 3 and "tool_calls" not in out["choices"][0]["message"]
