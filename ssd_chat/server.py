@@ -271,7 +271,7 @@ class _Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.api.model_id}
 
     async def whole(self, first: Any) -> dict[str, Any]:
-        item, text, ids = first, "", []
+        item, text, ids, done = first, "", [], None
         while item is not END:
             if isinstance(item, Token):
                 text += item.text
@@ -281,6 +281,8 @@ class _Reply:
             elif isinstance(item, Done):
                 done = item
             item = await self.next()
+        if done is None:  # the engine thread ended the job without a result (it was closed)
+            raise APIError(503, "the server is shutting down", code="shutting_down")
         choice: dict[str, Any] = {"index": 0, "finish_reason": self._finish_reason(done), "logprobs": None}
         if self.chat_api:
             choice["message"] = {"role": "assistant", "content": done.text}

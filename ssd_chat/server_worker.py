@@ -27,7 +27,7 @@ from typing import Any
 
 from .engine import MODES, Engine
 from .engine.errors import ParamError, SSDChatError
-from .engine.events import Done, Error, Event, Notice, Round, Token
+from .engine.events import Done, Error, Notice, Round, Token
 from .engine.params import SamplingParams
 from .server_metrics import ServerMetrics
 
