@@ -181,15 +181,16 @@ def ask(
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
+    # a running `ssd-chat serve` has the models loaded: ask it before even importing torch
+    from .server_client import ask_via_server
+
+    served = ask_via_server(server, no_server, _merge(ctx, local), values, prompt, json_out, format_stats if stats else None)
+    if served is not None:
+        raise typer.Exit(served)
     from .engine.errors import ParamError, SSDChatError
 
     try:
         params = sampling_params(values)
-        from .server_client import ask_via_server  # a running `ssd-chat serve` has the models loaded already
-
-        served = ask_via_server(server, no_server, _merge(ctx, local), values, prompt, json_out, format_stats if stats else None)
-        if served is not None:
-            raise typer.Exit(served)
         engine = load_engine(values)
     except ParamError as e:  # a setting out of range is bad usage
         raise fail(str(e), 2) from None

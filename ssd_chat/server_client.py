@@ -9,8 +9,9 @@ asked for per request (``ssd_mode``) when the server's draft allows it.  Anythin
 ``ask`` loads the models itself exactly as without a server.  ``--server URL`` names a server
 instead of looking; then a mismatch is an error rather than a reason to load locally.
 
-Requests go out with the standard library's HTTP client, so ``ask`` needs nothing extra; the
-key for a server started with ``--api-key`` comes from ``SSD_CHAT_API_KEY``.
+Requests go out with the standard library's HTTP client, and nothing here imports the engine:
+``ask`` through a server does not import torch.  The key for a server started with
+``--api-key`` comes from ``SSD_CHAT_API_KEY``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 ENGINE_KEYS = ("target", "draft", "mode", "k", "target_device", "draft_device", "dtype", "fan_out", "budget", "saguaro_c",
@@ -220,7 +222,6 @@ class _Streamed:
 def answer(server: Server, prompt: str, values: dict[str, Any], explicit: set[str], json_out: bool,
            stats_line: Callable[[Any], str] | None) -> int:
     """Stream one reply from ``server`` the way ``ask`` prints a local one; the exit status."""
-    from .engine.events import Stats
 
     messages = ([{"role": "system", "content": values["system"]}] if values.get("system") else []) + [{"role": "user", "content": prompt}]
     body: dict[str, Any] = {"model": server.card["id"], "messages": messages, "stream": True, "return_token_ids": True,
@@ -258,10 +259,10 @@ def answer(server: Server, prompt: str, values: dict[str, Any], explicit: set[st
         sys.stdout.write("\n")
     sys.stdout.flush()
     if stats_line is not None:
-        st = Stats(mode=s.get("mode", "?"), new_tokens=s.get("new_tokens", len(ids)), rounds=s.get("rounds", 0),
-                   elapsed_s=s.get("elapsed_s") or 0.0, prefill_s=0.0, ttft_s=s.get("ttft_s"), tok_per_s=s.get("tok_per_s"),
-                   acceptance_rate=s.get("acceptance_rate"), mean_accepted_length=s.get("mean_accepted_length"),
-                   cache_hit_rate=s.get("cache_hit_rate"))
+        # the figures `format_stats` reads off an engine Stats (not imported: that would import torch)
+        st = SimpleNamespace(mode=s.get("mode", "?"), new_tokens=s.get("new_tokens", len(ids)), tok_per_s=s.get("tok_per_s"),
+                             ttft_s=s.get("ttft_s"), acceptance_rate=s.get("acceptance_rate"),
+                             mean_accepted_length=s.get("mean_accepted_length"), cache_hit_rate=s.get("cache_hit_rate"))
         print(stats_line(st), file=sys.stderr)
     return 0
 

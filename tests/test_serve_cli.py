@@ -133,13 +133,20 @@ def test_ask_uses_a_running_server_it_finds(tiny_chat_dir):
         out = json.loads(r.stdout)
         assert out["server"] == url and out["mode"] == "sd" and out["token_ids"] == json.loads(local.stdout)["token_ids"]
         assert len(worker.history) == 1 and not stale.exists()
+        # through a server, `ask` never imports torch (seconds of start-up saved on every call)
+        probe = ("import sys\nfrom ssd_chat.cli import app\ntry:\n    app()\nexcept SystemExit as e:\n"
+                 "    print('exit', e.code, 'torch' in sys.modules, file=sys.stderr)\n")
+        r = subprocess.run([sys.executable, "-c", probe, "ask", "--target", target, "-n", "4", "--stats", "hi"],
+                           capture_output=True, text=True, timeout=300)
+        assert "exit 0 False" in r.stderr and "tok/s" in r.stderr, r.stderr
+        assert len(worker.history) == 2
         # an explicit mode the draft allows is asked for per request; a k the server does not run loads here
         r = cli("ask", "--json", "--target", target, "-n", "12", "--mode", "ar", "hi")
-        assert json.loads(r.stdout)["mode"] == "ar" and len(worker.history) == 2
+        assert json.loads(r.stdout)["mode"] == "ar" and len(worker.history) == 3
         r = cli("ask", "--json", "--target", target, "-n", "12", "--mode", "sd", "--k", "3", "hi")
         assert "using the ssd-chat server" not in r.stderr and "server" not in json.loads(r.stdout)
         r = cli("ask", "--json", "--no-server", "--target", target, "-n", "12", "hi")
-        assert "server" not in json.loads(r.stdout) and len(worker.history) == 2
+        assert "server" not in json.loads(r.stdout) and len(worker.history) == 3
         # --server names one; a mismatch is then an error, not a silent local load
         r = cli("ask", "--server", url, "--target", target, "-n", "4", "--k", "3", "hi")
         assert r.returncode == 2 and "runs k 2, not 3" in r.stderr
