@@ -68,7 +68,7 @@ def test_sigterm_finishes_the_reply_refuses_the_queue_and_leaves_no_process(tiny
         assert any("spawn_main" in " ".join(p.cmdline()) for p in kids), "no SSD speculator process"
         state = servers_dir() / f"{s.proc.pid}.json"
         assert json.loads(state.read_text())["url"] == s.url
-        sock, reader = open_stream(s.url, {"messages": MSG, "max_tokens": 60, "ignore_eos": True, "return_token_ids": True})
+        sock, reader = open_stream(s.url, {"messages": MSG, "max_tokens": 400, "ignore_eos": True, "return_token_ids": True})
         first = read_data_events(reader, 3)
         queued: dict = {}
         t = threading.Thread(target=lambda: queued.update(r=post(f"{s.url}/v1/chat/completions", {"messages": MSG, "max_tokens": 3})))
@@ -77,7 +77,7 @@ def test_sigterm_finishes_the_reply_refuses_the_queue_and_leaves_no_process(tiny
         s.proc.send_signal(signal.SIGTERM)
         ids, finish = stream_reply(reader)
         got = sum(len(json.loads(d)["choices"][0].get("token_ids") or []) for d in first) + len(ids)
-        assert got == 60 and finish == "length"  # the reply in progress was drained, not cut
+        assert got == 400 and finish == "length"  # the reply in progress was drained, not cut
         sock.close()
         t.join(60)
         assert queued["r"][0] == 503 and queued["r"][2]["error"]["code"] == "shutting_down"
