@@ -221,6 +221,8 @@ def ask(
     prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' or nothing reads standard input.", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object with the text, token ids and stats at the end.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print a one-line summary (tok/s, TTFT, acceptance) to stderr.")] = False,
+    server: Annotated[Optional[str], typer.Option("--server", help="Answer through this `ssd-chat serve` (e.g. http://127.0.0.1:8000) instead of loading the models.", show_default=False)] = None,
+    no_server: Annotated[bool, typer.Option("--no-server", help="Load the models here even if a matching `ssd-chat serve` is running.")] = False,
     target: Target = None, draft: Draft = None, mode: Mode = None, k: K = None,
     temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
     max_new_tokens: MaxNew = None, target_device: TargetDevice = None, draft_device: DraftDevice = None,
@@ -231,7 +233,7 @@ def ask(
 
     Exit status: 0 on success, 2 on bad usage, 1 on a runtime failure, 130 on Ctrl-C.
     """
-    local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "prompt", "json_out", "stats")}
+    local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "prompt", "json_out", "stats", "server", "no_server")}
     values = settings(_merge(ctx, local))
     if prompt is None or prompt == "-":
         if sys.stdin is None or sys.stdin.isatty():
@@ -243,6 +245,12 @@ def ask(
         values["system"] = utf8_text(values["system"], "--system")
     if not prompt.strip():
         raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
+    # a running `ssd-chat serve` has the models loaded: ask it before even importing torch
+    from .server_client import ask_via_server
+
+    served = ask_via_server(server, no_server, _merge(ctx, local), values, prompt, json_out, format_stats if stats else None)
+    if served is not None:
+        raise typer.Exit(served)
     from .engine.errors import ParamError, SSDChatError
 
     try:
@@ -371,6 +379,9 @@ app.add_typer(draft_app, name="draft")
 from .commands import register as _register_app_commands  # noqa: E402 - demo, config, chats
 
 _register_app_commands(app)
+from .serve_cmd import register as _register_serve  # noqa: E402
+
+_register_serve(app)
 
 
 def main() -> None:
