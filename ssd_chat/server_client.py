@@ -260,7 +260,7 @@ def answer(server: Server, prompt: str, values: dict[str, Any], explicit: set[st
     sys.stdout.flush()
     if stats_line is not None:
         # the figures `format_stats` reads off an engine Stats (not imported: that would import torch)
-        st = SimpleNamespace(mode=s.get("mode", "?"), new_tokens=s.get("new_tokens", len(ids)), tok_per_s=s.get("tok_per_s"),
+        st = SimpleNamespace(mode=s.get("mode", "?"), label=s.get("mode_label") or str(s.get("mode", "?")).upper(), new_tokens=s.get("new_tokens", len(ids)), tok_per_s=s.get("tok_per_s"),
                              ttft_s=s.get("ttft_s"), acceptance_rate=s.get("acceptance_rate"),
                              mean_accepted_length=s.get("mean_accepted_length"), cache_hit_rate=s.get("cache_hit_rate"))
         print(stats_line(st), file=sys.stderr)
