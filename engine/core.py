@@ -15,10 +15,10 @@ row: the committed prefix + its ancestors + itself) are all single calls.
 
 Every projection is *called*, never read as a raw weight: the module (an ``nn.Linear``
 with or without fastlinear, torch's dynamic-int8 Linear, a trained draft's reduced head,
-a tensor-parallel shard) or what a ``linear`` hook maps it to.  The only exception is the
-compiled path, which calls a plain ``nn.Linear`` as ``F.linear`` on its own weight (the
-fastlinear numba kernels cannot be traced).  A draft made of the target's first N layers
-therefore shares the target's weights through its core too.
+a tensor-parallel shard) or what a ``linear`` hook maps it to.  The only exception is a
+compiled graph, which calls a plain ``nn.Linear`` as a torch product on its own weight
+(:func:`traceable`: the fastlinear numba kernels cannot be traced).  A draft made of the
+target's first N layers therefore shares the target's weights through its core too.
 
 Supported: ``llama`` (Llama 2/3.x, SmolLM2 with its tied head), ``qwen2`` (qkv biases),
 ``qwen3`` (q/k norms), ``mistral`` without a sliding window; RoPE ``default``, ``linear``,
@@ -105,12 +105,17 @@ def _norm(m: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return m
 
 
-def traceable(m: nn.Module) -> Linear:
-    """The default projection for compiled graphs: a plain Linear as ``F.linear`` on its weight
-    (bypassing fastlinear's untraceable kernels); anything else is called as it is."""
-    if type(m) is nn.Linear:
-        return lambda x: F.linear(x, m.weight, m.bias)
-    return m
+def traceable(m: nn.Module, rows: int) -> Linear:
+    """The default projection inside a compiled graph of ``rows`` rows.  A plain Linear is called as
+    ``F.linear`` on its own weight, or on CPU with fastlinear installed, as the fastest of torch's
+    products fastlinear timed (its numba kernels cannot be traced); anything else is called as it is."""
+    if type(m) is not nn.Linear:
+        return m
+    if getattr(m, "_ssd_fast", False) and m.weight.device.type == "cpu":
+        from . import fastlinear
+
+        return fastlinear.traceable(m, rows)
+    return lambda x: F.linear(x, m.weight, m.bias)
 
 
 @dataclass
@@ -119,8 +124,8 @@ class _Layer:
     ln2: Callable
     qn: Callable | None
     kn: Callable | None
-    proj: dict[str, Linear]  # q k v o gate up down, as called by eager forwards
-    traced: dict[str, Linear]  # the same, as called inside compiled graphs
+    mods: dict[str, nn.Module]  # q k v o gate up down: the model's own projection modules
+    proj: dict[str, Linear]  # the same, as eager forwards call them
     scaling: float
 
 
@@ -147,8 +152,8 @@ class Core:
         self.embed = inner.embed_tokens
         self.final_norm = _norm(inner.norm)
         self.head = model.get_output_embeddings()
-        self.head_traced = traceable(self.head) if linear is None else linear(self.head)
         self.rotary = inner.rotary_emb
+        self.linear = linear
         call = linear or (lambda m: m)
         self.layers: list[_Layer] = []
         for layer in inner.layers:
@@ -158,8 +163,7 @@ class Core:
             qn, kn = getattr(att, "q_norm", None), getattr(att, "k_norm", None)
             self.layers.append(_Layer(_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm),
                                       None if qn is None else _norm(qn), None if kn is None else _norm(kn),
-                                      {n: call(m) for n, m in mods.items()},
-                                      {n: (linear or traceable)(m) for n, m in mods.items()}, float(att.scaling)))
+                                      mods, {n: call(m) for n, m in mods.items()}, float(att.scaling)))
         self.heads = int(cfg.num_attention_heads)
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads)
@@ -236,19 +240,27 @@ class Core:
             lg, h, mid = got
             lg = None if logits == "none" else lg[-1:] if logits == "last" else lg
         else:
-            h, mid = self.trunk(self.kv.k, self.kv.v, ids, pos, slots, mask, traced=False)
+            h, mid = self.trunk(self.kv.k, self.kv.v, ids, pos, slots, mask, [L.proj for L in self.layers])
             rows = None if logits == "none" else h[-1:] if logits == "last" else h
             lg = None if rows is None else self.head(rows)
         return CoreOutput(lg, h if hidden else None, mid if hidden else None)
 
-    def graph(self, ks: list[torch.Tensor], vs: list[torch.Tensor], ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-              mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """What each compiled row shape runs: the trunk and the head over every row."""
-        h, mid = self.trunk(ks, vs, ids, pos, slots, mask, traced=True)
-        return self.head_traced(h), h, mid
+    def graph_for(self, rows: int) -> Callable:
+        """What the compiled graph for ``rows`` rows runs: the trunk and the head over every row, with
+        the projections as :func:`traceable` (or the ``linear`` hook) gives them for that row count."""
+        pick = self.linear or (lambda m: traceable(m, rows))
+        projs = [{n: pick(m) for n, m in L.mods.items()} for L in self.layers]
+        head = pick(self.head)
 
-    def trunk(self, ks: list[torch.Tensor], vs: list[torch.Tensor], ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
-              traced: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def graph(ks: list[torch.Tensor], vs: list[torch.Tensor], ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                  mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            h, mid = self.trunk(ks, vs, ids, pos, slots, mask, projs)
+            return head(h), h, mid
+
+        return graph
+
+    def trunk(self, ks: list[torch.Tensor], vs: list[torch.Tensor], ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+              mask: torch.Tensor, projs: list[dict[str, Linear]]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Embedding, layers and final norm for rows ``ids`` [T]; writes their K/V into ``ks``/``vs`` at
         ``slots``.  Returns (final normed hidden [T, H], the ``mid_layer`` output or None)."""
         T, W = ids.shape[0], mask.shape[-1]
@@ -260,11 +272,11 @@ class Core:
         fmask = mask[None].expand(groups, T, W).reshape(1, groups * T, W)
         mid = x if self.mid_layer == 0 else None
         for i, L in enumerate(self.layers):
-            p = L.traced if traced else L.proj
+            p = projs[i]
             a = L.ln1(x)
-            q = p["q"](a).view(T, hq, d)
-            k = p["k"](a).view(T, hkv, d)
-            v = p["v"](a).view(T, hkv, d)
+            q = p["q"](a).reshape(T, hq, d)
+            k = p["k"](a).reshape(T, hkv, d)
+            v = p["v"](a).reshape(T, hkv, d)
             if L.qn is not None:
                 q, k = L.qn(q), L.kn(k)
             q = q * cos + _rotate_half(q) * sin

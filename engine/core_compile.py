@@ -1,7 +1,7 @@
 """Compiling the core's row shapes: ``torch.compile`` once per shape, eager where that is better.
 
 Each row count in ``rows`` (1, k+1, B, ...) gets its own compiled graph of
-:meth:`Core.graph`; a call with fewer rows is padded up to the next compiled shape (the
+:meth:`Core.graph_for`; a call with fewer rows is padded up to the next compiled shape (the
 padding rows write to the cache's trash slot and are dropped), a call with more rows
 (a prefill) runs eagerly.
 
@@ -136,7 +136,7 @@ class Compiler:
             first = fn is None
             if first:
                 self.progress(f"compiling {self.core.name} for {r} rows (once)")
-                fn = self._fns[key] = _compile(self.core.graph, self.cuda)
+                fn = self._fns[key] = _compile(self.core.graph_for(r), self.cuda)
             if self._static != kv.version:  # new cache tensors: CUDA graphs write them in place; CPU: any length
                 for t in kv.k + kv.v:
                     torch._dynamo.mark_static_address(t) if self.cuda else torch._dynamo.mark_dynamic(t, 1)
@@ -173,7 +173,8 @@ class Compiler:
             return
         kv = self.core.kv
         with torch.inference_mode():
-            t_eager = _median_time(lambda: self.core.head(self.core.trunk(kv.k, kv.v, *args, traced=False)[0]))
+            eager = [L.proj for L in self.core.layers]
+            t_eager = _median_time(lambda: self.core.head(self.core.trunk(kv.k, kv.v, *args, eager)[0]))
             t_comp = _median_time(lambda: self._call(r, *args))
         if not self.active:
             return

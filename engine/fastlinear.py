@@ -134,6 +134,24 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w
     return y.reshape(*x.shape[:-1], out_f)
 
 
+def traceable(m: nn.Linear, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``m`` for ``rows`` [rows, in] inputs as a compiled graph can call it: the fastest of torch's own
+    three products (the row kernels cannot be traced) by the stored timings, else the static rule.
+    ``xwt`` reads the same transpose cache the eager fast path keeps (taken now, so a later in-place
+    weight update needs a new graph)."""
+    w, b = m.weight, m.bias
+    out_f, in_f = w.shape
+    method = _choices.get((torch.get_num_threads(), out_f, in_f, rows))
+    if method not in ("linear", "wxt", "xwt"):
+        method = static_choice(out_f, in_f, rows)
+    if method == "xwt" and getattr(m, "_ssd_allow_t", False):
+        wt = cached_transpose(m, w)
+        return (lambda x: torch.mm(x, wt)) if b is None else (lambda x: torch.mm(x, wt) + b)
+    if method == "wxt":
+        return (lambda x: torch.mm(w, x.t()).t()) if b is None else (lambda x: torch.mm(w, x.t()).t() + b)
+    return lambda x: F.linear(x, w, b)
+
+
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, self.weight, self.bias, lambda: _transposed(self))
 
