@@ -269,7 +269,7 @@ class Core:
         x = self.embed(ids)  # [T, H]
         cos, sin = self._rope(pos, x.dtype)  # [T, 1, D]
         # query head h reads KV head h // groups: fold the groups into rows instead of copying K/V
-        fmask = mask[None].expand(groups, T, W).reshape(1, groups * T, W)
+        fmask = mask[None].expand(groups, T, W).reshape(1, 1, groups * T, W)  # 4D: what every SDPA backend takes
         mid = x if self.mid_layer == 0 else None
         for i, L in enumerate(self.layers):
             p = projs[i]
@@ -284,8 +284,8 @@ class Core:
             kc, vc = ks[i], vs[i]  # [hkv, C+1, D]
             kc[:, slots] = k.transpose(0, 1)
             vc[:, slots] = v.transpose(0, 1)
-            qf = q.transpose(0, 1).reshape(hkv, groups * T, d)
-            o = F.scaled_dot_product_attention(qf, kc[:, :W], vc[:, :W], attn_mask=fmask, scale=L.scaling)
+            qf = q.transpose(0, 1).reshape(1, hkv, groups * T, d)
+            o = F.scaled_dot_product_attention(qf, kc[None, :, :W], vc[None, :, :W], attn_mask=fmask, scale=L.scaling)
             o = o.reshape(hq, T, d).transpose(0, 1).reshape(T, hq * d)
             x = x + p["o"](o)
             m = L.ln2(x)
