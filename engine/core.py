@@ -16,8 +16,8 @@ row: the committed prefix + its ancestors + itself) are all single calls.
 Every projection is *called*, never read as a raw weight: the module (an ``nn.Linear``
 with or without fastlinear, torch's dynamic-int8 Linear, a trained draft's reduced head,
 a tensor-parallel shard) or what a ``linear`` hook maps it to.  The only exception is a
-compiled graph, which calls a plain ``nn.Linear`` as a torch product on its own weight
-(:func:`traceable`: the fastlinear numba kernels cannot be traced).  A draft made of the
+compiled graph, which calls a plain ``nn.Linear``'s weight through the product fastlinear
+chose for that row count (:func:`traceable`: its forward itself is not traceable).  A draft made of the
 target's first N layers therefore shares the target's weights through its core too.
 
 Supported: ``llama`` (Llama 2/3.x, SmolLM2 with its tied head), ``qwen2`` (qkv biases),
@@ -107,8 +107,8 @@ def _norm(m: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def traceable(m: nn.Module, rows: int) -> Linear:
     """The default projection inside a compiled graph of ``rows`` rows.  A plain Linear is called as
-    ``F.linear`` on its own weight, or on CPU with fastlinear installed, as the fastest of torch's
-    products fastlinear timed (its numba kernels cannot be traced); anything else is called as it is."""
+    ``F.linear`` on its own weight, or on CPU with fastlinear installed, as the product fastlinear timed
+    fastest for that row count (its numba kernels as an opaque custom op); anything else is called as it is."""
     if type(m) is not nn.Linear:
         return m
     if getattr(m, "_ssd_fast", False) and m.weight.device.type == "cpu":

@@ -343,3 +343,24 @@ def test_packaged_model_through_the_core_matches_transformers(smollm2):
     block = [int(ref.argmax()), 30, 31]
     ref3, got3 = kv.forward(m, torch.tensor(block), cache), core.append(block).logits
     assert (got3 - ref3).abs().max() < 1e-3 and torch.equal(got3.argmax(-1), ref3.argmax(-1))
+
+
+def test_compiled_projections_compute_the_linear_for_every_row_count():
+    """What a compiled graph calls for a fastlinear-installed Linear (the timed choice per row count,
+    numba kernels through the ssd_chat::row_matmul custom op) is the same product."""
+    from torch import nn
+
+    from ssd_chat.engine import fastlinear
+    from ssd_chat.engine.core import traceable
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 40), nn.Linear(40, 96, bias=False)).eval()
+    fastlinear.install(model)
+    for m in model:
+        assert m._ssd_fast
+        for rows in range(1, 9):
+            x = torch.randn(rows, m.in_features)
+            torch.testing.assert_close(traceable(m, rows)(x), torch.nn.functional.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+    if fastlinear.rowkernels.available():
+        x = torch.randn(3, 96)
+        torch.testing.assert_close(fastlinear.row_op()(x, model[0].weight, 4), x @ model[0].weight.T, rtol=1e-5, atol=1e-5)
