@@ -185,6 +185,7 @@ class Core:
         ``last`` or ``none``."""
         ids_t = self._ids(ids)
         start, n = self.kv.length, int(ids_t.numel())
+        self._check(n, logits)
         self._check_positions(start + n - 1)
         self.kv.reserve(start + n)
         slots = torch.arange(start, start + n, device=self.device)
@@ -201,6 +202,9 @@ class Core:
         ids_t, pos, sl = self._ids(ids), self._ids(positions), self._ids(slots)
         if not ids_t.numel() == pos.numel() == sl.numel() == mask.shape[0]:
             raise ValueError(f"step: {ids_t.numel()} ids, {pos.numel()} positions, {sl.numel()} slots, {mask.shape[0]} mask rows")
+        self._check(int(ids_t.numel()), logits)
+        if int(sl.min()) < 0 or int(pos.min()) < 0:
+            raise ValueError("step: slots and positions must be >= 0")
         self._check_positions(int(pos.max()))
         self.kv.reserve(max(int(sl.max()) + 1, mask.shape[1]))
         return self._forward(ids_t, pos, sl, mask.to(self.device, torch.bool), logits, hidden)
@@ -228,6 +232,13 @@ class Core:
     def _ids(self, x: list[int] | torch.Tensor) -> torch.Tensor:
         t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
         return t.reshape(-1).to(self.device, torch.long)
+
+    @staticmethod
+    def _check(n: int, logits: str) -> None:
+        if n == 0:
+            raise ValueError("a forward needs at least one token")
+        if logits not in ("all", "last", "none"):
+            raise ValueError(f"logits must be all, last or none, got '{logits}'")
 
     def _check_positions(self, last: int) -> None:
         if self.max_positions is not None and last >= self.max_positions:

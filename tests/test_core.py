@@ -221,6 +221,10 @@ def test_the_context_limit():
     core.step([1], [299], [305], mask)
     with pytest.raises(ValueError, match="context limit is 308"):
         core.step([1], [299], [308], core.kv.tree_mask(torch.tensor([308]), [[]], 300, 309))
+    with pytest.raises(ValueError, match="at least one token"):
+        core.append([])
+    with pytest.raises(ValueError, match="logits must be"):
+        core.step([1], [1], [301], core.kv.tree_mask(torch.tensor([301]), [[]], 300, 302), logits="first")
 
 
 def test_cache_out_of_memory_is_one_clear_error():
