@@ -108,6 +108,10 @@ class HFPath:
             self.cache = DynamicCache(config=model.config)
         except TypeError:
             self.cache = DynamicCache()
+        import inspect
+
+        # transformers 5 renamed past_key_values to cache
+        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.n = 0
         self(prompt)
         self.n = len(prompt)
@@ -122,7 +126,7 @@ class HFPath:
                            torch.eye(len(ids), dtype=torch.bool, device=self.dev)], dim=1)
             kw = {"position_ids": torch.full((1, len(ids)), self.n, device=self.dev),
                   "attention_mask": torch.zeros(m.shape, dtype=dtype, device=self.dev).masked_fill(~m, torch.finfo(dtype).min)[None, None]}
-        self.model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=0, **kw)
+        self.model(input_ids=x, use_cache=True, logits_to_keep=0, **{self.cache_kw: self.cache}, **kw)
         if self.n:
             self._crop(self.n)
 
@@ -308,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         # the channel, then SSD rounds with an identical and a perturbed draft
         report["channel"] = channel_rtt(k, 1024 if smoke else 128256, 50 if not smoke else 5)
         write(out, report)
-        comp_ok = compile_mode == "on" and not cores["draft compiled"].compiler.failed and not cores["target compiled"].compiler.failed
+        comp_ok = compile_mode == "on" and not cores["draft compiled"].compiler.failed and not cores["target compiled"].compiler.failed \
+            and all(f"{n} core compiled ms" in f for n in report["forward_names"])  # compiled above, not inside the rounds
         path = "core compiled" if comp_ok else "core eager"
         tcore, dcore = cores[f"target {path.split()[-1]}"], cores[f"draft {path.split()[-1]}"]
         ocore = Core(oracle, "oracle")
