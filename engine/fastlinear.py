@@ -134,6 +134,46 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w
     return y.reshape(*x.shape[:-1], out_f)
 
 
+_row_op: Any = None
+
+
+def row_op() -> Any:
+    """The row kernels as a torch custom op, ``ssd_chat::row_matmul(x, w, block)`` = x @ w.T: opaque to
+    torch.compile, so a compiled graph calls the same kernels as the eager fast path."""
+    global _row_op
+    if _row_op is None:
+        @torch.library.custom_op("ssd_chat::row_matmul", mutates_args=())
+        def row_matmul(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
+            return rowkernels.matmul_t(x, w, block)
+
+        @row_matmul.register_fake
+        def _(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
+            return x.new_empty(x.shape[0], w.shape[0])
+
+        _row_op = row_matmul
+    return _row_op
+
+
+def traceable(m: nn.Linear, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``m`` for ``rows`` [rows, in] inputs as a compiled graph can call it: the formulation the stored
+    timings chose (the row kernels through :func:`row_op`), else the static rule.  ``xwt`` reads the
+    transpose cache the eager fast path keeps (taken now: a later in-place weight update needs a new graph)."""
+    w, b = m.weight, m.bias
+    out_f, in_f = w.shape
+    method = _choices.get((torch.get_num_threads(), out_f, in_f, rows)) or static_choice(out_f, in_f, rows)
+    if method in _KERNEL_BLOCK and _runnable(method, w) and rows <= MAX_FAST_ROWS:
+        op, block = row_op(), _KERNEL_BLOCK[method]
+        return (lambda x: op(x, w, block)) if b is None else (lambda x: op(x, w, block) + b)
+    if method not in ("linear", "wxt", "xwt"):
+        method = static_choice(out_f, in_f, rows)
+    if method == "xwt" and getattr(m, "_ssd_allow_t", False):
+        wt = cached_transpose(m, w)
+        return (lambda x: torch.mm(x, wt)) if b is None else (lambda x: torch.mm(x, wt) + b)
+    if method == "wxt":
+        return (lambda x: torch.mm(w, x.t()).t()) if b is None else (lambda x: torch.mm(w, x.t()).t() + b)
+    return lambda x: F.linear(x, w, b)
+
+
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, self.weight, self.bias, lambda: _transposed(self))
 

@@ -1,0 +1,50 @@
+"""The GPU readiness check (.ci/gpu-check, ssd_chat/gpucheck.py): no GPU is lent to CI, so its
+--cpu-smoke mode runs every step with tiny shapes on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+
+def _check(report: dict, compiled: bool) -> None:
+    paths = ["transformers", "core eager"] + (["core compiled"] if compiled else [])
+    assert report["paths"] == paths
+    for name in report["forward_names"]:
+        for path in paths:
+            assert report["forwards"][f"{name} {path} ms"] > 0, (name, path)
+    assert report["channel"]["ping_us"] > 0 and report["channel"]["request_us"] > 0
+    rounds = report["rounds"]
+    assert rounds["path"] == ("core compiled" if compiled else "core eager")
+    # the draft identical to the oracle: every round a hit with all k drafts accepted
+    assert rounds["identical"]["hit_rate"] == 1.0 and rounds["identical"]["mean_accepted"] == report["k"]
+    assert rounds["identical"]["wait_hit_ms"] is not None
+    # a heavily perturbed draft misses, and the miss waits include the fallback drafting
+    assert rounds["perturbed"]["wait_miss_ms"] is not None and rounds["perturbed"]["hit_rate"] < 1.0
+    proj = [r for r in report["projection"] if r["path"] == rounds["path"]]
+    assert [r["alpha"] for r in proj] == [0.6, 0.7, 0.8] and all(r["ssd"] > 0 and r["sd"] > 0 and r["ar"] > 0 for r in proj)
+    assert not report.get("failed")
+
+
+def test_gpu_check_cpu_smoke_runs_every_step(tmp_path, repo_root):
+    out = tmp_path / "gpu"
+    r = subprocess.run(["bash", str(repo_root / ".ci" / "gpu-check"), str(out), "--cpu-smoke", "--compile", "off"],
+                       capture_output=True, text=True, timeout=900, env={**os.environ, "SSD_CHAT_CACHE_DIR": str(tmp_path / "c")})
+    assert r.returncode == 0, r.stderr + (out / "log.txt").read_text()
+    _check(json.loads((out / "report.json").read_text()), compiled=False)
+    md = (out / "report.md").read_text()
+    assert "## Per-forward cost" in md and "Projected tok/s" in md and "paper (Llama-3.1-70B/3.2-1B" in md
+    assert "exit 0" in (out / "summary.txt").read_text()
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_smoke_compiled(tmp_path, monkeypatch):
+    """The same with the compiled core (inductor on this CPU: minutes the first time)."""
+    from ssd_chat import gpucheck
+
+    monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path / "c"))
+    assert gpucheck.main(["--out", str(tmp_path / "gpu"), "--cpu-smoke", "--budget-s", "3000"]) == 0
+    _check(json.loads((tmp_path / "gpu" / "report.json").read_text()), compiled=True)
