@@ -3,7 +3,9 @@ so the command line can validate settings (and talk to a running server) in mill
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 from .errors import ParamError
 
@@ -44,6 +46,13 @@ class EngineConfig:
             from .fanout import parse
 
             parse(self.fan_out, self.k, self.budget)
+
+    @classmethod
+    def from_settings(cls, values: Mapping[str, Any]) -> "EngineConfig":
+        """The engine's part of resolved settings: its own fields, those left unset (None) at their defaults;
+        other keys (sampling, the app's own) are not the engine's and are left out."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names and v is not None})
 
     @property
     def needs_draft(self) -> bool:
