@@ -21,7 +21,7 @@ class EngineConfig:
     target: str = DEFAULT_TARGET
     draft: str | None = None  # None: the default draft for the target (see default_draft)
     mode: str = "auto"
-    k: int = 2  # measured on SmolLM2-135M: SD with int8 fastest at k=2 (README "Speculative decoding"), SSD with the trained draft at k=2 1.07x AR
+    k: int = 2  # SSD's best on the packaged model with its trained draft (k=1 and k=3 trail AR; docs/performance.md)
     target_device: str = "auto"
     draft_device: str = "auto"
     dtype: str = "auto"

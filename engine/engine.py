@@ -17,8 +17,8 @@ from .params import SamplingParams
 def default_draft(target: str) -> str:
     """The draft used when --draft is not given: ``trained``, the layers draft shipped for the
     target, when one ships for it (the packaged SmolLM2 has one), otherwise the ``int8`` copy.
-    Measured on the 2-core Zen 2 VM at the default k=2 (README, "Training a draft"): SSD/AR
-    1.07x with ``trained`` against 0.91x with ``int8``, SD/AR 0.96x and 0.97x."""
+    On the packaged model at the default k=2, SSD beat AR with ``trained`` and not with ``int8``
+    (docs/performance.md)."""
     from .drafts import SHIPPED, shipped_drafts
 
     if any(t == target and kind == SHIPPED["trained"] for _, t, kind in shipped_drafts()):

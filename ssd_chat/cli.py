@@ -1,8 +1,9 @@
 """The ``ssd-chat`` command line.
 
 ``ssd-chat`` with no subcommand opens the chat app; ``ssd-chat ask "..."`` answers once
-on stdout.  The engine options below are shared by every command and stay stable:
-given before the subcommand (``ssd-chat --target X ask ...``) or after it.
+on stdout; the other commands register here from their own modules.  The engine and sampling
+options (:mod:`ssd_chat.options`) are shared by every command and stay stable: given before the
+subcommand (``ssd-chat --target X ask ...``) or after it.
 """
 
 from __future__ import annotations

@@ -442,7 +442,12 @@ def test_cli_bench_on_the_packaged_model(smollm2, tmp_path):
                                  "--json", str(out), "--plot", str(png), "--quiet", "--target-device", "cpu"])
     assert r.exit_code == 0, r.output
     assert "protocol paper" in r.stdout and "SSD/SD" in r.stdout and "physical bound" in r.stdout
+    assert "memory bound" in r.stdout and "MB of target weights" in r.stdout
     data = json.loads(out.read_text())
+    mb = data["protocols"]["paper"]["memory_bound"]
+    params = data["models"]["target"]["params"]
+    assert 4 * params <= mb["weight_bytes"] < 4.01 * params  # fp32 weights (the tied head once), plus small buffers
+    assert all(b["bandwidth_bytes_per_s"] > 0 and b["tok_per_s_max"] > 0 for b in mb["modes"].values())
     assert data["models"]["target"]["name"] == "smollm2-135m-gguf"
     assert set(data["protocols"]["paper"]["modes"]) == {"ar", "sd", "ssd"}
     assert data["protocols"]["paper"]["exactness"]["all_identical"] is True
