@@ -75,8 +75,9 @@ def shipped_draft(alias: str, target: LoadedModel) -> str:
 
 def default_draft(target: str) -> str:
     """The draft used when --draft is not given: ``trained``, the layers draft shipped for the
-    target, when one ships for it (the packaged SmolLM2 has one), otherwise the ``int8`` copy
-    (on SmolLM2-135M the trained draft is accepted more often at a similar cost)."""
+    target, when one ships for it (the packaged SmolLM2 has one), otherwise the ``int8`` copy.
+    On the packaged model at the default k=2, SSD beat AR with ``trained`` and not with ``int8``
+    (docs/performance.md)."""
     if any(t == target and kind == SHIPPED["trained"] for _, t, kind in shipped_drafts()):
         return "trained"
     return "int8"

@@ -15,6 +15,7 @@ from .errors import ParamError
 from .events import Event
 from .params import SamplingParams
 
+
 def _sd(e: "Engine") -> Any:
     from .sd import SDDecoder
 
@@ -88,6 +89,29 @@ class Engine:
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[str, ...]]:
         return chat.prompt_ids(self.tokenizer, messages)
+
+    def describe(self) -> dict[str, Any]:
+        """What is in use now, for a status panel: mode, k, fan-out, the models and where they run (for SSD,
+        where its placement puts the speculator and pins the verifier), and why ``auto`` chose the mode while
+        it is still the mode (a later switch is its own reason)."""
+        c = self.config
+        uses_draft = c.mode != "ar" and self.draft is not None
+        out: dict[str, Any] = {
+            "mode": c.mode, "k": c.k if c.mode != "ar" else None, "fan_out": c.fan_out if c.mode == "ssd" else None,
+            "mode_reason": self.mode_reason if c.mode == self.loaded_mode else None,
+            "target": self.target.name, "target_device": self.target.placement.label,
+            "draft": self.draft.name if uses_draft else None,
+            "draft_device": self.draft.placement.label if uses_draft else None,
+        }
+        if c.mode == "ssd":  # the speculator runs where the SSD decoder's plan puts it, not where the draft was loaded
+            from .ssd import plan
+
+            p = plan(c, self.target.device, self.target.placement.cores)
+            cores = f" (cores {','.join(map(str, p.draft_cores))})" if p.draft_cores else ""
+            out["draft_device"] = f"speculator on {p.draft_device}{cores}" + (", shared with the target" if p.shared else "")
+            if p.target_cores:
+                out["target_device"] = f"{self.target.placement.device} (cores {','.join(map(str, p.target_cores))})"
+        return out
 
     def reconfigure(self, **changes: Any) -> None:
         """Change mode / k / fan-out / ... between replies (models stay loaded; switching from AR

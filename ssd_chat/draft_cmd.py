@@ -44,7 +44,7 @@ def _target_name(ctx: typer.Context, target: str | None) -> str:
 
 
 def _load_target(name: str, device: str, dtype: str) -> Any:
-    from .cli import quiet_libraries
+    from .loading import quiet_libraries
     from .engine import models
 
     quiet_libraries()
