@@ -86,6 +86,9 @@ def worker_main(conn: Any, recipe: Recipe, k: int, fan_out: FanOut, fallback: st
             torch.set_num_threads(threads)
         model = build_model(recipe)
         spec = Speculator(model, k, fan_out, fallback, vocab, compile)  # after the thread count: compiled kernels depend on it
+        warm = getattr(getattr(spec.runner, "core", None), "warm", None)
+        if compile in ("on", "auto") and warm is not None:
+            warm()  # compile every row shape before Ready, not inside the verifier's per-request timeout
         conn.send(Ready(os.getpid(), torch.get_num_threads(), spec.runner.label, tuple(forward.take_notices(model))))
         _serve_loop(conn, spec, qbuf, _Fault.parse(fault))
     except (EOFError, OSError, KeyboardInterrupt):
