@@ -47,7 +47,7 @@ def test_ask_json_says_which_forward_ran_and_both_give_the_same_tokens():
         assert r.returncode == 0, r.stderr
         outs[forward] = json.loads(r.stdout)
     assert outs["off"]["forward"] == "core eager" and outs["transformers"]["forward"] == "transformers"
-    assert outs["off"]["token_ids"] == outs["transformers"]["token_ids"] and len(outs["off"]["token_ids"]) == 24
+    assert outs["off"]["token_ids"] == outs["transformers"]["token_ids"] and "Paris" in outs["off"]["text"]
 
 
 @pytest.mark.slow
