@@ -1,0 +1,138 @@
+"""Tensor-parallel ranks as processes: other architectures, a rank that dies or fails mid-call, a shard
+that cannot load, and no rank outliving the app (exit, Ctrl-C, SIGKILL)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssd_chat.engine.core import Core
+from ssd_chat.engine.errors import ModelError, TPError
+
+from conftest import tiny_llama
+from test_core import PROMPT, tiny_qwen
+from tp_helpers import alive, close as _close, greedy, save as _save, start as _start
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2-tied"])
+def test_other_architectures_split_too(kind, tmp_path):
+    """Qwen3 (q/k norms, head_dim apart from hidden/heads); Qwen2 (qkv biases) with a tied head."""
+    model = tiny_qwen("qwen3") if kind == "qwen3" else tiny_qwen("qwen2", tied=True)
+    ref = Core(model, kind)
+    with _start(_save(model, tmp_path)) as tp:
+        _close(ref.append(PROMPT).logits, tp.append(PROMPT).logits)
+        _close(ref.append([4, 5, 6]).logits, tp.append([4, 5, 6]).logits)
+        assert greedy(tp, PROMPT, 12) == greedy(ref, PROMPT, 12)
+
+
+
+@pytest.mark.parametrize("fault, words", [("exit:3", "rank 1 (pid {pid}) exited with status 3"),
+                                          ("raise:2", "rank 1 failed (RuntimeError: injected fault)")])
+def test_a_rank_that_dies_mid_call_is_one_clear_error_and_a_new_start_works(tmp_path, fault, words):
+    model = tiny_llama(seed=0)
+    folder = _save(model, tmp_path)
+    tp = _start(folder, fault={1: fault})
+    pid = tp.pids[0]
+    ref = Core(model, "tiny")
+    with pytest.raises(TPError) as err:
+        for tok in PROMPT:  # the fault fires inside the worker's n-th forward
+            tp.append([tok])
+    msg = str(err.value)
+    assert words.format(pid=pid) in msg and "every rank was closed" in msg and "\n" not in msg
+    assert alive([pid]) == [] and tp.closed
+    with pytest.raises(TPError, match="closed; start the model again"):
+        tp.append([1])
+    with _start(folder) as again:  # the app restarts the ranks and goes on
+        _close(again.append(PROMPT).logits, ref.append(PROMPT).logits)
+        pids = again.pids
+    assert alive(pids) == []
+
+
+def test_a_rank_killed_between_calls(tmp_path):
+    import os
+    import signal
+
+    model = tiny_llama(seed=0)
+    tp = _start(_save(model, tmp_path))
+    tp.append(PROMPT)
+    os.kill(tp.pids[0], signal.SIGKILL)
+    with pytest.raises(TPError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL during a forward"):
+        tp.append([1])
+    assert alive(tp.pids) == []
+
+
+def test_a_shard_that_cannot_load_stops_every_rank(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = _save(tiny_llama(seed=0), tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(str(path))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    before = set(p for p in _spawned())
+    with pytest.raises(ModelError, match="the checkpoint has no tensor 'model.layers.1.mlp.up_proj.weight'"):
+        _start(folder)
+    assert alive([p for p in _spawned() if p not in before]) == []
+
+
+def _spawned() -> list[int]:
+    import psutil
+
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "spawn_main" in " ".join(p.cmdline()):
+                out.append(p.pid)
+        except psutil.Error:
+            continue
+    return out
+
+
+# -- no rank outlives the app -------------------------------------------------------------------------
+
+APP = """
+import sys, time, torch
+from ssd_chat.engine.tp import TPCore
+tp = TPCore(sys.argv[1], ["cpu", "cpu"], "tiny", dtype=torch.float64)
+tp.append([1, 2, 3])
+print("pids", *tp.pids, flush=True)
+if sys.argv[2] == "wait":
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("end", ["exit", "ctrl-c", "sigkill"])
+def test_the_ranks_end_with_the_app(tmp_path, end):
+    """A script that starts a TPCore and then exits without close() (the finalizer closes the ranks), gets
+    Ctrl-C (SIGINT to its whole process group, as a terminal sends it: the ranks ignore it, the app closes
+    them at exit) or is SIGKILLed (the ranks die with it: PR_SET_PDEATHSIG)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    folder = _save(tiny_llama(seed=0), tmp_path / "m")
+    proc = subprocess.Popen([sys.executable, "-c", APP, folder, "exit" if end == "exit" else "wait"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("pids "), line + proc.stderr.read()
+        pids = [int(x) for x in line.split()[1:]]
+        assert len(pids) == 1
+        if end == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        elif end == "sigkill":
+            proc.kill()
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 15
+        while alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive(pids) == [], end
+        if end == "exit":
+            assert proc.returncode == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
