@@ -205,22 +205,18 @@ _DTYPES = {
 
 def parse_placement(device: str = "auto", dtype: str = "auto", option: str = "--target-device") -> Placement:
     """Validate ``--*-device`` / ``--dtype`` (``auto``, ``cpu``, ``cpu:1``, ``cpu:0-3``, ``cuda``, ``cuda:N``,
-    ``cuda:0,cuda:1``, ``mps``) against the hardware present; errors name ``option``, the one the user gave."""
+    ``mps``; for the target also ``cuda:0-3``, ``cuda:0,cuda:1``, ``pipeline:cuda:0,cuda:1``: see :mod:`placement`)
+    against the hardware present; errors name ``option``, the one the user gave."""
     spec = (device or "auto").strip().lower()
+    if "," in spec or spec.startswith("pipeline:") or re.fullmatch(r"cuda:\d+-\d+", spec):
+        return _several(spec, device, dtype, option)
     cores = None
     devs: list[str]
-    if spec == "auto":
-        devs = ["cuda:0" if torch.cuda.is_available() else "cpu"]
-    else:
-        devs = [d.strip() for d in spec.split(",") if d.strip()]
-    if not devs:
-        raise DeviceError(f"{option}: invalid device '{device}'")
+    devs = ["cuda:0" if torch.cuda.is_available() else "cpu"] if spec == "auto" else [spec]
     parsed: list[torch.device] = []
     for d in devs:
         m = re.fullmatch(r"cpu(?::(\d+)(?:-(\d+))?)?", d)
         if m:
-            if len(devs) > 1:
-                raise DeviceError(f"{option}: a model can be split over several GPUs, not over CPU and GPU")
             if m.group(1) is not None:
                 lo = int(m.group(1))
                 hi = int(m.group(2)) if m.group(2) else lo
@@ -250,7 +246,27 @@ def parse_placement(device: str = "auto", dtype: str = "auto", option: str = "--
             parsed.append(torch.device("mps"))
             continue
         raise DeviceError(f"{option}: unknown device '{d}' (use cpu, cpu:N, cuda, cuda:N, cuda:0,cuda:1 or mps)")
-    first = parsed[0]
+    return Placement(parsed[0], _dtype(dtype, parsed[0]), cores)
+
+
+def _several(spec: str, given: str, dtype: str, option: str) -> Placement:
+    """A device list or range (see :mod:`placement`).  GPUs load as a device_map pipeline for now:
+    the decoders do not run on the tensor-parallel core yet (preflight says so); CPU ranks are refused."""
+    from .placement import parse_devices
+
+    plan = parse_devices(spec, given, option)
+    if plan.kind == "single":  # cuda:1-1
+        return parse_placement(plan.devices[0], dtype, option)
+    if option != "--target-device":
+        raise DeviceError(f"{option} {given}: the draft runs on one device (list several for the target only)")
+    if plan.backend == "gloo":
+        raise DeviceError(f"{option} {given}: tensor parallelism over CPU cores runs on the compact core, which the chat's "
+                          "decoders do not use yet (python: ssd_chat.engine.tp.TPCore); use cpu or cpu:N-M")
+    first = torch.device(plan.devices[0])
+    return Placement(first, _dtype(dtype, first), None, plan.devices)
+
+
+def _dtype(dtype: str, first: torch.device) -> torch.dtype:
     dt = (dtype or "auto").strip().lower()
     if dt == "auto":
         torch_dtype = torch.bfloat16 if first.type == "cuda" else torch.float32
@@ -258,8 +274,7 @@ def parse_placement(device: str = "auto", dtype: str = "auto", option: str = "--
         torch_dtype = _DTYPES[dt]
     else:
         raise DeviceError(f"unknown dtype '{dtype}' (use auto, float32, bfloat16, float16)")
-    device_map = tuple(str(d) for d in parsed) if len(parsed) > 1 else None
-    return Placement(first, torch_dtype, cores, device_map)
+    return torch_dtype
 
 
 # --- loading -------------------------------------------------------------------------------

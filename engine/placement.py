@@ -1,7 +1,9 @@
 """Where the target runs, from ``--target-device`` / ``--draft-device``: checked before anything loads.
 
-    auto                        the GPUs if any: 3 or more -> tensor parallelism over all but the last,
-                                the draft on the last; 2 -> target cuda:0, draft cuda:1; 1 -> both on
+    auto                        the GPUs if any: 3 or more -> tensor parallelism over all but the last
+                                (over fewer, if that splits the model's kv heads evenly and the
+                                caller says how many it has), the draft on the next; 2 -> target
+                                cuda:0, draft cuda:1; 1 -> both on
                                 cuda:0; none -> the CPU.  The plan's ``note`` says what it chose.
     cpu | cpu:N | cpu:N-M       one process (cpu:N-M: pinned to those cores)
     cuda | cuda:N | mps         one device
@@ -82,7 +84,15 @@ def plan_target(target_device: str = "auto", draft_device: str = "auto", kv_head
         plan = _auto(n_gpus, kv_heads)
     else:
         plan = _parse(spec, target_device, n_gpus, avail)
-    return _with_draft(plan, draft_device, n_gpus, avail)
+    return _with_draft(plan, draft_device, n_gpus, avail, auto=spec == "auto")
+
+
+def parse_devices(spec: str, given: str | None = None, option: str = "--target-device", gpus: int | None = None,
+                  cpu_cores: list[int] | None = None) -> TargetPlan:
+    """One option's device list (not ``auto``), checked against this machine; no draft resolved."""
+    spec = spec.strip().lower()
+    n = (_gpu_count() if "cuda" in spec else 0) if gpus is None else gpus
+    return _parse(spec, given or spec, n, cpu_cores if cpu_cores is not None else _cpu_cores(), option)
 
 
 def _auto(gpus: int, kv_heads: int | None) -> TargetPlan:
@@ -93,9 +103,9 @@ def _auto(gpus: int, kv_heads: int | None) -> TargetPlan:
         devs = tuple(f"cuda:{i}" for i in range(n))
         kind = "tp" if n > 1 else "single"
         what = f"tensor parallelism over cuda:0-{n - 1}" if n > 1 else "the target on cuda:0"
-        return TargetPlan(kind, devs, note=f"--target-device auto: {what}, the draft on cuda:{gpus - 1}")
+        return TargetPlan(kind, devs, note=f"--target-device auto: {what}")
     if gpus == 2:
-        return TargetPlan("single", ("cuda:0",), note="--target-device auto: the target on cuda:0, the draft on cuda:1")
+        return TargetPlan("single", ("cuda:0",), note="--target-device auto: the target on cuda:0")
     if gpus == 1:
         return TargetPlan("single", ("cuda:0",), note="--target-device auto: cuda:0 (the only GPU)")
     return TargetPlan("single", ("cpu",), note="--target-device auto: the CPU (no CUDA GPU)")
@@ -163,7 +173,7 @@ def _gpu_plan(ids: list[int], pipeline: bool, given: str, gpus: int, option: str
     return TargetPlan("tp" if len(devs) > 1 else "single", devs)
 
 
-def _with_draft(plan: TargetPlan, draft_device: str, gpus: int, avail: list[int]) -> TargetPlan:
+def _with_draft(plan: TargetPlan, draft_device: str, gpus: int, avail: list[int], auto: bool = False) -> TargetPlan:
     spec = (draft_device or "auto").strip().lower()
     notes = [plan.note] if plan.note else []
     on_gpu = plan.devices[0].startswith("cuda")
@@ -180,6 +190,8 @@ def _with_draft(plan: TargetPlan, draft_device: str, gpus: int, avail: list[int]
         draft = f"cuda:{free[0]}" if free else plan.devices[-1]
         if not free and gpus > 1:
             notes.append(f"every GPU holds the target, so the draft shares {draft} with it")
+        elif auto and free:
+            notes[0] += f", the draft on {draft}"
     else:
         draft = "auto"
     return TargetPlan(plan.kind, plan.devices, plan.cores, draft, "; ".join(notes))

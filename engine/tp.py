@@ -20,8 +20,9 @@ without GPUs to try; it is slower than one process (docs/multi-gpu.md has the nu
 
 Compiling: ``auto`` means on (CUDA graphs) on GPUs and off on CPU.  Ranks must all run
 compiled or all eager (the two make differently shaped collectives), so a rank whose
-compile fails raises instead of falling back to eager.  One ``TPCore`` per process: it owns
-torch.distributed's default group.
+compile fails raises instead of falling back to eager.  One ``TPCore`` of several ranks per
+process: it owns torch.distributed's default group.  A single rank (``devices`` of one) makes
+no collectives and starts no process: the code path alone, for checks.
 """
 
 from __future__ import annotations
@@ -93,7 +94,10 @@ class TPCore:
 
     ``source``: the model folder (config.json + safetensors; a GGUF is converted to one by
     :func:`models.model_folder`), or for a single rank a dict of its tensors.  ``cores``: per
-    rank, the CPU cores it is pinned to (CPU ranks).  The rest are :class:`Core`'s arguments."""
+    rank, the CPU cores it is pinned to (CPU ranks).  ``progress`` hears the start and one line per
+    rank saying what it holds (:meth:`ShardInfo.line`); ``timeout_s`` bounds a collective that waits
+    on a hung rank; ``fault`` (tests): ``{rank: "exit:N" | "raise:N"}`` fails that rank's N-th forward.
+    The rest are :class:`Core`'s arguments.  ``kv.k``/``kv.v`` are rank 0's own heads."""
 
     def __init__(self, source: str | os.PathLike | dict[str, torch.Tensor], devices: Sequence[str], name: str = "model",
                  dtype: torch.dtype | None = None, cores: Sequence[tuple[int, ...]] | None = None, compile: str = "off",
@@ -111,7 +115,7 @@ class TPCore:
             raise TPError("tensor-parallel ranks read their shards from a model folder, not from tensors in memory")
         self.config = config if config is not None else tp_shard.load_config(source)  # type: ignore[arg-type]
         tp_shard.check(self.config, self.world, name)
-        if dist.is_initialized():
+        if self.world > 1 and dist.is_initialized():
             raise TPError("a tensor-parallel model is already running in this process (one per process): close it first")
         self.device = devs[0]
         cuda = self.device.type == "cuda"
@@ -140,8 +144,9 @@ class TPCore:
         from . import fastlinear
 
         backend = "nccl" if devs[0].type == "cuda" else "gloo"
-        store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
+        if self.world > 1:
+            store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
         ctx = workers.context()
         src = os.fspath(source) if isinstance(source, (str, os.PathLike)) else ""
         for r in range(1, self.world):
@@ -160,9 +165,10 @@ class TPCore:
             model, comm, info = tp_shard.build(source, self.config, 0, self.world, devs[0], self.dtype, self.name)
             fastlinear.install(model)
         self.shards = [info] + self._collect("loaded", LOAD_TIMEOUT_S)
-        tp_worker.init_group(backend, store.port, 0, self.world, devs[0], timeout_s, store=store)
-        self._ranks.group = True
-        comm.bind()
+        if self.world > 1:  # one rank makes no collectives (tp_shard.Comm)
+            tp_worker.init_group(backend, store.port, 0, self.world, devs[0], timeout_s, store=store)
+            self._ranks.group = True
+            comm.bind()
         self.core = Core(model, self.name, notify=tp_worker.refuse_eager_fallback, **core_kw)
         self._collect("ready", 120.0)
         for s in self.shards:
@@ -197,6 +203,11 @@ class TPCore:
     @property
     def max_positions(self) -> int | None:
         return self.core.max_positions
+
+    @property
+    def compiler(self) -> Any:
+        """Rank 0's :class:`~ssd_chat.engine.core_compile.Compiler` (every rank compiles the same shapes)."""
+        return self.core.compiler
 
     @property
     def pids(self) -> list[int]:

@@ -107,7 +107,8 @@ def split_for(cfg: Any, rank: int, world: int) -> Split:
 
 class Comm:
     """The collectives a shard makes, over the default process group (set once it exists).
-    Functional collectives: ``torch.compile`` traces them into the graph (CUDA graphs with NCCL)."""
+    Functional collectives: ``torch.compile`` traces them into the graph (CUDA graphs with NCCL).
+    A single rank makes none (a one-rank gloo all-reduce still costs about a millisecond)."""
 
     def __init__(self, world: int) -> None:
         self.world = world
@@ -119,11 +120,15 @@ class Comm:
         self.group = dist.group.WORLD.group_name
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return x
         from torch.distributed import _functional_collectives as funcol
 
         return funcol.all_reduce(x, "sum", self.group)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return x
         from torch.distributed import _functional_collectives as funcol
 
         gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # the new name, torch >= 2.10
