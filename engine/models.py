@@ -252,7 +252,7 @@ def parse_placement(device: str = "auto", dtype: str = "auto", option: str = "--
 def _several(spec: str, given: str, dtype: str, option: str) -> Placement:
     """A device list or range (see :mod:`placement`).  GPUs load as a device_map pipeline for now:
     the decoders do not run on the tensor-parallel core yet (preflight says so); CPU ranks are refused."""
-    from .placement import parse_devices
+    from .placement import CPU_TP_NOT_IN_CHAT, parse_devices
 
     plan = parse_devices(spec, given, option)
     if plan.kind == "single":  # cuda:1-1
@@ -260,8 +260,7 @@ def _several(spec: str, given: str, dtype: str, option: str) -> Placement:
     if option != "--target-device":
         raise DeviceError(f"{option} {given}: the draft runs on one device (list several for the target only)")
     if plan.backend == "gloo":
-        raise DeviceError(f"{option} {given}: tensor parallelism over CPU cores runs on the compact core, which the chat's "
-                          "decoders do not use yet (python: ssd_chat.engine.tp.TPCore); use cpu or cpu:N-M")
+        raise DeviceError(f"{option} {given}: {CPU_TP_NOT_IN_CHAT}")
     first = torch.device(plan.devices[0])
     return Placement(first, _dtype(dtype, first), None, plan.devices)
 

@@ -27,6 +27,8 @@ from typing import Any
 
 from .errors import DeviceError
 
+CPU_TP_NOT_IN_CHAT = ("tensor parallelism over CPU cores runs on the compact core, which the chat's decoders do not use "
+                      "yet (python: ssd_chat.engine.tp.TPCore); use cpu or cpu:N-M")
 CPU_TP_NOTE = ("tensor parallelism on CPU (gloo, one rank per core) is for testing the multi-GPU code path, not for "
                "speed: it is slower than one process")
 _ENTRY = re.compile(r"(cpu|cuda)(?::(\d+)(?:-(\d+))?)?|mps")
@@ -111,7 +113,23 @@ def _auto(gpus: int, kv_heads: int | None) -> TargetPlan:
     return TargetPlan("single", ("cpu",), note="--target-device auto: the CPU (no CUDA GPU)")
 
 
-def _parse(spec: str, given: str, gpus: int, avail: list[int], option: str = "--target-device") -> TargetPlan:
+def check_forms(target_device: str | None, draft_device: str | None = None) -> None:
+    """Both options' spelling, without this machine (no torch import, no GPU count, no core list):
+    what the command line checks before anything loads or the app opens.  A DeviceError in one
+    line; the hardware itself is checked at load (``parse_devices``, ``models.parse_placement``)."""
+    for value, option in ((target_device, "--target-device"), (draft_device, "--draft-device")):
+        spec = (value or "auto").strip().lower()
+        if spec == "auto":
+            continue
+        plan = _parse(spec, value or spec, None, None, option)
+        if plan.kind != "single" and option == "--draft-device":
+            raise DeviceError(f"--draft-device {value}: the draft runs on one device (list several for the target only)")
+        if plan.backend == "gloo":
+            raise DeviceError(f"{option} {value}: {CPU_TP_NOT_IN_CHAT}")
+
+
+def _parse(spec: str, given: str, gpus: int | None, avail: list[int] | None, option: str = "--target-device") -> TargetPlan:
+    """``gpus`` / ``avail`` None: check the form only."""
     pipeline = spec.startswith("pipeline:")
     body = spec.removeprefix("pipeline:")
     entries = [e.strip() for e in body.split(",")]
@@ -144,7 +162,7 @@ def _parse(spec: str, given: str, gpus: int, avail: list[int], option: str = "--
     if pipeline:
         raise DeviceError(f"{option}: pipeline: spreads a model over GPUs only")
     flat = [c for span in cpu for c in (span or ())]
-    missing = sorted({c for c in flat if c not in avail})
+    missing = sorted({c for c in flat if c not in avail}) if avail is not None else []
     if missing:
         raise DeviceError(f"{option} {given}: this machine has CPU cores {_cores(tuple(avail))} only (no core {missing[0]})")
     if len(cpu) == 1:
@@ -156,12 +174,12 @@ def _parse(spec: str, given: str, gpus: int, avail: list[int], option: str = "--
     return TargetPlan("tp", ("cpu",) * len(cpu), tuple(s for s in cpu if s), note=CPU_TP_NOTE)
 
 
-def _gpu_plan(ids: list[int], pipeline: bool, given: str, gpus: int, option: str) -> TargetPlan:
+def _gpu_plan(ids: list[int], pipeline: bool, given: str, gpus: int | None, option: str) -> TargetPlan:
     if gpus == 0:
         raise DeviceError(f"{option} {given}: no CUDA GPU is available; use {option} cpu (or cpu:0,cpu:1 to try tensor parallelism)")
     if len(set(ids)) != len(ids):
         raise DeviceError(f"{option} {given}: a GPU is listed twice")
-    bad = [i for i in ids if i >= gpus]
+    bad = [i for i in ids if i >= gpus] if gpus is not None else []
     if bad:
         raise DeviceError(f"{option} {given}: no cuda:{bad[0]}, this machine has {gpus} CUDA GPU(s) (cuda:0-{gpus - 1})")
     devs = tuple(f"cuda:{i}" for i in ids)

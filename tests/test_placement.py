@@ -124,3 +124,61 @@ def test_the_chat_accepts_the_syntax_and_says_what_runs_today(monkeypatch):
     pre = preflight.check(EngineConfig(mode="ar", target_device="cuda:0-3"))
     assert any("tensor parallelism over these GPUs is built, but the decoders do not run on it yet" in w for w in pre.warnings)
     assert not preflight.check(EngineConfig(mode="ar", target_device="pipeline:cuda:0,cuda:1")).warnings
+
+
+# -- the command line checks the spelling before anything loads or the app opens --------------------
+
+FORMS = [
+    ("--target-device", "gpu", "--target-device: unknown device 'gpu'"),
+    ("--target-device", "cpu:0,,cpu:1", "--target-device: invalid device 'cpu:0,,cpu:1'"),
+    ("--target-device", "cpu:1-0", "--target-device cpu:1-0: the range runs backwards"),
+    ("--target-device", "cuda:0,cpu:1", "on CPU cores or on GPUs, not on both"),
+    ("--target-device", "cpu:0,cpu:0", "a core is listed for two ranks"),
+    ("--target-device", "cpu,cpu", "name each rank's core (cpu:0,cpu:1)"),
+    ("--target-device", "cuda:1,cuda:1", "--target-device cuda:1,cuda:1: a GPU is listed twice"),
+    ("--target-device", "pipeline:cpu:0,cpu:1", "pipeline: spreads a model over GPUs only"),
+    ("--target-device", "pipeline:cuda:0", "pipeline: needs at least two GPUs"),
+    ("--target-device", "mps,cpu", "mps is one device"),
+    ("--target-device", "cpu:0,cpu:1", "--target-device cpu:0,cpu:1: tensor parallelism over CPU cores runs on the compact core"),
+    ("--draft-device", "cuda:0,cuda:1", "--draft-device cuda:0,cuda:1: the draft runs on one device"),
+    ("--draft-device", "cpu:0-1,cpu:2", "--draft-device cpu:0-1,cpu:2: the draft runs on one device"),
+]
+
+
+@pytest.mark.parametrize("option, value, words", FORMS)
+@pytest.mark.parametrize("command", [["ask", "hi"], []], ids=["ask", "app"])
+def test_a_misspelt_placement_is_a_usage_error_before_anything_loads(monkeypatch, option, value, words, command):
+    """Exit 2 in one line from the settings check: no model loads (ask) and the app never opens."""
+    from typer.testing import CliRunner
+
+    from ssd_chat import cli, tui_launch
+
+    def never(*_a, **_k):
+        raise AssertionError("got past the settings check")
+
+    monkeypatch.setattr(cli, "load_engine", never)
+    monkeypatch.setattr(tui_launch, "launch", never)
+    r = CliRunner().invoke(cli.app, [*command[:1], option, value, *command[1:]])
+    assert r.exit_code == 2, r.output
+    assert r.stderr.startswith("ssd-chat: error: ") and words in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_a_misspelt_placement_in_the_environment_names_the_variable(monkeypatch):
+    from typer.testing import CliRunner
+
+    from ssd_chat import cli
+
+    monkeypatch.setattr(cli, "load_engine", lambda *_a, **_k: pytest.fail("loaded"))
+    monkeypatch.setenv("SSD_CHAT_TARGET_DEVICE", "cuda:0;cuda:1")
+    r = CliRunner().invoke(cli.app, ["ask", "hi"])
+    assert r.exit_code == 1 and r.stderr.count("\n") == 1
+    assert "unknown device 'cuda:0;cuda:1'" in r.stderr and "(target_device from environment variable SSD_CHAT_TARGET_DEVICE)" in r.stderr
+
+
+@pytest.mark.parametrize("value", ["auto", "cpu", "cpu:0", "cpu:0-63", "cuda", "cuda:7", "cuda:0-3", "cuda:0,cuda:2",
+                                   "pipeline:cuda:0,cuda:1", "mps", " CUDA:0-1 "])
+def test_the_spelling_check_leaves_the_hardware_to_the_load(value):
+    """Forms that are right but may not fit this machine (no GPU here, 2 cores) pass: preflight checks the hardware."""
+    from ssd_chat.engine.placement import check_forms
+
+    check_forms(value, "cpu:5" if value.startswith("cpu") else "cuda:9")
