@@ -70,10 +70,10 @@ class _Ranks:
         for p in self.procs:
             p.join(CLOSE_TIMEOUT_S if self.healthy else 0.2)
         for p in self.procs:
-            if p.is_alive():
+            if p.is_alive() and self.healthy:
                 p.terminate()
                 p.join(CLOSE_TIMEOUT_S)
-            if p.is_alive():
+            if p.is_alive():  # a broken group: a hung (or stopped, deaf to SIGTERM) rank is killed at once
                 p.kill()
                 p.join(CLOSE_TIMEOUT_S)
         for c in self.conns:
@@ -127,6 +127,7 @@ class TPCore:
         self._ranks.cuda = cuda
         self._finalizer = weakref.finalize(self, self._ranks.shutdown)
         self._lock = threading.Lock()
+        self._timeout_s = timeout_s
         try:
             self._start(source, devs, core_kw, timeout_s, fault or {}, say)
         except BaseException:
@@ -196,7 +197,7 @@ class TPCore:
                 elif msg is not None and msg[0] == "error":
                     raise ModelError(f"tensor-parallel rank {r} of '{self.name}' could not start: {msg[1]}")
                 elif msg is None and not proc.is_alive():
-                    raise TPError(f"tensor-parallel rank {r} of '{self.name}' {_exit_words(proc)} while starting")
+                    raise TPError(f"tensor-parallel rank {r} of '{self.name}' {workers.exit_words(proc)} while starting")
         return [got[r] for r in range(1, self.world)]
 
     # -- the Core API ------------------------------------------------------------------------------
@@ -300,11 +301,13 @@ class TPCore:
             if msg is not None and msg[0] == "error":
                 why.append(f"rank {r} failed ({msg[1]})")
             elif not p.is_alive():
-                why.append(f"rank {r} (pid {p.pid}) {_exit_words(p)}")
+                why.append(f"rank {r} (pid {p.pid}) {workers.exit_words(p)}")
         if not why and self._ranks.dead:
             why.append(self._ranks.dead)
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        if not why and ("timed out" in first.lower() or "timeout" in first.lower()):
+            why.append(f"a rank did not answer within {self._timeout_s:g} s")  # hung (a stopped process, a stuck GPU)
         if not why:
-            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
             why.append(f"rank 0 failed ({type(exc).__name__}{': ' + first if first else ''})")
         self._ranks.healthy = False
         self._finalizer()
@@ -371,24 +374,9 @@ def _watch(ranks: _Ranks) -> None:
     """NCCL does not notice a dead peer (it waits for its timeout): abort the group when a worker exits."""
     wait([p.sentinel for p in ranks.procs])
     if ranks.group and ranks.healthy and not ranks.closing:
-        ranks.dead = next((f"rank {r} (pid {p.pid}) {_exit_words(p)}" for r, p in enumerate(ranks.procs, 1)
+        ranks.dead = next((f"rank {r} (pid {p.pid}) {workers.exit_words(p)}" for r, p in enumerate(ranks.procs, 1)
                            if not p.is_alive()), None)
         with contextlib.suppress(Exception):
             import torch.distributed as dist
 
             dist.distributed_c10d._abort_process_group()
-
-
-def _exit_words(proc: Any) -> str:
-    code = proc.exitcode
-    if code is None:
-        return "stopped answering"
-    if code < 0:
-        import signal
-
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
-

@@ -136,3 +136,65 @@ def test_the_ranks_end_with_the_app(tmp_path, end):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# -- a rank that dies or hangs mid-generation, seen from the app's process ------------------------------
+
+GENERATE = """
+import sys, torch
+from ssd_chat.engine.errors import SSDChatError
+from ssd_chat.engine.tp import TPCore
+tp = TPCore(sys.argv[1], ["cpu", "cpu"], "tiny", dtype=torch.float64, timeout_s=float(sys.argv[2]))
+print("pids", *tp.pids, flush=True)
+try:
+    while True:  # greedy generation, restarted before the cache fills
+        lg = tp.append(list(range(1, 40)), logits="last").logits[-1]
+        for _ in range(40):
+            lg = tp.append([int(lg.argmax())], logits="last").logits[-1]
+        print("generating", flush=True)
+        tp.reset()
+except SSDChatError as e:
+    print("error:", e, flush=True)
+    raise SystemExit(1)
+"""
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
+def test_a_rank_lost_mid_generation_is_one_line_within_the_timeout_and_leaves_no_process(tmp_path, how):
+    """SIGKILL: gloo sees the closed connection at once.  SIGSTOP (a hung rank): the collective times out after
+    ``timeout_s`` and the rank, deaf to SIGTERM while stopped, is killed.  The app's stderr stays empty (no
+    traceback, no library noise over a full-screen app) and every rank is gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    folder = _save(tiny_llama(seed=0), tmp_path / "m")
+    timeout_s = 4.0
+    proc = subprocess.Popen([sys.executable, "-c", GENERATE, folder, str(timeout_s)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    pids: list[int] = []
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("pids "), line + proc.stderr.read()
+        pids = [int(x) for x in line.split()[1:]]
+        assert proc.stdout.readline() == "generating\n"
+        os.kill(pids[0], signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+        last = out.strip().splitlines()[-1]
+        assert proc.returncode == 1 and err == "", (out, err)
+        if how == "sigkill":
+            assert f"rank 1 (pid {pids[0]}) was killed by SIGKILL during a forward" in last and took < 30
+        else:
+            assert f"a rank did not answer within {timeout_s:g} s during a forward" in last
+            assert timeout_s - 1 < took < timeout_s + 20
+        assert last.startswith("error: tensor-parallel 'tiny': ") and "every rank was closed" in last
+        assert alive(pids) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in alive(pids):
+            os.kill(pid, signal.SIGKILL)
