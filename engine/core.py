@@ -112,12 +112,12 @@ def traceable(m: nn.Module, rows: int) -> Linear:
     wrapped = getattr(m, "graph_call", None)
     if wrapped is not None:  # a wrapper around a projection (a tensor-parallel shard) says how a graph calls it
         return wrapped(rows)
-    if type(m) is not nn.Linear:
-        return m
-    if getattr(m, "_ssd_fast", False) and m.weight.device.type == "cpu":
-        from . import fastlinear
+    from .fastlinear import FastLinear
 
-        return fastlinear.traceable(m, rows)
+    if isinstance(m, FastLinear) and m.weight.device.type == "cpu":
+        return m.path.traceable(m, rows)
+    if type(m) is not nn.Linear and type(m) is not FastLinear:
+        return m
     return lambda x: F.linear(x, m.weight, m.bias)
 
 
