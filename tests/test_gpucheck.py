@@ -31,6 +31,13 @@ def _check(report: dict, compiled: bool) -> None:
         for name in ("target 1 row", "target verify"):
             assert report["forwards"][f"{name} {path} ms"] > 0
     assert "TP=2 needs 2 GPUs" in report["tp"]["not_measured"] and report["tp"]["shard"].startswith("rank 0 on cpu")
+    # TP=2 (on a GPU machine: NCCL over two GPUs; here two gloo ranks, eager) on the draft-shaped model
+    tp2 = report["tp"]
+    assert tp2["TP=2 eager greedy_equal_core"] is True and tp2["TP=2 eager first_divergence"] is None
+    assert tp2["TP=2 eager max_abs_logit_diff"] < 1e-3 and "TP=2 compiled greedy_equal_core" not in tp2
+    assert [s.split(":")[0] for s in tp2["TP=2 eager shards"]] == ["rank 0 on cpu", "rank 1 on cpu"]
+    for kind in ("1 row", "verify"):
+        assert tp2[f"{kind} TP=2 eager ms"] > 0 and tp2[f"{kind} core eager ms"] > 0
     proj = [r for r in report["projection"] if r["path"] == rounds["path"]]
     assert [r["alpha"] for r in proj] == [0.6, 0.7, 0.8] and all(r["ssd"] > 0 and r["sd"] > 0 and r["ar"] > 0 for r in proj)
     assert not report.get("failed")
