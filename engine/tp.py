@@ -57,6 +57,7 @@ class _Ranks:
         self.healthy = True
         self.closing = False
         self.cuda = False
+        self.device = torch.device("cpu")  # rank 0's: the CLOSE broadcast goes there (cuda:2 for cuda:2,cuda:3)
         self.dead: str | None = None  # set by the watchdog: a worker that exited while the group was up
 
     def shutdown(self) -> None:
@@ -66,7 +67,7 @@ class _Ranks:
         self.closing = True
         if self.group and self.healthy:
             with contextlib.suppress(Exception):
-                dist.broadcast(torch.tensor([CLOSE] + [0] * (HEADER - 1), device="cuda" if self.cuda else "cpu"), 0)
+                dist.broadcast(torch.tensor([CLOSE] + [0] * (HEADER - 1), device=self.device), 0)
         for p in self.procs:
             p.join(CLOSE_TIMEOUT_S if self.healthy else 0.2)
         for p in self.procs:
@@ -124,7 +125,7 @@ class TPCore:
         self.compile = {"auto": "on" if cuda else "off"}.get(compile, compile)
         core_kw = {"compile": self.compile, "rows": tuple(rows), "mid_layer": mid_layer, "lookahead": lookahead}
         self._ranks = _Ranks()
-        self._ranks.cuda = cuda
+        self._ranks.cuda, self._ranks.device = cuda, devs[0]
         self._finalizer = weakref.finalize(self, self._ranks.shutdown)
         self._lock = threading.Lock()
         self._timeout_s = timeout_s
@@ -282,7 +283,12 @@ class TPCore:
                         dist.broadcast(torch.tensor(head + [0] * (HEADER - len(head)), device=self.device), 0)
                         for t in payload:
                             dist.broadcast(t.to(self.device).contiguous(), 0)
-                    return local()
+                    t0, out = time.monotonic(), local()
+                    if self._ranks.cuda and self.world > 1:  # NCCL: wait here, so a result made while a rank
+                        torch.cuda.synchronize(self.device)  # died (group aborted) or hung (timed out) is not used
+                        if self._ranks.dead or time.monotonic() - t0 >= self._timeout_s:
+                            raise RuntimeError("NCCL collective timed out or aborted")
+                    return out
             except ValueError:
                 raise  # an argument check: every rank raised it before any collective, and they wait for the next call
             except BaseException as e:

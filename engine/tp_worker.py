@@ -46,6 +46,8 @@ def init_group(backend: str, port: int, rank: int, world: int, device: torch.dev
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl" and rank == 0:  # NCCL's default on a timed-out collective kills the process: the app's
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # rank 0 aborts the group and reports instead
     if store is None:
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
     kw: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}

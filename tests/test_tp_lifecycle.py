@@ -3,6 +3,8 @@ that cannot load, and no rank outliving the app (exit, Ctrl-C, SIGKILL)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -198,3 +200,23 @@ def test_a_rank_lost_mid_generation_is_one_line_within_the_timeout_and_leaves_no
             proc.kill()
         for pid in alive(pids):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("broke", ["dead", "timeout"])
+def test_on_nccl_a_result_made_while_the_group_broke_is_not_used(tmp_path, monkeypatch, broke):
+    """On GPUs rank 0 waits for the device after each call and drops the result when the watchdog found a dead
+    rank meanwhile (it aborts the group, and an aborted collective returns whatever its buffer held) or the call
+    outlasted the collective timeout (NCCL aborted it).  No NCCL here: the check runs on gloo ranks, told they are CUDA."""
+    tp = _start(_save(tiny_llama(seed=0), tmp_path))
+    pids = tp.pids
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    tp._ranks.cuda = True
+    tp.append(PROMPT)  # a healthy call is used
+    if broke == "dead":
+        tp._ranks.dead = "rank 1 (pid 12345) exited with status 1"
+    else:
+        tp._timeout_s = 0.0
+    words = "rank 1 (pid 12345) exited with status 1" if broke == "dead" else "a rank did not answer within 0 s"
+    with pytest.raises(TPError, match=re.escape(words + " during a forward")):
+        tp.append([1])
+    assert tp.closed and alive(pids) == []
