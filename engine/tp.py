@@ -13,7 +13,9 @@ and its tensors; NCCL on GPUs, gloo on CPU), then run here; the ranks meet in th
 collectives.  If any rank fails or dies mid-call, rank 0's collective fails (gloo sees the
 closed connection at once; on NCCL a watchdog thread aborts the group when a worker exits),
 every rank is closed and the call raises :class:`TPError` in one line that names the rank.
-A new ``TPCore`` starts them again.
+A new ``TPCore`` starts them again.  Between calls the workers wait in a collective, which
+would time out in an idle chat: rank 0 sends them an empty command every ``timeout_s / 3``
+(:mod:`tp_ranks`, which also holds the processes and the group).
 
 On CPU (gloo, one rank per core) this is the multi-GPU code path for tests and for users
 without GPUs to try; it is slower than one process (docs/multi-gpu.md has the numbers).
@@ -38,56 +40,13 @@ from typing import Any, Callable
 
 import torch
 
-from . import tp_shard, tp_worker, workers
+from . import tp_ranks, tp_shard, tp_worker, workers
 from .core import Core, CoreOutput
 from .errors import ModelError, TPError
-from .tp_worker import ADOPT, APPEND, CLOSE, HEADER, LOGITS, RESERVE, STEP, WARM
+from .tp_ranks import Ranks
+from .tp_worker import ADOPT, APPEND, HEADER, LOGITS, NOP, RESERVE, STEP, WARM
 
 LOAD_TIMEOUT_S = 900.0  # a rank's start: imports and reading its shard (a 70B shard is tens of GB)
-CLOSE_TIMEOUT_S = 3.0
-
-
-class _Ranks:
-    """The worker processes, their pipes and the process group (what the finalizer closes)."""
-
-    def __init__(self) -> None:
-        self.procs: list[Any] = []
-        self.conns: list[Any] = []
-        self.group = False  # this process holds the default process group
-        self.healthy = True
-        self.closing = False
-        self.cuda = False
-        self.device = torch.device("cpu")  # rank 0's: the CLOSE broadcast goes there (cuda:2 for cuda:2,cuda:3)
-        self.dead: str | None = None  # set by the watchdog: a worker that exited while the group was up
-
-    def shutdown(self) -> None:
-        """CLOSE to every rank if the group still works; then terminate, kill, and leave the group.  Idempotent."""
-        import torch.distributed as dist
-
-        self.closing = True
-        if self.group and self.healthy:
-            with contextlib.suppress(Exception):
-                dist.broadcast(torch.tensor([CLOSE] + [0] * (HEADER - 1), device=self.device), 0)
-        for p in self.procs:
-            p.join(CLOSE_TIMEOUT_S if self.healthy else 0.2)
-        for p in self.procs:
-            if p.is_alive() and self.healthy:
-                p.terminate()
-                p.join(CLOSE_TIMEOUT_S)
-            if p.is_alive():  # a broken group: a hung (or stopped, deaf to SIGTERM) rank is killed at once
-                p.kill()
-                p.join(CLOSE_TIMEOUT_S)
-        for c in self.conns:
-            with contextlib.suppress(Exception):
-                c.close()
-        if self.group:
-            self.group = False
-            with contextlib.suppress(Exception):
-                if self.cuda and not self.healthy:  # a broken NCCL group can hang in a clean destroy
-                    dist.distributed_c10d._abort_process_group()
-                else:
-                    dist.destroy_process_group()
-        self.healthy = False
 
 
 class TPCore:
@@ -124,7 +83,7 @@ class TPCore:
         self.cores = [tuple(c) for c in cores] if cores else None
         self.compile = {"auto": "on" if cuda else "off"}.get(compile, compile)
         core_kw = {"compile": self.compile, "rows": tuple(rows), "mid_layer": mid_layer, "lookahead": lookahead}
-        self._ranks = _Ranks()
+        self._ranks = Ranks()
         self._ranks.cuda, self._ranks.device = cuda, devs[0]
         self._finalizer = weakref.finalize(self, self._ranks.shutdown)
         self._lock = threading.Lock()
@@ -175,8 +134,10 @@ class TPCore:
         self._collect("ready", 120.0)
         for s in self.shards:
             say(s.line())
+        if self.world > 1:  # an idle worker waits in a collective, which times out: send it a NOP now and then
+            tp_ranks.keep_alive(self, self._ranks, timeout_s / 3, lambda tp: tp._run([NOP], [], lambda: None))
         if devs[0].type == "cuda" and self.world > 1:
-            threading.Thread(target=_watch, args=(self._ranks,), name="ssd-tp-watchdog", daemon=True).start()
+            threading.Thread(target=tp_ranks.watch, args=(self._ranks,), name="ssd-tp-watchdog", daemon=True).start()
 
     def _collect(self, kind: str, timeout: float) -> list[Any]:
         """The ``kind`` message of every worker, in rank order; a clear error if one fails or dies first."""
@@ -276,7 +237,7 @@ class TPCore:
 
         with self._lock:
             if self.closed:
-                raise TPError(f"the tensor-parallel ranks of '{self.name}' are closed; start the model again")
+                raise TPError(self._ranks.lost or f"the tensor-parallel ranks of '{self.name}' are closed; start the model again")
             try:
                 with self._pinned():
                     if self.world > 1:
@@ -374,15 +335,3 @@ class _TPKV:
         idx = torch.as_tensor(src, dtype=torch.long).reshape(-1)
         head = [ADOPT, int(idx.numel()), int(keep), local.length]
         self._tp._run(head, [idx] if idx.numel() else [], lambda: local.adopt(keep, idx.to(local.device)))
-
-
-def _watch(ranks: _Ranks) -> None:
-    """NCCL does not notice a dead peer (it waits for its timeout): abort the group when a worker exits."""
-    wait([p.sentinel for p in ranks.procs])
-    if ranks.group and ranks.healthy and not ranks.closing:
-        ranks.dead = next((f"rank {r} (pid {p.pid}) {workers.exit_words(p)}" for r, p in enumerate(ranks.procs, 1)
-                           if not p.is_alive()), None)
-        with contextlib.suppress(Exception):
-            import torch.distributed as dist
-
-            dist.distributed_c10d._abort_process_group()

@@ -28,7 +28,7 @@ import torch
 from . import workers
 
 HEADER = 8
-APPEND, STEP, ADOPT, RESERVE, WARM, CLOSE = range(1, 7)
+APPEND, STEP, ADOPT, RESERVE, WARM, CLOSE, NOP = range(1, 8)  # NOP: rank 0 keeps an idle group alive
 LOGITS = ("all", "last", "none")
 
 

@@ -220,3 +220,35 @@ def test_on_nccl_a_result_made_while_the_group_broke_is_not_used(tmp_path, monke
     with pytest.raises(TPError, match=re.escape(words + " during a forward")):
         tp.append([1])
     assert tp.closed and alive(pids) == []
+
+
+def test_an_idle_model_outlives_the_collective_timeout(tmp_path):
+    """Between calls the workers wait in a collective that gives up after ``timeout_s``; a chat left idle for
+    longer keeps its ranks (rank 0 sends an empty command every timeout_s / 3)."""
+    import time
+
+    model = tiny_llama(seed=0)
+    ref = Core(model, "tiny")
+    with _start(_save(model, tmp_path), timeout_s=1.5) as tp:
+        _close(tp.append(PROMPT).logits, ref.append(PROMPT).logits)
+        time.sleep(5)
+        _close(tp.append([4, 5]).logits, ref.append([4, 5]).logits)
+        assert not tp.closed
+
+
+def test_a_rank_killed_while_idle_is_reported_by_the_next_call(tmp_path, capfd):
+    import os
+    import signal
+    import time
+
+    tp = _start(_save(tiny_llama(seed=0), tmp_path), timeout_s=1.5)
+    tp.append(PROMPT)
+    pid = tp.pids[0]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while not tp.closed and time.monotonic() < deadline:  # the keep-alive finds it
+        time.sleep(0.1)
+    assert tp.closed and alive([pid]) == []
+    with pytest.raises(TPError, match=rf"rank 1 \(pid {pid}\) was killed by SIGKILL"):
+        tp.append([1])
+    assert "Traceback" not in capfd.readouterr().err
