@@ -86,7 +86,7 @@ class TPCore:
         self._ranks = Ranks()
         self._ranks.cuda, self._ranks.device = cuda, devs[0]
         self._finalizer = weakref.finalize(self, self._ranks.shutdown)
-        self._lock = threading.Lock()
+        self._lock = self._ranks.lock  # one call (or the CLOSE at exit) on the group at a time
         self._timeout_s = timeout_s
         try:
             self._start(source, devs, core_kw, timeout_s, fault or {}, say)

@@ -32,13 +32,18 @@ class Ranks:
         self.dead: str | None = None  # set by the watchdog: a worker that exited while the group was up
         self.lost: str | None = None  # set by the keep-alive: why the ranks closed while no call was running
         self.stop = threading.Event()
+        self.lock = threading.RLock()  # held by each call; shutdown waits for one in flight (the keep-alive's)
 
     def shutdown(self) -> None:
         """CLOSE to every rank if the group still works; then terminate, kill, and leave the group.  Idempotent."""
+        self.stop.set()
+        with self.lock:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
         import torch.distributed as dist
 
         self.closing = True
-        self.stop.set()
         if self.group and self.healthy:
             with contextlib.suppress(Exception):
                 dist.broadcast(torch.tensor([CLOSE] + [0] * (HEADER - 1), device=self.device), 0)
