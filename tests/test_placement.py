@@ -182,3 +182,19 @@ def test_the_spelling_check_leaves_the_hardware_to_the_load(value):
     from ssd_chat.engine.placement import check_forms
 
     check_forms(value, "cpu:5" if value.startswith("cpu") else "cuda:9")
+
+
+def test_the_app_in_a_terminal_refuses_cpu_ranks_before_it_opens(tmp_path):
+    """The real entry point in a pty: one error line, exit 2, and no full-screen app drawn (no alternate screen)."""
+    import os
+    import sys
+
+    pexpect = pytest.importorskip("pexpect")
+    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"), XDG_DATA_HOME=str(tmp_path / "d"))
+    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--target-device", "cpu:0,cpu:1"], env=env,
+                          dimensions=(45, 200), encoding="utf-8", timeout=60)
+    out = child.read()
+    child.close()
+    assert child.exitstatus == 2, out
+    assert out.strip().startswith("ssd-chat: error: --target-device cpu:0,cpu:1: tensor parallelism over CPU cores")
+    assert out.strip().count("\n") == 0 and "\x1b[?1049h" not in out and "Traceback" not in out
