@@ -11,14 +11,14 @@ from collections.abc import Iterator
 
 import torch
 
-from . import kv
+from . import forward
 from .detok import ReplyBuilder
-from .events import Done, Error, Event, Token
+from .events import Done, Error, Event, Notice, Token
 from .metrics import Metrics
 from .models import LoadedModel
 from .params import SamplingParams
 from .sampling import make_generator, sample_next
-from .errors import ParamError
+from .errors import ModelError, ParamError
 
 
 def context_budget(model: LoadedModel, num_prompt: int, params: SamplingParams, lookahead: int = 0) -> int:
@@ -38,6 +38,8 @@ def error_event(exc: BaseException, builder: ReplyBuilder) -> Error:
     """An Error event for a failure mid-reply, keeping what was produced."""
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         msg, kind = "out of GPU memory during generation; try a shorter chat, fewer new tokens or a smaller model", "oom"
+    elif isinstance(exc, ModelError):  # e.g. no memory for a KV cache: its message names the model and the size
+        msg, kind = str(exc), "oom" if "out of memory" in str(exc) else "runtime"
     else:
         msg, kind = f"{type(exc).__name__}: {exc}", "runtime"
     return Error(msg, kind, builder.text + builder.flush(), tuple(builder.token_ids))
@@ -46,8 +48,9 @@ def error_event(exc: BaseException, builder: ReplyBuilder) -> Error:
 class ARDecoder:
     mode = "ar"
 
-    def __init__(self, target: LoadedModel) -> None:
+    def __init__(self, target: LoadedModel, compile: str = "off") -> None:
         self.target = target
+        self.compile = compile  # which forward: see forward.runner
 
     def stream(
         self, prompt_ids: list[int], params: SamplingParams, stop: threading.Event | None = None
@@ -61,10 +64,12 @@ class ARDecoder:
         reason = None
         try:
             # prefill: the whole prompt in one forward
-            runner = kv.Runner(model, dev)
+            runner = forward.runner(model, "target", self.compile, (1,), dev, title=self.target.name)
             logits = runner.append(prompt_ids, logits="last").logits[-1]
             metrics.prefill_s = time.perf_counter() - t0
             while True:
+                for note in forward.take_notices(model):  # on transformers, or a compile that failed
+                    yield Notice(note, "info")
                 if stop is not None and stop.is_set():
                     reason = "cancelled"
                     break

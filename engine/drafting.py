@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import kv
+from . import forward, kv
 from .feature_draft import FeatureDraft, is_feature_draft
 
 Choose = Callable[[torch.Tensor, int], tuple[int, torch.Tensor | None]]
@@ -57,8 +57,9 @@ class ModelDrafter:
     reads_features = False
     mid_layer: int | None = None
 
-    def __init__(self, model: torch.nn.Module, vocab: int | None, device: torch.device | None = None) -> None:
-        self.runner = kv.Runner(model, device=device)
+    def __init__(self, model: torch.nn.Module, vocab: int | None, device: torch.device | None = None,
+                 compile: str = "off", rows: tuple[int, ...] = (1,), title: str | None = None) -> None:
+        self.runner = forward.runner(model, "draft", compile, rows, device, title=title)
         self.vocab = vocab
 
     def prefill(self, ids: list[int], target_out: Any = None) -> None:
@@ -163,8 +164,10 @@ def target_features(out: kv.Out) -> torch.Tensor:
     return torch.cat([out.mid.to(out.hidden.dtype), out.hidden], dim=-1)
 
 
-def drafter(model: torch.nn.Module, vocab: int | None, device: torch.device | None = None) -> ModelDrafter | FeatureDrafter:
-    """The drafter for ``model``."""
+def drafter(model: torch.nn.Module, vocab: int | None, device: torch.device | None = None, compile: str = "off",
+            rows: tuple[int, ...] = (1,), title: str | None = None) -> ModelDrafter | FeatureDrafter:
+    """The drafter for ``model``: a model draft on the runner :func:`forward.runner` picks (``compile``,
+    compiled ``rows``); a feature draft always on transformers (it reads the target's features)."""
     if is_feature_draft(model):
         return FeatureDrafter(model, vocab, device)
-    return ModelDrafter(model, vocab, device)
+    return ModelDrafter(model, vocab, device, compile, rows, title)

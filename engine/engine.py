@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from . import chat, drafts, models
+from . import chat, drafts, forward, models
 from .ar import ARDecoder
 from .config import CONFIG_MODES, MODES, EngineConfig
 from .drafts import check_draft_for_mode, default_draft
@@ -29,7 +29,7 @@ def _ssd(e: "Engine") -> Any:
 
 
 # mode -> factory(engine) -> decoder with .stream(prompt_ids, params, stop) and optional .close()
-DECODERS: dict[str, Callable[["Engine"], Any]] = {"ar": lambda e: ARDecoder(e.target), "sd": _sd, "ssd": _ssd}
+DECODERS: dict[str, Callable[["Engine"], Any]] = {"ar": lambda e: ARDecoder(e.target, e.config.compile), "sd": _sd, "ssd": _ssd}
 
 
 class Engine:
@@ -102,6 +102,9 @@ class Engine:
             "target": self.target.name, "target_device": self.target.placement.label,
             "draft": self.draft.name if uses_draft else None,
             "draft_device": self.draft.placement.label if uses_draft else None,
+            # what forwards each model (forward.LABELS): what ran last, else what will run
+            "forward": forward.label(self.target.model, "target", c.compile),
+            "draft_forward": self._draft_forward() if uses_draft else None,
         }
         if c.mode == "ssd":  # the speculator runs where the SSD decoder's plan puts it, not where the draft was loaded
             from .ssd import plan
@@ -112,6 +115,12 @@ class Engine:
             if p.target_cores:
                 out["target_device"] = f"{self.target.placement.device} (cores {','.join(map(str, p.target_cores))})"
         return out
+
+    def _draft_forward(self) -> str:
+        worker = getattr(self._decoder, "_worker", None) if self.config.mode == "ssd" else None
+        if worker is not None and worker.forward:  # the SSD speculator's draft, as its process reported
+            return worker.forward
+        return forward.label(self.draft.model, "draft", self.config.compile)
 
     def reconfigure(self, **changes: Any) -> None:
         """Change mode / k / fan-out / ... between replies (models stay loaded; switching from AR

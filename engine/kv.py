@@ -10,11 +10,12 @@ speculator call nothing else to run a model:
   attending to the committed prefix, its ancestors and itself (one depth of an SSD tree);
 * ``adopt(keep, slots)``: make scratch rows (a winning branch) the committed continuation.
 
-This module is the one place that touches a cache.  This implementation runs a transformers
-model (or a feature draft) on a ``DynamicCache``; the compact core (:mod:`core`) offers the
-same calls over its preallocated cache.  On a ``DynamicCache`` the scratch rows are appended
-after the committed ones, so tree slots must continue the scratch region in order, and the next
-``append`` or ``truncate`` drops them.
+This module is the one place that drives a cache.  :class:`Runner` runs a transformers model
+(or a feature draft) on a ``DynamicCache``; :class:`CoreRunner` runs the compact core
+(:mod:`core`) over its preallocated :class:`static_kv.StaticKV`; :mod:`forward` picks one.
+On a ``DynamicCache`` the scratch rows are appended after the committed ones, so tree slots
+must continue the scratch region in order, and the next ``append`` or ``truncate`` drops them.
+On the core any slot past the committed length is scratch; nothing needs dropping.
 
 transformers 5 changed ``Cache.crop`` to take the number of tokens to *remove*; everything here
 goes through :func:`truncate`, which takes the length to keep.
@@ -107,6 +108,8 @@ class Runner:
     ``mid_layer`` n: forwards asked for ``hidden`` also return the output of the first n layers
     (0: the embedding), what a fused feature draft reads."""
 
+    label = "transformers"  # what forwards it, for the panel and ``ask --json``
+
     def __init__(self, model: torch.nn.Module, device: torch.device | None = None, mid_layer: int | None = None) -> None:
         emb = _first_weight(model)
         self.model = model
@@ -191,6 +194,55 @@ class Runner:
             layer.keys = layer.keys.index_select(-2, idx)
             layer.values = layer.values.index_select(-2, idx)
         self._length = keep + len(slots)
+        return True
+
+
+class CoreRunner:
+    """:class:`Runner`'s calls on a :class:`core.Core` (its cache is a :class:`static_kv.StaticKV`)."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.model = core.model
+        self.device, self.dtype = core.device, core.dtype
+        self.mid_layer = core.mid_layer
+
+    @property
+    def length(self) -> int:
+        return self.core.kv.length
+
+    @property
+    def label(self) -> str:
+        """What forwards this runner: "core compiled" while any row shape runs compiled, else "core eager"."""
+        c = self.core.compiler
+        compiled = c.active and any(c.verdicts.get(r) != "eager" for r in c.rows)
+        return "core compiled" if compiled else "core eager"
+
+    def reset(self) -> None:
+        self.core.reset()
+
+    def truncate(self, keep: int) -> None:
+        self.core.kv.truncate(keep)
+
+    def append(self, ids: list[int] | torch.Tensor, logits: str = "all", hidden: bool = False,
+               features: torch.Tensor | None = None) -> Out:
+        if features is not None:
+            raise ValueError("the core runs plain decoders; a feature draft runs on transformers")
+        out = self.core.append(ids, logits=logits, hidden=hidden)
+        return Out(out.logits, out.hidden, out.mid)
+
+    def tree(self, ids: list[int] | torch.Tensor, positions: list[int] | torch.Tensor, slots: list[int] | torch.Tensor,
+             ancestors: list[list[int]] | torch.Tensor, prefix: int, logits: str = "all") -> Out:
+        """As :meth:`Runner.tree`, but ``slots`` may be any slots past the committed length."""
+        if int(torch.as_tensor(slots).min()) < self.length:
+            raise ValueError(f"tree rows must go at slots >= the committed length {self.length}")
+        return Out(self.core.tree(ids, positions, slots, ancestors, prefix, logits=logits).logits)
+
+    def adopt(self, keep: int, slots: list[int]) -> bool:
+        """As :meth:`Runner.adopt`: one gather of the branch's slots into place."""
+        kv = self.core.kv
+        if not 0 <= keep <= kv.length or any(not kv.length <= s < kv.capacity for s in slots):
+            return False
+        kv.adopt(keep, slots)
         return True
 
 

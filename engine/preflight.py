@@ -138,5 +138,5 @@ def in_force(config: "EngineConfig") -> dict[str, object]:
     return {
         "draft": config.draft or default_draft(config.target), "k": config.k,
         "fan_out": config.fan_out or DEFAULT_FAN_OUT, "budget": config.budget or default_budget(config.k),
-        "saguaro_c": config.saguaro_c, "fallback": config.fallback,
+        "saguaro_c": config.saguaro_c, "fallback": config.fallback, "compile": config.compile,
     }

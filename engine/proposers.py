@@ -59,17 +59,19 @@ class RemoteProposer:
     """A running speculator process and its channel."""
 
     def __init__(self, recipe: Recipe, k: int, fan: FanOut, fallback: str, vocab: int, cores: tuple[int, ...] | None,
-                 threads: int | None, timeout: float, fault: str | None = None) -> None:
+                 threads: int | None, timeout: float, fault: str | None = None, compile: str = "off") -> None:
         ctx = workers.context()
         parent, child = ctx.Pipe(duplex=True)
         qbuf = torch.zeros(k, vocab, dtype=torch.float32).share_memory_()
         self.k = k
         self.proc = ctx.Process(target=worker_main, name="ssd-speculator", daemon=True,
-                                args=(child, recipe, k, fan, fallback, vocab, qbuf, cores, threads, os.getpid(), fault))
+                                args=(child, recipe, k, fan, fallback, vocab, qbuf, cores, threads, os.getpid(), fault, compile))
         workers.start(self.proc)  # works under Textual too (its stderr has no fd)
         child.close()
         self.channel = Channel(parent, qbuf, self.proc.sentinel)
         self.ready = False
+        self.forward: str | None = None  # what forwards the draft there (forward.LABELS), from Ready
+        self.notices: tuple[str, ...] = ()
         self.pid = self.proc.pid
         self.timeout = timeout  # a silent speculator is given up on after this long
         self._finalizer = weakref.finalize(self, _shutdown, self.proc, parent)
@@ -80,6 +82,7 @@ class RemoteProposer:
             if not isinstance(msg, Ready):
                 raise SpeculatorError(f"unexpected first message from the speculator: {msg!r}")
             self.ready = True
+            self.forward, self.notices = msg.forward, msg.notices
 
     def begin(self, prompt_ids: list[int], settings: Settings) -> None:
         self.channel.send(Begin(tuple(prompt_ids), settings))  # the draft's prefill overlaps the target's
@@ -115,13 +118,13 @@ def _shutdown(proc: Any, conn: Any) -> None:
 class LocalProposer:
     """Plain SD drafting with the in-process draft (no speculation cache): k draft steps per round."""
 
-    def __init__(self, model: torch.nn.Module, k: int, vocab: int, device: torch.device) -> None:
-        self.model, self.k, self.vocab, self.device = model, k, vocab, device
+    def __init__(self, model: torch.nn.Module, k: int, vocab: int, device: torch.device, compile: str = "off") -> None:
+        self.model, self.k, self.vocab, self.device, self.compile = model, k, vocab, device, compile
 
     def begin(self, prompt_ids: list[int], settings: Settings) -> None:
         self.settings = settings
         self.gen = make_generator(None if settings.seed is None else settings.seed * 2 + 1, self.device)
-        self.drafter = ModelDrafter(self.model, self.vocab, self.device)
+        self.drafter = ModelDrafter(self.model, self.vocab, self.device, self.compile, (1, self.k + 1))
         self.drafter.prefill(list(prompt_ids))
         self.ctx = list(prompt_ids)  # tokens the target has committed
         self.pending: int | None = None

@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from . import kv
+from . import forward
 from .ar import context_budget, error_event
 from .detok import ReplyBuilder
 from .drafting import Choose, drafter, fit_vocab, vocab_size  # noqa: F401 - fit_vocab/vocab_size: SD's public helpers
 from .errors import ParamError
-from .events import Done, Event, Round, Token
+from .events import Done, Event, Notice, Round, Token
 from .metrics import Metrics
 from .models import LoadedModel
 from .params import SamplingParams
@@ -90,9 +90,10 @@ class SDDecoder:
         choose = plain_choice(params, dgen)
         reason = None
         try:
-            draft = drafter(self.draft.model, self._vocab, ddev)
+            mode = self.engine.config.compile
+            draft = drafter(self.draft.model, self._vocab, ddev, mode, (1, self.k + 1), self.draft.name)
             features = draft.reads_features  # the target's hidden states go to the draft
-            target = kv.Runner(self.target.model, tdev, mid_layer=draft.mid_layer)
+            target = forward.runner(self.target.model, "target", mode, (self.k + 1,), tdev, draft.mid_layer, self.target.name)
             # prefill: everything but the last prompt token, which the first round feeds
             seq = list(prompt_ids)
             if len(seq) > 1:
@@ -100,6 +101,8 @@ class SDDecoder:
             metrics.prefill_s = time.perf_counter() - t0
             index = 0
             while True:
+                for note in forward.take_notices(self.target.model, self.draft.model):  # on transformers, a failed compile
+                    yield Notice(note, "info")
                 if stop is not None and stop.is_set():
                     reason = "cancelled"
                     break

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import workers
+from . import forward, workers
 from .channel import Begin, Close, Failed, Ping, Pong, Ready, Spec
 from .fanout import FanOut
 from .speculator import Speculator
@@ -69,7 +69,8 @@ def build_model(recipe: Recipe) -> torch.nn.Module:
 
 
 def worker_main(conn: Any, recipe: Recipe, k: int, fan_out: FanOut, fallback: str, vocab: int, qbuf: torch.Tensor,
-                cores: tuple[int, ...] | None, threads: int | None, parent_pid: int, fault: str | None = None) -> None:
+                cores: tuple[int, ...] | None, threads: int | None, parent_pid: int, fault: str | None = None,
+                compile: str = "off") -> None:
     """The speculator process: load the draft, then serve requests until ``close`` or EOF."""
     workers.die_with_parent()
     if os.getppid() != parent_pid:
@@ -84,8 +85,11 @@ def worker_main(conn: Any, recipe: Recipe, k: int, fan_out: FanOut, fallback: st
         if threads:
             torch.set_num_threads(threads)
         model = build_model(recipe)
-        spec = Speculator(model, k, fan_out, fallback, vocab)
-        conn.send(Ready(os.getpid(), torch.get_num_threads()))
+        spec = Speculator(model, k, fan_out, fallback, vocab, compile)  # after the thread count: compiled kernels depend on it
+        warm = getattr(getattr(spec.runner, "core", None), "warm", None)
+        if compile in ("on", "auto") and warm is not None:
+            warm()  # compile every row shape before Ready, not inside the verifier's per-request timeout
+        conn.send(Ready(os.getpid(), torch.get_num_threads(), spec.runner.label, tuple(forward.take_notices(model))))
         _serve_loop(conn, spec, qbuf, _Fault.parse(fault))
     except (EOFError, OSError, KeyboardInterrupt):
         pass

@@ -17,8 +17,8 @@ reference code's draft runner, spec §2.2): for every round it
    after the tree.
 
 It runs in a worker process (:mod:`spec_worker`, pinned to its own cores) behind
-:mod:`channel`.  It runs the draft through a :class:`kv.Runner`: the tree rows are the
-runner's uncommitted scratch rows, and on a hit the winning branch is adopted, not recomputed.
+:mod:`channel`.  It runs the draft through a :mod:`kv` runner (:func:`forward.runner`: the
+compact core where it can): the tree rows are the runner's uncommitted scratch rows, and on a hit the winning branch is adopted, not recomputed.
 
 Every draft token is sampled from the distribution q' that is sent with it: the
 draft's temperature/top-k/top-p distribution, reshaped by Saguaro sampling
@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from . import kv
+from . import forward
 from .channel import Reply, Settings
 from .drafting import fit_vocab
 from .fanout import FanOut
@@ -78,9 +78,11 @@ class Speculator:
     """The draft side of SSD for one model on one device (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, k: int, fan_out: FanOut | None, fallback: str = "neural",
-                 vocab: int | None = None) -> None:
+                 vocab: int | None = None, compile: str = "off") -> None:
         self.vocab = vocab  # the target's logits width; draft logits are padded (-inf) or cut to it
-        self.runner = kv.Runner(model)
+        # compiled shapes: a step, the glue (k+1 rows), a tree depth (at most B rows)
+        rows = (1, k + 1, fan_out.budget) if fan_out is not None else (1, k + 1)
+        self.runner = forward.runner(model, "draft", compile, rows)
         self.device = self.runner.device
         self.k = k
         self.fan = fan_out  # None: no cache (every round a neural fallback)

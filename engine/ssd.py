@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import fanout, fastlinear, kv
+from . import fanout, fastlinear, forward, kv
 from .ar import context_budget, error_event
 from .channel import Settings
 from .detok import ReplyBuilder
@@ -67,7 +67,7 @@ LOAD_TIMEOUT_S = 180.0  # the speculator's start (imports + loading the draft)
 class _Reply:
     """One reply's verifier state: what the round reads and advances."""
 
-    target: kv.Runner  # holds every token of `seq`; `pending` has no KV yet
+    target: kv.Runner | kv.CoreRunner  # holds every token of `seq`; `pending` has no KV yet
     builder: ReplyBuilder
     metrics: Metrics
     params: SamplingParams
@@ -114,7 +114,7 @@ class SSDDecoder:
             recipe = recipe_for(e.draft, e.target, self.plan.draft_device, src.placement.dtype)
             fan = fanout.parse(e.config.fan_out, self.k, e.config.budget, self.vocab)
             self._worker = RemoteProposer(recipe, self.k, fan, e.config.fallback, self.vocab, self.plan.draft_cores,
-                                          self.plan.draft_threads, e.config.speculator_timeout_s, self.fault)
+                                          self.plan.draft_threads, e.config.speculator_timeout_s, self.fault, e.config.compile)
         except Exception as ex:  # noqa: BLE001 - e.g. a draft that cannot be shipped
             self._worker, self._last_error = None, f"{type(ex).__name__}: {ex}"
 
@@ -170,6 +170,10 @@ class SSDDecoder:
         elif self.plan.shared and not self._told_shared:
             self._told_shared = True
             yield Notice("SSD: verifier and speculator share one device, so they cannot overlap", "info")
+        if spec is not None and spec.notices:  # said once: the worker's notices from its start
+            for note in spec.notices:
+                yield Notice(f"speculator: {note}", "info")
+            spec.notices = ()
         pins = contextlib.ExitStack()
         reason = None
         try:
@@ -187,6 +191,8 @@ class SSDDecoder:
                 if spec is None:
                     spec = self._local(st.seq, settings)
                 while not builder.finished:
+                    for note in forward.take_notices(self.engine.target.model, self.engine.draft.model):
+                        yield Notice(note, "info")  # on transformers, a compile that failed
                     if stop is not None and stop.is_set():
                         reason = "cancelled"
                         break
@@ -213,7 +219,7 @@ class SSDDecoder:
         """The target's prefill; it samples the first token itself (spec §2.8)."""
         target = self.engine.target
         gen = make_generator(params.seed, target.device)
-        runner = kv.Runner(target.model, target.device)
+        runner = forward.runner(target.model, "target", self.engine.config.compile, (self.k + 1,), target.device, title=target.name)
         logits = runner.append(prompt_ids, logits="last").logits[-1]
         metrics.prefill_s = time.perf_counter() - t0
         pending = sample_next(logits, params.temperature, params.top_k, params.top_p, gen)
@@ -273,6 +279,6 @@ class SSDDecoder:
     def _local(self, seq: list[int], settings: Settings) -> LocalProposer | NoProposer:
         """Drafts from this process from here on: plain SD with the in-process draft, else none (AR)."""
         d = self.engine.draft
-        spec = LocalProposer(d.model, self.k, self.vocab, d.device) if self._has_local_draft() else NoProposer()
+        spec = LocalProposer(d.model, self.k, self.vocab, d.device, self.engine.config.compile) if self._has_local_draft() else NoProposer()
         spec.begin(seq, settings)
         return spec

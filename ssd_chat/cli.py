@@ -24,7 +24,7 @@ from .commands import register as register_app_commands
 from .config import sampling_params
 from .draft_cmd import draft_app
 from .loading import load_engine
-from .options import (Budget, Draft, DraftDevice, Dtype, Fallback, FanOut, K, MaxNew, Mode, SaguaroC, Seed, System, Target,
+from .options import (Budget, Draft, DraftDevice, Dtype, Compile, Fallback, FanOut, K, MaxNew, Mode, SaguaroC, Seed, System, Target,
                       TargetDevice, Temperature, TopK, TopP, TrustRemote, console, fail, merge, settings, utf8_text)
 from .serve_cmd import register as register_serve
 from .tui.figures import format_stats, ran_as
@@ -68,7 +68,7 @@ def main_callback(
     temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
     max_new_tokens: MaxNew = None, target_device: TargetDevice = None, draft_device: DraftDevice = None,
     dtype: Dtype = None, fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None,
-    fallback: Fallback = None, trust_remote_code: TrustRemote = None, system: System = None,
+    fallback: Fallback = None, compile: Compile = None, trust_remote_code: TrustRemote = None, system: System = None,
     record: Annotated[Optional[str], typer.Option("--record", help="Write the app session's event stream to this JSONL file (replay: ssd-chat demo --replay FILE).", show_default=False)] = None,
     db: Annotated[Optional[str], typer.Option("--db", help="Chat history database (default: $XDG_DATA_HOME/ssd-chat/history.db).", show_default=False)] = None,
     resume: Annotated[Optional[int], typer.Option("--resume", help="Reopen saved chat ID in the app (see `ssd-chat chats list`).", show_default=False)] = None,
@@ -101,7 +101,7 @@ def ask(
     temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
     max_new_tokens: MaxNew = None, target_device: TargetDevice = None, draft_device: DraftDevice = None,
     dtype: Dtype = None, fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None,
-    fallback: Fallback = None, trust_remote_code: TrustRemote = None, system: System = None,
+    fallback: Fallback = None, compile: Compile = None, trust_remote_code: TrustRemote = None, system: System = None,
 ) -> None:
     """Answer one question on stdout (plain text; --json for machines).
 
@@ -182,6 +182,8 @@ def _answer(engine, prompt: str, values: dict[str, Any], params, json_out: bool,
                     "mode_reason": engine.mode_reason,
                     "target": engine.target.name,
                     "draft": engine.draft.name if engine.draft is not None and engine.config.mode != "ar" else None,
+                    # what forwarded the models: core eager / core compiled / transformers
+                    **{key: info[key] for key in ("forward", "draft_forward") for info in [engine.describe()]},
                     "finish_reason": ev.reason,
                     "stats": {
                         "new_tokens": s.new_tokens, "rounds": s.rounds, "tok_per_s": s.tok_per_s, "ttft_s": s.ttft_s,

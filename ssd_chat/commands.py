@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .options import (Budget, Draft, DraftDevice, Dtype, Fallback, FanOut, K, MaxNew, Mode, SaguaroC, Seed, System, Target,
+from .options import (Budget, Draft, DraftDevice, Dtype, Compile, Fallback, FanOut, K, MaxNew, Mode, SaguaroC, Seed, System, Target,
                       TargetDevice, Temperature, TopK, TopP, TrustRemote, console, merge, settings, utf8_text)
 from .options import fail as _fail
 
@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
         temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
         max_new_tokens: MaxNew = None, target_device: TargetDevice = None, draft_device: DraftDevice = None,
         dtype: Dtype = None, fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None,
-        fallback: Fallback = None, trust_remote_code: TrustRemote = None, system: System = None,
+        fallback: Fallback = None, compile: Compile = None, trust_remote_code: TrustRemote = None, system: System = None,
     ) -> None:
         """A scripted multi-turn chat that types itself into the app (real engine, mode auto as everywhere),
         or with --replay, a recorded session played at recorded timing with no model loaded."""
@@ -72,7 +72,7 @@ def register(app: typer.Typer) -> None:
         json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object with every run and the verdict.")] = False,
         target: Target = None, draft: Draft = None, k: K = None, max_new_tokens: MaxNew = None,
         target_device: TargetDevice = None, draft_device: DraftDevice = None, dtype: Dtype = None,
-        fan_out: FanOut = None, budget: Budget = None, fallback: Fallback = None, trust_remote_code: TrustRemote = None,
+        fan_out: FanOut = None, budget: Budget = None, fallback: Fallback = None, compile: Compile = None, trust_remote_code: TrustRemote = None,
         system: System = None,
     ) -> None:
         """Answer PROMPT greedily in AR, SD and SSD one after another on the same models: the tok/s of each

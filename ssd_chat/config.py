@@ -41,6 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "budget": None,
     "saguaro_c": None,
     "fallback": None,
+    "compile": None,  # the engine's default: off (the compact core, eager)
     "trust_remote_code": False,
     "system": None,
     # chat app

@@ -41,6 +41,7 @@ FanOut = Annotated[Optional[str], typer.Option("--fan-out", help="SSD fan-out: g
 Budget = Annotated[Optional[int], typer.Option("--budget", min=1, help="SSD cache budget B: outcomes pre-speculated per round.", show_default=False)]
 SaguaroC = Annotated[Optional[float], typer.Option("--saguaro-c", min=0.0, max=1.0, help="Saguaro down-weighting C of the draft's top tokens at temperature > 0 (1 = off).", show_default=False)]
 Fallback = Annotated[Optional[str], typer.Option("--fallback", callback=lambda v: choice(v, ("neural", "fast", "auto")), help="SSD fallback on a cache miss: neural, fast or auto.", show_default=False)]
+Compile = Annotated[Optional[str], typer.Option("--compile", callback=lambda v: choice(v, ("auto", "on", "off", "transformers")), help="Which forward runs the models: the compact model core eager (off, default), compiled per row shape (on: CUDA graphs on a GPU, inductor on CPU; the first start compiles), compiled where it measured faster than eager (auto), or transformers' own modules (transformers: the reference path). Models the core does not run use transformers, with a notice.", show_default=False)]
 TrustRemote = Annotated[Optional[bool], typer.Option("--trust-remote-code/--no-trust-remote-code", help="Allow model repositories to run their own Python code (off by default).", show_default=False)]
 System = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.", show_default=False)]
 

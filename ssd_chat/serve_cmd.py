@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .options import (Budget, Draft, DraftDevice, Dtype, Fallback, FanOut, K, MaxNew, Mode, SaguaroC, Seed, Target, TargetDevice,
+from .options import (Budget, Draft, DraftDevice, Dtype, Compile, Fallback, FanOut, K, MaxNew, Mode, SaguaroC, Seed, Target, TargetDevice,
                       Temperature, TopK, TopP, TrustRemote, fail, merge, settings)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -50,7 +50,7 @@ def register(app: typer.Typer) -> None:
         temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
         max_new_tokens: MaxNew = None, target_device: TargetDevice = None, draft_device: DraftDevice = None,
         dtype: Dtype = None, fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None,
-        fallback: Fallback = None, trust_remote_code: TrustRemote = None,
+        fallback: Fallback = None, compile: Compile = None, trust_remote_code: TrustRemote = None,
     ) -> None:
         """Serve the engine over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /metrics, /health); sampling options are the defaults for requests that leave them out.
 

@@ -125,7 +125,7 @@ class _API:
 
         cfg, draft = self.engine.config, self.engine.draft
         config = {k: getattr(cfg, k) for k in ("target", "draft", "mode", "k", "target_device", "draft_device", "dtype",
-                                               "fan_out", "budget", "saguaro_c", "fallback", "trust_remote_code")}
+                                               "fan_out", "budget", "saguaro_c", "fallback", "compile", "trust_remote_code")}
         if draft is not None and cfg.draft is None:
             config["draft"] = default_draft(cfg.target)  # the setting that chose it, as `ask --draft` would name it
         info = {"mode": cfg.mode, "modes": self.worker.modes(), "draft": draft.name if draft is not None else None,

@@ -39,6 +39,18 @@ def test_ask_json_and_stdin():
 
 
 @pytest.mark.slow
+def test_ask_json_says_which_forward_ran_and_both_give_the_same_tokens():
+    """AR on the compact core (eager) and on transformers' modules: the same tokens, each labelled."""
+    outs = {}
+    for forward in ("off", "transformers"):
+        r = cli("ask", "--json", "--mode", "ar", "-n", "24", "--compile", forward, "What is the capital of France?")
+        assert r.returncode == 0, r.stderr
+        outs[forward] = json.loads(r.stdout)
+    assert outs["off"]["forward"] == "core eager" and outs["transformers"]["forward"] == "transformers"
+    assert outs["off"]["token_ids"] == outs["transformers"]["token_ids"] and "Paris" in outs["off"]["text"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("cores", [None, {0}])
 def test_ask_json_reports_the_mode_auto_ran(cores):
     """The default mode is auto: SSD with a core for the speculator (and the shipped draft), AR on one core."""

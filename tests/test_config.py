@@ -143,3 +143,21 @@ def test_config_command_shows_invalid_values_and_exits_non_zero(tmp_path, monkey
         assert json.loads(r.stdout)["max_new_tokens"] == {"value": 0, "source": "file"}
     else:
         assert "max_new_tokens" in r.stdout  # the table is still shown
+
+
+def test_compile_setting_from_flag_env_and_file(tmp_path, monkeypatch):
+    """--compile picks the forward (the compact core eager/compiled, or transformers); `ssd-chat config` shows it."""
+    r = CliRunner().invoke(app, ["config", "--json"])
+    assert json.loads(r.stdout)["compile"]["in_force"] == "off"  # the engine's default: the core, eager
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(write(tmp_path, "compile = 'transformers'\n")))
+    r = CliRunner().invoke(app, ["config", "--json"])
+    assert {k: json.loads(r.stdout)["compile"][k] for k in ("value", "source")} == {"value": "transformers", "source": "file"}
+    monkeypatch.setenv("SSD_CHAT_COMPILE", "auto")
+    assert json.loads(CliRunner().invoke(app, ["config", "--json"]).stdout)["compile"]["value"] == "auto"
+    r = CliRunner().invoke(app, ["--compile", "on", "config"])
+    assert r.exit_code == 0 and "compile" in r.stdout and " on " in r.stdout
+    monkeypatch.setenv("SSD_CHAT_COMPILE", "fast")
+    r = CliRunner().invoke(app, ["config"])
+    assert r.exit_code == 1 and "unknown compile 'fast' (use one of auto, on, off, transformers)" in r.stderr
+    r = CliRunner().invoke(app, ["ask", "--compile", "fast", "hi"])
+    assert r.exit_code == 2 and "Traceback" not in r.output

@@ -9,7 +9,7 @@ import torch
 
 from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
 from distribution import compare, exact_distribution, sample_outcomes
-from ssd_chat.engine import drafts, sd
+from ssd_chat.engine import drafts, kv, sd
 from ssd_chat.engine.ar import ARDecoder
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.errors import ParamError
@@ -343,15 +343,17 @@ def test_a_failure_mid_reply_is_an_error_event_with_the_partial_reply(pair, monk
     target, draft = pair
     full = done(run(ARDecoder(target).stream, max_new_tokens=30))
     calls = {"n": 0}
-    real = sd.kv.Runner.append
 
-    def flaky(self, ids, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] > 12:
-            raise RuntimeError("device fell over")
-        return real(self, ids, *args, **kwargs)
+    def flaky(real):
+        def append(self, ids, *args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] > 12:
+                raise RuntimeError("device fell over")
+            return real(self, ids, *args, **kwargs)
+        return append
 
-    monkeypatch.setattr(sd.kv.Runner, "append", flaky)
+    for cls in (kv.Runner, kv.CoreRunner):  # whichever forward runs the models
+        monkeypatch.setattr(cls, "append", flaky(cls.append))
     events = list(sd_engine(target, draft, 3).stream(list(PROMPT), SamplingParams(max_new_tokens=30)))
     err = events[-1]
     assert isinstance(err, Error) and "device fell over" in err.message and err.kind == "runtime"

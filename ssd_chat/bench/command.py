@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..options import (Budget, Draft, DraftDevice, Dtype, Fallback, FanOut, K, SaguaroC, Seed, Target, TargetDevice,
+from ..options import (Budget, Compile, Draft, DraftDevice, Dtype, Fallback, FanOut, K, SaguaroC, Seed, Target, TargetDevice,
                        Temperature, TopK, TopP, TrustRemote, fail, merge, settings)
 from . import BenchError
 from .machine import busy_note, machine_info
@@ -45,7 +45,7 @@ def bench_command(
     temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
     target_device: TargetDevice = None, draft_device: DraftDevice = None, dtype: Dtype = None,
     fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None, fallback: Fallback = None,
-    trust_remote_code: TrustRemote = None,
+    compile: Compile = None, trust_remote_code: TrustRemote = None,
 ) -> None:
     """Race AR, SD and SSD on the same prompts, models and hardware; report tok/s, TTFT, acceptance and ratios.
 
@@ -56,7 +56,7 @@ def bench_command(
     local = {"target": target, "draft": draft, "k": k, "temperature": temperature, "top_p": top_p, "top_k": top_k,
              "seed": seed, "target_device": target_device, "draft_device": draft_device, "dtype": dtype,
              "fan_out": fan_out, "budget": budget, "saguaro_c": saguaro_c, "fallback": fallback,
-             "trust_remote_code": trust_remote_code}
+             "compile": compile, "trust_remote_code": trust_remote_code}
     merged = merge(ctx, local)
     given = {k_ for k_, v in merged.items() if v is not None}
     mode_list = _parse_list(modes, ("ar", "sd", "ssd"), "mode")
@@ -118,7 +118,7 @@ def bench_command(
     models = pool.describe()
     report = build_report(result, plans, race, prompt_list, prompt_source, models,
                           {"k": base_cfg.k, "fan_out": base_cfg.fan_out, "budget": base_cfg.budget, "saguaro_c": base_cfg.saguaro_c,
-                           "fallback": base_cfg.fallback}, machine, notes, pool.decode)
+                           "fallback": base_cfg.fallback, "compile": base_cfg.compile}, machine, notes, pool.decode)
     from .render import markdown, render
 
     render(report, console)

@@ -105,6 +105,9 @@ class MetricsPanel(Vertical):
         t.add_row("target", Text(printable(f"{i.get('target') or '?'}" + (f" @ {i['target_device']}" if i.get("target_device") else ""))))
         if i.get("draft"):
             t.add_row("draft", Text(printable(f"{i['draft']}" + (f" @ {i['draft_device']}" if i.get("draft_device") else ""))))
+        if i.get("forward"):  # which forward runs the models: the compact core (eager/compiled) or transformers
+            fwd = i["forward"] if i.get("draft_forward") in (None, i["forward"]) else f"target {i['forward']}, draft {i['draft_forward']}"
+            t.add_row("forward", Text(printable(fwd)))
         if i.get("temperature") is not None:
             t.add_row("temp", f"{i['temperature']:g}")
         if self.is_mounted:

@@ -1,0 +1,106 @@
+"""Which forward runs a model: the compact core (:mod:`core`) where it can, else transformers.
+
+:func:`runner` is what every decoder and the SSD speculator call to get a :mod:`kv` runner.
+``compile`` is the ``--compile`` setting:
+
+* ``off``: the core, eager; ``on``: the core, every row shape compiled; ``auto``: the core,
+  compiled where :mod:`core_compile` decides (CUDA: always; CPU: where it timed faster);
+* ``transformers``: the transformers modules on a ``DynamicCache`` (the reference path).
+
+A model the core does not run (:func:`core.supports`: another architecture, a feature draft, a
+model split over devices) keeps the transformers path, with one notice saying why.
+
+Cores are kept with their model, one per role (``name``: target, draft) and row shapes, so each
+reply reuses the cache buffer and the compiled graphs of the one before (a reply starts with
+``reset``).  Notices (why a model is on transformers, a compile that failed) are queued once per
+model and role; decoders hand them on as :class:`events.Notice` (:func:`take_notices`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import kv
+from .config import COMPILE
+from .core import Core, supports
+
+LABELS = ("core eager", "core compiled", "transformers")
+
+
+class _State:
+    """What this process keeps per model: its cores, its last runner per role, notices."""
+
+    def __init__(self) -> None:
+        self.cores: dict[tuple, Core] = {}
+        self.runners: dict[tuple[str, str], Any] = {}  # (role, compile) -> the last runner made
+        self.said: set[str] = set()
+        self.pending: list[str] = []
+
+    def __deepcopy__(self, memo: dict) -> "_State":
+        return _State()  # a copied model (the ``copy`` draft) gets cores of its own
+
+    def say(self, text: str) -> None:
+        if text not in self.said:
+            self.said.add(text)
+            self.pending.append(text)
+
+
+_ATTR = "_ssd_chat_forward"  # kept on the model itself: a weak mapping would keep it alive (core -> model)
+
+
+def _state(model: torch.nn.Module) -> _State:
+    st = model.__dict__.get(_ATTR)
+    if st is None:
+        st = model.__dict__[_ATTR] = _State()
+    return st
+
+
+def runner(model: torch.nn.Module, name: str, compile: str = "off", rows: tuple[int, ...] = (1,),
+           device: torch.device | None = None, mid_layer: int | None = None, title: str | None = None) -> kv.Runner | kv.CoreRunner:
+    """A runner for ``model`` in the role ``name`` (target, draft), at length 0 (see the module docstring).
+    ``rows``: the row counts the decoder's forwards have (compiled shapes under on/auto); ``title``:
+    the model's name in messages (an out-of-memory cache, a failed compile)."""
+    if compile not in COMPILE:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE)}, got '{compile}'")
+    st = _state(model)
+    if compile != "transformers":
+        ok, why = supports(model)
+        if ok:
+            key = (name, mid_layer, compile, () if compile == "off" else tuple(sorted(set(rows))))
+            core = st.cores.get(key)
+            if core is None:
+                core = st.cores[key] = Core(model, title or name, compile=compile, rows=key[3], mid_layer=mid_layer,
+                                            notify=st.say, progress=st.say)
+            core.reset()
+            st.runners[name, compile] = kv.CoreRunner(core)
+            return st.runners[name, compile]
+        st.say(f"the {name} runs on transformers, not the compact core: {why}")
+    st.runners[name, compile] = kv.Runner(model, device, mid_layer=mid_layer)
+    return st.runners[name, compile]
+
+
+def predict(model: torch.nn.Module, compile: str) -> str:
+    """The label a runner for ``model`` will have, before one exists (``auto``: "core auto")."""
+    if compile == "transformers" or not supports(model)[0]:
+        return "transformers"
+    return {"off": "core eager", "on": "core compiled"}.get(compile, "core auto")
+
+
+def label(model: torch.nn.Module, name: str, compile: str) -> str:
+    """What forwards ``model`` in the role ``name``: its last runner's label, else :func:`predict`."""
+    got = model.__dict__.get(_ATTR)
+    r = got.runners.get((name, compile)) if got is not None else None
+    return r.label if r is not None else predict(model, compile)
+
+
+def take_notices(*models: torch.nn.Module | None) -> list[str]:
+    """The notices queued for these models since the last call (each said once per process)."""
+    out: list[str] = []
+    for m in models:
+        st = m.__dict__.get(_ATTR) if m is not None else None
+        if st is not None and st.pending:
+            out += st.pending
+            st.pending.clear()
+    return out
