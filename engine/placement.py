@@ -27,8 +27,8 @@ from typing import Any
 
 from .errors import DeviceError
 
-CPU_TP_NOT_IN_CHAT = ("tensor parallelism over CPU cores runs on the compact core, which the chat's decoders do not use "
-                      "yet (python: ssd_chat.engine.tp.TPCore); use cpu or cpu:N-M")
+CPU_TP_NOT_IN_CHAT = ("tensor parallelism over CPU cores is not wired into the chat's decoders yet "
+                      "(python: ssd_chat.engine.tp.TPCore); use cpu or cpu:N-M")
 CPU_TP_NOTE = ("tensor parallelism on CPU (gloo, one rank per core) is for testing the multi-GPU code path, not for "
                "speed: it is slower than one process")
 _ENTRY = re.compile(r"(cpu|cuda)(?::(\d+)(?:-(\d+))?)?|mps")

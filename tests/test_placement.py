@@ -109,7 +109,7 @@ def test_the_chat_accepts_the_syntax_and_says_what_runs_today(monkeypatch):
     from ssd_chat.engine import models, placement, preflight
     from ssd_chat.engine.config import EngineConfig
 
-    with pytest.raises(DeviceError, match="tensor parallelism over CPU cores runs on the compact core, which the chat's decoders"):
+    with pytest.raises(DeviceError, match="tensor parallelism over CPU cores is not wired into the chat's decoders yet"):
         models.parse_placement("cpu:0,cpu:1")
     with pytest.raises(DeviceError, match="no CUDA GPU is available"):
         models.parse_placement("cuda:0-3")
@@ -139,7 +139,7 @@ FORMS = [
     ("--target-device", "pipeline:cpu:0,cpu:1", "pipeline: spreads a model over GPUs only"),
     ("--target-device", "pipeline:cuda:0", "pipeline: needs at least two GPUs"),
     ("--target-device", "mps,cpu", "mps is one device"),
-    ("--target-device", "cpu:0,cpu:1", "--target-device cpu:0,cpu:1: tensor parallelism over CPU cores runs on the compact core"),
+    ("--target-device", "cpu:0,cpu:1", "--target-device cpu:0,cpu:1: tensor parallelism over CPU cores is not wired into the chat's decoders yet"),
     ("--draft-device", "cuda:0,cuda:1", "--draft-device cuda:0,cuda:1: the draft runs on one device"),
     ("--draft-device", "cpu:0-1,cpu:2", "--draft-device cpu:0-1,cpu:2: the draft runs on one device"),
 ]
