@@ -109,6 +109,9 @@ def traceable(m: nn.Module, rows: int) -> Linear:
     """The default projection inside a compiled graph of ``rows`` rows.  A plain Linear is called as
     ``F.linear`` on its own weight, or on CPU with fastlinear installed, as the product fastlinear timed
     fastest for that row count (its numba kernels as an opaque custom op); anything else is called as it is."""
+    wrapped = getattr(m, "graph_call", None)
+    if wrapped is not None:  # a wrapper around a projection (a tensor-parallel shard) says how a graph calls it
+        return wrapped(rows)
     from .fastlinear import FastLinear
 
     if isinstance(m, FastLinear) and m.weight.device.type == "cpu":

@@ -23,3 +23,7 @@ class ParamError(SSDChatError, ValueError):
 
 class SpeculatorError(SSDChatError):
     """The SSD speculator process failed (the verifier falls back)."""
+
+
+class TPError(SSDChatError):
+    """A tensor-parallel rank failed, died or could not start (every rank is then closed)."""

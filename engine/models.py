@@ -20,7 +20,8 @@ import torch
 
 from . import attention, fastlinear
 from .config import DEFAULT_TARGET, cache_dir  # noqa: F401 - cache_dir: also models.cache_dir
-from .errors import DeviceError, ModelError, TokenizerMismatchError
+from .devices import Placement, parse_placement  # noqa: F401 - also models.parse_placement, models.Placement
+from .errors import ModelError, TokenizerMismatchError
 
 # alias -> hub id (instruct variants); "packaged" entries need no download
 ALIASES: dict[str, str] = {
@@ -166,90 +167,6 @@ def _converted_gguf(gguf: Path, progress: ProgressFn) -> Path:
 
 
 # --- devices and dtypes --------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where a model runs.  ``cores`` is set for ``cpu:N`` style pinning (SSD workers)."""
-
-    device: torch.device
-    dtype: torch.dtype
-    cores: tuple[int, ...] | None = None
-    device_map: tuple[str, ...] | None = None  # several GPUs for one model
-
-    @property
-    def label(self) -> str:
-        where = ",".join(self.device_map) if self.device_map else str(self.device)
-        if self.cores is not None:
-            where += f" (cores {','.join(map(str, self.cores))})"
-        return f"{where} {str(self.dtype).removeprefix('torch.')}"
-
-
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "float64": torch.float64, "fp64": torch.float64,
-}
-
-
-def parse_placement(device: str = "auto", dtype: str = "auto", option: str = "--target-device") -> Placement:
-    """Validate ``--*-device`` / ``--dtype`` (``auto``, ``cpu``, ``cpu:1``, ``cpu:0-3``, ``cuda``, ``cuda:N``,
-    ``cuda:0,cuda:1``, ``mps``) against the hardware present; errors name ``option``, the one the user gave."""
-    spec = (device or "auto").strip().lower()
-    cores = None
-    devs: list[str]
-    if spec == "auto":
-        devs = ["cuda:0" if torch.cuda.is_available() else "cpu"]
-    else:
-        devs = [d.strip() for d in spec.split(",") if d.strip()]
-    if not devs:
-        raise DeviceError(f"{option}: invalid device '{device}'")
-    parsed: list[torch.device] = []
-    for d in devs:
-        m = re.fullmatch(r"cpu(?::(\d+)(?:-(\d+))?)?", d)
-        if m:
-            if len(devs) > 1:
-                raise DeviceError(f"{option}: a model can be split over several GPUs, not over CPU and GPU")
-            if m.group(1) is not None:
-                lo = int(m.group(1))
-                hi = int(m.group(2)) if m.group(2) else lo
-                avail = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-                want = tuple(range(lo, hi + 1))
-                missing = [c for c in want if c not in avail]
-                if missing or hi < lo:
-                    raise DeviceError(f"{option} {d}: this machine has CPU cores {avail[0]}-{avail[-1]} only")
-                cores = want
-            parsed.append(torch.device("cpu"))
-            continue
-        m = re.fullmatch(r"cuda(?::(\d+))?", d)
-        if m:
-            if not torch.cuda.is_available():
-                raise DeviceError(
-                    f"{option} {d}: no CUDA GPU is available "
-                    f"(torch {torch.__version__}{'' if torch.version.cuda else ', a CPU-only build'}); use {option} cpu"
-                )
-            idx = int(m.group(1) or 0)
-            if idx >= torch.cuda.device_count():
-                raise DeviceError(f"{option} {d}: no such device, this machine has {torch.cuda.device_count()} CUDA GPU(s)")
-            parsed.append(torch.device("cuda", idx))
-            continue
-        if d == "mps":
-            if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-                raise DeviceError(f"{option} mps: Apple Metal is not available")
-            parsed.append(torch.device("mps"))
-            continue
-        raise DeviceError(f"{option}: unknown device '{d}' (use cpu, cpu:N, cuda, cuda:N, cuda:0,cuda:1 or mps)")
-    first = parsed[0]
-    dt = (dtype or "auto").strip().lower()
-    if dt == "auto":
-        torch_dtype = torch.bfloat16 if first.type == "cuda" else torch.float32
-    elif dt in _DTYPES:
-        torch_dtype = _DTYPES[dt]
-    else:
-        raise DeviceError(f"unknown dtype '{dtype}' (use auto, float32, bfloat16, float16)")
-    device_map = tuple(str(d) for d in parsed) if len(parsed) > 1 else None
-    return Placement(first, torch_dtype, cores, device_map)
 
 
 # --- loading -------------------------------------------------------------------------------

@@ -89,6 +89,9 @@ def check(config: "EngineConfig") -> Preflight:
     named = config.draft
     kind = draft_kind(named, config.target) if named else None
     warnings = _memory_warnings(tspec, tplace)
+    if tplace.device_map and not config.target_device.strip().lower().startswith("pipeline:"):
+        warnings.append(f"--target-device {config.target_device}: tensor parallelism over these GPUs is built, but the decoders do "
+                        "not run on it yet, so the target loads as a device_map pipeline (one GPU at work at a time)")
     if config.mode == "auto":
         if named is None and not _shipped_trained(config.target):
             mode, reason = "ar", (f"AR: no draft for {config.target}; SSD needs one: --draft MODEL (a small model with the "

@@ -91,3 +91,16 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def exit_words(proc: Any) -> str:
+    """How a worker process ended, for an error line: "exited with status 3", "was killed by SIGKILL"."""
+    code = proc.exitcode
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"

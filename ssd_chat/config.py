@@ -197,6 +197,22 @@ def check(values: dict[str, Any], sources: dict[str, str], path: Path | None = N
             blamed = [k for k in blamed if k != "mode"]
         where = ", ".join(_origin(k, sources[k], path) for k in blamed)
         raise ConfigError(f"{e} ({where})" if where else str(e), usage=bool(blamed) and all(sources[k] == "cli" for k in blamed)) from None
+    _check_devices(values, sources, path)
+
+
+def _check_devices(values: dict[str, Any], sources: dict[str, str], path: Path | None) -> None:
+    """The spelling of --target-device / --draft-device, before torch loads or the app opens (the
+    hardware is checked when the models load)."""
+    from .engine.errors import DeviceError
+    from .engine.placement import check_forms
+
+    for key in ("target_device", "draft_device"):
+        try:
+            check_forms(*((values.get(key), None) if key == "target_device" else (None, values.get(key))))
+        except DeviceError as e:
+            source = sources.get(key, "default")
+            where = "" if source in ("cli", "default") else f" ({_origin(key, source, path)})"
+            raise ConfigError(f"{e}{where}", usage=source == "cli") from None
 
 
 def _origin(key: str, source: str, path: Path | None) -> str:

@@ -13,7 +13,10 @@ core uncompiled and the core compiled (CUDA graphs):
 * SSD's verifier wait per round (:mod:`ssd_chat.gpucheck_rounds`) with a draft identical to
   the rig's oracle (every round a hit) and with a perturbed one (misses);
 * from those, the tok/s AR, SD and SSD would reach at the paper's acceptance rates, next to
-  the paper's own numbers (Llama-3.1-70B/3.2-1B on H100s: not the same pair or hardware).
+  the paper's own numbers (Llama-3.1-70B/3.2-1B on H100s: not the same pair or hardware);
+* the target through the tensor-parallel code path with one rank (:mod:`ssd_chat.gpucheck_tp`),
+  against the plain core; with two or more GPUs also TP=2 (NCCL) on the draft-shaped model; with
+  one GPU it says TP=2 did not run.
 
 ``--cpu-smoke`` runs the same steps with tiny shapes on the CPU in seconds (a test runs it,
 so this script cannot rot while no GPU is lent).  The report (``report.md``, ``report.json``)
@@ -207,7 +210,7 @@ def write(out: Path, report: dict[str, Any]) -> None:
         for name in report["forward_names"]:
             lines.append(f"| {name} | " + " | ".join(str(report["forwards"].get(f"{name} {p} ms", "—")) for p in report["paths"]) + " |")
         lines += ["", f"compile seconds (first call of each shape): {report.get('compile_s', {})}", ""]
-    for key in ("notices", "channel", "rounds"):
+    for key in ("notices", "channel", "rounds", "tp"):
         if report.get(key):
             lines += [f"## {key}", "", "```", json.dumps(report[key], indent=1), "```", ""]
     if report.get("projection"):
@@ -330,6 +333,23 @@ def main(argv: list[str] | None = None) -> int:
             report["rounds"][label] = st.summary()
             write(out, report)
         report["projection"] = projections(f, report["rounds"], report["channel"]["request_us"] / 1e6, k)
+        write(out, report)
+        from ssd_chat import gpucheck_tp
+
+        try:  # TP=1 through the tensor-parallel code path (TP=2 needs a second GPU)
+            gpucheck_tp.run(target, prompt, k, args.reps, dev, compile_mode, report, note, median_ms, left)
+        except Exception as e:  # noqa: BLE001 - said in the report; the steps above stand
+            note(f"the TP=1 step failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            report["failed"] = True
+        pair = ["cpu", "cpu"] if smoke else ["cuda:0", "cuda:1"] if torch.cuda.device_count() >= 2 else None
+        try:  # TP=2 on the draft-shaped model (its twin, unperturbed): NCCL over two GPUs, gloo in the smoke run
+            if pair is None:
+                note("TP=2 not run: one GPU (NCCL takes one rank per GPU)")
+            else:
+                gpucheck_tp.run_multi(oracle, prompt, k, args.reps, pair, compile_mode, report, note, median_ms, left)
+        except Exception as e:  # noqa: BLE001 - said in the report; the steps above stand
+            note(f"the TP=2 step failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            report["failed"] = True
     except Exception as e:  # noqa: BLE001 - the report says what failed; partial results stay
         note(f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         report["failed"] = True

@@ -12,7 +12,6 @@ import pytest
 
 def _check(report: dict, compiled: bool) -> None:
     paths = ["transformers", "core eager"] + (["core compiled"] if compiled else [])
-    assert report["paths"] == paths
     for name in report["forward_names"]:
         for path in paths:
             assert report["forwards"][f"{name} {path} ms"] > 0, (name, path)
@@ -24,6 +23,21 @@ def _check(report: dict, compiled: bool) -> None:
     assert rounds["identical"]["wait_hit_ms"] is not None
     # a heavily perturbed draft misses, and the miss waits include the fallback drafting
     assert rounds["perturbed"]["wait_miss_ms"] is not None and rounds["perturbed"]["hit_rate"] < 1.0
+    # the tensor-parallel code path with one rank: same greedy tokens as the core, timed next to it
+    tp_paths = ["TP=1 eager"] + (["TP=1 compiled"] if compiled else [])
+    assert report["paths"] == paths + tp_paths
+    for path in tp_paths:
+        assert report["tp"][f"{path} greedy_equal_core"] is True and report["tp"][f"{path} max_abs_logit_diff"] < 1e-3
+        for name in ("target 1 row", "target verify"):
+            assert report["forwards"][f"{name} {path} ms"] > 0
+    assert "TP=2 needs 2 GPUs" in report["tp"]["not_measured"] and report["tp"]["shard"].startswith("rank 0 on cpu")
+    # TP=2 (on a GPU machine: NCCL over two GPUs; here two gloo ranks, eager) on the draft-shaped model
+    tp2 = report["tp"]
+    assert tp2["TP=2 eager greedy_equal_core"] is True and tp2["TP=2 eager first_divergence"] is None
+    assert tp2["TP=2 eager max_abs_logit_diff"] < 1e-3 and "TP=2 compiled greedy_equal_core" not in tp2
+    assert [s.split(":")[0] for s in tp2["TP=2 eager shards"]] == ["rank 0 on cpu", "rank 1 on cpu"]
+    for kind in ("1 row", "verify"):
+        assert tp2[f"{kind} TP=2 eager ms"] > 0 and tp2[f"{kind} core eager ms"] > 0
     proj = [r for r in report["projection"] if r["path"] == rounds["path"]]
     assert [r["alpha"] for r in proj] == [0.6, 0.7, 0.8] and all(r["ssd"] > 0 and r["sd"] > 0 and r["ar"] > 0 for r in proj)
     assert not report.get("failed")
@@ -37,6 +51,7 @@ def test_gpu_check_cpu_smoke_runs_every_step(tmp_path, repo_root):
     _check(json.loads((out / "report.json").read_text()), compiled=False)
     md = (out / "report.md").read_text()
     assert "## Per-forward cost" in md and "Projected tok/s" in md and "paper (Llama-3.1-70B/3.2-1B" in md
+    assert "| target 1 row |" in md and "TP=1 eager" in md and "## tp" in md and "TP=2 needs 2 GPUs" in md
     assert "exit 0" in (out / "summary.txt").read_text()
 
 
