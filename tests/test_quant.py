@@ -80,6 +80,23 @@ def test_kernel_matches_f_linear(kind, rows):
     assert not torch.equal(w, torch.zeros_like(w))
 
 
+def test_result_does_not_depend_on_the_thread_count():
+    """Each tile is summed by one thread in one order: a verifier and a speculator running on
+    different numbers of cores compute the same logits bit for bit."""
+    raw = blocks(256, 128, "Q4_1", np.random.default_rng(6))
+    mod = GGUFLinear(raw, "Q4_1", 128)
+    x = torch.randn(3, 128)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = mod(x)
+        torch.set_num_threads(2)
+        two = mod(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
 def test_many_rows_use_f_linear_on_the_same_weights():
     raw = blocks(64, 64, "Q4_1", np.random.default_rng(2))
     mod = GGUFLinear(raw, "Q4_1", 64)
@@ -242,23 +259,23 @@ def test_packaged_model_greedy_agreement(smollm2, record_property):
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at"]
     agree = total = 0
     worst = 0.0
+    kw = {"max_new_tokens": 16, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([tok(p)["input_ids"]])
-            ref = model.generate(ids, max_new_tokens=16, do_sample=False)
-            ref_logits = model(ref).logits
+            ref = model.generate(ids, **kw)
             old = quant.swap_modules(model, mods)
             try:
-                got = model.generate(ids, max_new_tokens=16, do_sample=False)
-                got_logits = model(ref).logits
+                got = model.generate(ids, **kw)  # the prompt through F.linear, every later step through the kernel
             finally:
                 quant.swap_modules(model, old)
-            worst = max(worst, (got_logits - ref_logits).abs().max().item())
-            same = (got[0, ids.shape[1]:] == ref[0, ids.shape[1]:]).int()
-            agree += int(same.cumprod(0).sum())  # tokens before the first difference
-            total += same.numel()
-            assert got[0, ids.shape[1]] == ref[0, ids.shape[1]], p
+            same = (got.sequences[0, ids.shape[1]:] == ref.sequences[0, ids.shape[1]:]).int().cumprod(0)
+            n = int(same.sum())  # tokens before the first difference
+            agree, total = agree + n, total + same.numel()
+            for a, b in list(zip(got.logits, ref.logits))[: n + 1]:  # steps fed the same tokens (a few rows, then one)
+                worst = max(worst, (a - b).abs().max().item())
+            assert n >= 1, p
     record_property("greedy_agreement", f"{agree}/{total}")
     record_property("logits_max_abs_diff", worst)
     print(f"greedy agreement {agree}/{total}, logits max abs diff {worst:.2e}")
-    assert worst < 1e-2
+    assert worst < 2e-3  # measured about 1e-4 on logits of magnitude ~20
