@@ -172,12 +172,17 @@ class GGUFLinear(nn.Module):
         """Bytes one product reads: the quants and scales (and the offsets where present)."""
         return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
 
-    def dequantized(self) -> torch.Tensor:
-        """The float32 ``[out, in]`` weight, computed as the kernel does (``d * q + m``)."""
-        w = self.d.repeat_interleave(BLOCK, dim=1) * self.q.float()
+    def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 ``[out, in]`` weight (or only ``rows`` of it), computed as the kernel does."""
+        def rowwise(t: torch.Tensor) -> torch.Tensor:  # [tiles, cols, TILE] -> [out (or rows), cols]
+            if rows is None:
+                return t.permute(0, 2, 1).reshape(-1, t.shape[1])[: self.out_features]
+            return t[rows // TILE, :, rows % TILE]
+
+        w = rowwise(self.d).repeat_interleave(BLOCK, dim=1) * rowwise(self.q).float()
         if self.m is not None:
-            w = w + self.m.repeat_interleave(BLOCK, dim=1)
-        return w.permute(0, 2, 1).reshape(-1, self.in_features)[: self.out_features]
+            w = w + rowwise(self.m).repeat_interleave(BLOCK, dim=1)
+        return w
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -288,7 +293,7 @@ def _check(mod: GGUFLinear, weight: torch.Tensor, name: str, rows: int) -> None:
     if rows <= 0:
         return
     pick = torch.linspace(0, mod.out_features - 1, min(rows, mod.out_features)).long()
-    got = mod.dequantized()[pick]
+    got = mod.dequantized(pick)
     if not torch.equal(got, weight.detach()[pick].to(device="cpu", dtype=torch.float32)):
         raise QuantError(f"{name}: the GGUF blocks do not decode to the model's weights (a different checkpoint?)")
 
