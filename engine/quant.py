@@ -34,8 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-import numba
-from numba import njit, prange
+from numba import njit
 from torch import nn
 
 from .errors import ModelError
@@ -54,16 +53,18 @@ class QuantError(ModelError):
 # --- kernels --------------------------------------------------------------------------------------
 
 
-@njit(fastmath=True, nogil=True, boundscheck=False, cache=True, parallel=True)
+@njit(fastmath=True, nogil=True, boundscheck=False, cache=True)
 def _mm_dm(x, q, d, m, y):  # pragma: no cover - compiled
     # x [R, K] f32, q [NT, K, T] i8, d/m [NT, K/32, T] f32, y [R, NT*T] f32: y = x @ (d*q + m).T
-    # Tiles are shared among numba's threads (_threads).  Four inputs per pass over a row's
-    # accumulators: loading and storing them once per input costs more than recomputing
-    # d * q + m for each row.
+    # Four inputs per pass over a row's accumulators: loading and storing them once per input
+    # costs more than recomputing d * q + m for each row.  One thread: numba's parallel tiles
+    # halved a matrix's time at two threads alone, but made whole decode steps inside
+    # transformers' forward several times slower (measured), so that waits for the compact core.
     rows, n_in = x.shape
     n_tiles, _, tile = q.shape
-    for t in prange(n_tiles):
-        acc = np.zeros((rows, tile), np.float32)
+    acc = np.empty((rows, tile), np.float32)
+    for t in range(n_tiles):
+        acc[:] = 0
         for k in range(0, n_in, 4):
             db = d[t, k >> 5]
             mb = m[t, k >> 5]
@@ -77,13 +78,14 @@ def _mm_dm(x, q, d, m, y):  # pragma: no cover - compiled
         y[:, t * tile:(t + 1) * tile] = acc
 
 
-@njit(fastmath=True, nogil=True, boundscheck=False, cache=True, parallel=True)
+@njit(fastmath=True, nogil=True, boundscheck=False, cache=True)
 def _mm_d(x, q, d, y):  # pragma: no cover - compiled
     # as _mm_dm with m = 0 (Q4_0 stores q - 8, Q8_0 q): saves reading the zero offsets
     rows, n_in = x.shape
     n_tiles, _, tile = q.shape
-    for t in prange(n_tiles):
-        acc = np.zeros((rows, tile), np.float32)
+    acc = np.empty((rows, tile), np.float32)
+    for t in range(n_tiles):
+        acc[:] = 0
         for k in range(0, n_in, 4):
             db = d[t, k >> 5]
             q0, q1, q2, q3 = q[t, k], q[t, k + 1], q[t, k + 2], q[t, k + 3]
@@ -94,13 +96,6 @@ def _mm_d(x, q, d, y):  # pragma: no cover - compiled
                     a[j] += (x0 * (db[j] * np.float32(q0[j])) + x1 * (db[j] * np.float32(q1[j]))
                              + x2 * (db[j] * np.float32(q2[j])) + x3 * (db[j] * np.float32(q3[j])))
         y[:, t * tile:(t + 1) * tile] = acc
-
-
-def _threads() -> None:
-    """Run the kernels on as many threads as torch uses (a process pinned to one core: one)."""
-    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    if numba.get_num_threads() != n:
-        numba.set_num_threads(n)
 
 
 # --- decoding GGUF blocks -------------------------------------------------------------------------
@@ -193,7 +188,6 @@ class GGUFLinear(nn.Module):
             y = F.linear(x2, self.dequantized().to(x2.device))
         else:
             yp = torch.empty(rows, self.q.shape[0] * TILE, dtype=torch.float32)
-            _threads()
             if self.m is not None:
                 _mm_dm(x2.numpy(), self.q.numpy(), self.d.numpy(), self.m.numpy(), yp.numpy())
             else:
