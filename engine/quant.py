@@ -20,8 +20,8 @@ The kernel walks a tile's weights once for all rows, which keeps a few-row produ
 memory-bound.  Beyond ``KERNEL_MAX_ROWS`` rows (a prompt) the weight is dequantized and
 multiplied by ``F.linear``: compute-bound there, and MKL's GEMM is far better at it.
 
-Mapping GGUF tensors to a model's modules uses transformers' own name map and tensor
-processor, so the row permutation transformers applies to llama q/k projections is applied
+Mapping GGUF tensors to a model's modules uses the gguf package's name table (as transformers'
+loader does) and transformers' tensor processor, so the row permutation transformers applies to llama q/k projections is applied
 to the quant rows too (:func:`_row_order`); :func:`gguf_linears` checks sampled rows of
 every module against the weights the model holds, bit for bit.
 """
@@ -235,8 +235,8 @@ def gguf_linears(model: nn.Module, gguf_path: str | Path, *, keep_unsupported: b
     ``keep_unsupported``.  ``check_rows`` sampled rows of each module are compared bit for bit
     with the model's weight: a GGUF that is not the model's raises :class:`QuantError`."""
     try:
-        from gguf import GGUFReader
-        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+        from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
     except ImportError as e:  # an incompatible transformers or gguf
         raise QuantError(f"cannot map GGUF tensors to the model: {e}") from e
     try:
@@ -248,9 +248,19 @@ def gguf_linears(model: nn.Module, gguf_path: str | Path, *, keep_unsupported: b
     heads = {"num_attention_heads": getattr(cfg, "num_attention_heads", None),
              "num_key_value_heads": getattr(cfg, "num_key_value_heads", None)}
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=heads)
-    mapping = get_gguf_hf_weights_map(model, processor)
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    arch_id = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
+    if arch_id is None:
+        raise QuantError(f"GGUF architecture '{arch}' is unknown to the installed gguf package")
+    # gguf's own name table (the one transformers' loader uses), built once: transformers'
+    # get_gguf_hf_weights_map rebuilds it for every submodule (seconds for a 30-layer model)
+    table = get_tensor_name_map(arch_id, int(_field(reader, f"{arch}.block_count") or getattr(cfg, "num_hidden_layers", 0)))
     params = dict(model.named_parameters(remove_duplicate=False))
+    mapping: dict[str, str] = {}
+    for n in params:
+        g = table.get_name(n, try_suffixes=(".weight", ".bias"))
+        if g is not None:
+            mapping.setdefault(g, n)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     by_ptr: dict[int, list[str]] = {}
     for n, m in linears.items():
         by_ptr.setdefault(m.weight.data_ptr(), []).append(n)

@@ -80,6 +80,19 @@ def test_kernel_matches_f_linear(kind, rows):
     assert not torch.equal(w, torch.zeros_like(w))
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_row_does_not_depend_on_the_other_rows(kind):
+    """Up to KERNEL_MAX_ROWS rows, each row is summed the same way whatever rows come with it:
+    a verification of k + 1 tokens gets bit for bit the products of k + 1 one-token steps
+    (float32 F.linear does not promise that: its one-row and many-row paths differ)."""
+    mod = GGUFLinear(blocks(200, 576, kind, np.random.default_rng(7)), kind, 576)
+    x = torch.randn(quant.KERNEL_MAX_ROWS, 576)
+    full = mod(x)
+    for r in range(1, quant.KERNEL_MAX_ROWS + 1):
+        assert torch.equal(mod(x[:r]), full[:r])
+        assert torch.equal(mod(x[r - 1:r]), full[r - 1:r])
+
+
 def test_result_does_not_depend_on_the_thread_count():
     """A verifier and a speculator running on different numbers of cores must compute the same
     logits bit for bit (a kernel that splits sums across threads would break this)."""
