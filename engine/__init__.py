@@ -1,16 +1,28 @@
 """ssd_chat.engine: pure inference (no UI imports).
 
 Public surface: :class:`Engine`, :class:`EngineConfig`, :class:`SamplingParams`,
-and the event types in :mod:`ssd_chat.engine.events`.
+and the event types in :mod:`ssd_chat.engine.events`.  Names load on first use, so
+importing a light part of the engine (its config or events) does not import torch.
 """
 
-from .engine import DECODERS, MODES, Engine, EngineConfig
-from .errors import DeviceError, ModelError, ParamError, SSDChatError, TokenizerMismatchError
-from .events import Done, Error, Event, Notice, Round, Stats, Token
-from .params import SamplingParams
+from __future__ import annotations
 
-__all__ = [
-    "DECODERS", "MODES", "Engine", "EngineConfig", "SamplingParams",
-    "Done", "Error", "Event", "Notice", "Round", "Stats", "Token",
-    "DeviceError", "ModelError", "ParamError", "SSDChatError", "TokenizerMismatchError",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "DECODERS": "engine", "Engine": "engine",
+    "MODES": "config", "EngineConfig": "config",
+    "DeviceError": "errors", "ModelError": "errors", "ParamError": "errors", "SSDChatError": "errors",
+    "TokenizerMismatchError": "errors",
+    "Done": "events", "Error": "events", "Event": "events", "Notice": "events", "Round": "events", "Stats": "events",
+    "Token": "events",
+    "SamplingParams": "params",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

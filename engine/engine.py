@@ -4,55 +4,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from . import chat, models
 from .ar import ARDecoder
+from .config import CONFIG_MODES, MODES, EngineConfig
 from .errors import ParamError
 from .events import Event
 from .params import SamplingParams
-
-MODES = ("ar", "sd", "ssd")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Everything that decides which models load where and how they decode."""
-
-    target: str = models.DEFAULT_TARGET
-    draft: str | None = None  # None: the default draft for the target (see default_draft)
-    mode: str = "ar"
-    k: int = 2  # measured on SmolLM2-135M: SD with int8 fastest at k=2 (README "Speculative decoding"), SSD with the trained draft at k=2 1.07x AR
-    target_device: str = "auto"
-    draft_device: str = "auto"
-    dtype: str = "auto"
-    trust_remote_code: bool = False
-    # SSD (Saguaro) knobs
-    fan_out: str | None = None  # "uniform:F" | "geometric" | explicit list "3,3,2,2,1"
-    budget: int | None = None  # B: cached outcomes per round
-    saguaro_c: float = 1.0
-    fallback: str = "auto"  # neural | fast | auto
-    speculator_timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ParamError(f"unknown mode '{self.mode}' (use one of {', '.join(MODES)})")
-        if not 1 <= self.k <= 32:
-            raise ParamError(f"k must be between 1 and 32, got {self.k}")
-        if not 0.0 <= self.saguaro_c <= 1.0:
-            raise ParamError(f"saguaro-c must be in [0, 1], got {self.saguaro_c}")
-        if self.fallback not in ("neural", "fast", "auto"):
-            raise ParamError(f"unknown fallback '{self.fallback}' (use neural, fast or auto)")
-        if self.mode == "ssd":  # --fan-out / --budget against k, before any model loads
-            from .fanout import parse
-
-            parse(self.fan_out, self.k, self.budget)
-
-    @property
-    def needs_draft(self) -> bool:
-        return self.mode != "ar"
-
 
 def default_draft(target: str) -> str:
     """The draft used when --draft is not given: ``trained``, the layers draft shipped for the
@@ -95,19 +55,32 @@ def check_draft_for_mode(mode: str, draft: models.LoadedModel | None) -> None:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, target: models.LoadedModel, draft: models.LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, target: models.LoadedModel, draft: models.LoadedModel | None = None,
+                 mode_reason: str | None = None) -> None:
+        if config.mode == "auto":
+            raise ParamError("mode 'auto' is resolved before loading: use Engine.load, or preflight.check(config).config")
         check_draft_for_mode(config.mode, draft)
         self.config = config
         self.target = target
         self.draft = draft
+        self.loaded_mode = config.mode
+        self.mode_reason = mode_reason  # why ``auto`` chose this mode (see preflight); shown while the mode is unchanged
         self._decoder: Any = None
         self._decoder_key: tuple | None = None
 
     # -- construction -------------------------------------------------------------------
     @classmethod
-    def load(cls, config: EngineConfig, progress: models.ProgressFn = models._no_progress, tqdm_class: Any = None) -> "Engine":
+    def load(cls, config: EngineConfig, progress: models.ProgressFn = models._no_progress, tqdm_class: Any = None,
+             warn: Callable[[str], None] | None = None) -> "Engine":
+        """Check what can be checked (:func:`preflight.check`: ``auto``, devices, draft against mode, sizes;
+        ``warn`` hears its warnings before any download), then load the models."""
+        from .preflight import check
+
+        pre = check(config)
+        for w in pre.warnings:
+            (warn or (lambda _m: None))(w)
+        config, draft_name = pre.config, pre.draft
         tplace = models.parse_placement(config.target_device, config.dtype)
-        draft_name = config.draft or (default_draft(config.target) if config.needs_draft else None)
         if config.needs_draft and config.mode not in DECODERS:
             raise ParamError(f"mode '{config.mode}' is not available in this version")
         dplace = None
@@ -115,7 +88,7 @@ class Engine:
             from . import drafts
 
             if not drafts.is_derived(draft_name):
-                dplace = models.parse_placement(config.draft_device, config.dtype)
+                dplace = models.parse_placement(config.draft_device, config.dtype, "--draft-device")
                 # compare vocabularies before any weights are loaded
                 tspec, dspec = models.resolve(config.target), models.resolve(draft_name)
                 progress("checking tokenizers", None)
@@ -133,7 +106,7 @@ class Engine:
             else:
                 assert dplace is not None
                 draft = models.load(draft_name, dplace, config.trust_remote_code, progress, tqdm_class)
-        return cls(config, target, draft)
+        return cls(config, target, draft, pre.reason if pre.auto else None)
 
     # -- use ----------------------------------------------------------------------------
     @property

@@ -51,6 +51,9 @@ class Notice:
     message: str
     level: Literal["info", "warning"] = "info"
     t_s: float = 0.0
+    # set when the reply goes on in another mode (SSD without its speculator: SD, or AR)
+    mode: str | None = None
+    after_round: int | None = None  # rounds finished in the original mode before the switch
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +77,22 @@ class Stats:
     verify_s: float | None = None
     wait_s: float | None = None
     sd_estimate_s: float | None = None  # SSD: what SD would have taken for the same rounds (estimate)
+    ran_as: str | None = None  # the mode that produced the end of the reply, when not ``mode``
+    switched_after: int | None = None  # rounds ``mode`` ran before it switched to ``ran_as``
+
+    @property
+    def label(self) -> str:
+        return mode_label(self.mode, self.ran_as, self.switched_after)
+
+
+def mode_label(mode: str, ran_as: str | None = None, switched_after: int | None = None) -> str:
+    """What produced a reply, for status lines and history: ``SSD``, ``SSD → SD after round 12``,
+    or ``SD (not SSD)`` when the configured mode never ran."""
+    if not ran_as or ran_as == mode:
+        return mode.upper()
+    if not switched_after:
+        return f"{ran_as.upper()} (not {mode.upper()})"
+    return f"{mode.upper()} → {ran_as.upper()} after round {switched_after}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,4 +144,4 @@ def from_dict(d: dict[str, Any]) -> Event:
     return cls(**kwargs)
 
 
-__all__ = ["Token", "Round", "Notice", "Stats", "Done", "Error", "Event", "to_dict", "from_dict"]
+__all__ = ["Token", "Round", "Notice", "Stats", "Done", "Error", "Event", "to_dict", "from_dict", "mode_label"]

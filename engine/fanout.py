@@ -35,12 +35,39 @@ A_PRIOR_WEIGHT = 4.0  # the prior counts as this many drafted tokens
 A_WINDOW = 32  # rounds remembered per list
 A_CLAMP = (0.05, 0.95)  # keeps (1 - a)^(-1/(1+r)) finite
 
+# How wide the speculation tree may be.  Each round drafts k tokens for each of B branches, and keeps
+# per branch and depth the draft's logits and its proposal q' (V floats each): B * k * V * 8 bytes at
+# most, plus the KV of k * B more positions and a B x (context + k * B) attention mask per step.
+MAX_BUDGET = 256  # over ten times the SSD reference's tree (F=3, k=6: B=21); wider only multiplies draft work
+TREE_BYTES = 2 << 30  # logits and q' rows of one tree (next to the models); caps B at TREE_BYTES / (k * V * 8)
+BYTES_PER_ROW_ENTRY = 8  # a float32 logit and a float32 probability per branch, depth and token
+
 
 def default_budget(k: int) -> int:
     """B when --budget is not given.  Measured on SmolLM2-135M with 2 CPU cores (README, "SSD"):
     a tree forward over B tokens costs about the same as one over 1 token up to B ~ 8, and the
     hit rate under greedy decoding saturates there."""
     return 2 * (k + 1)
+
+
+def max_budget(k: int, vocab_size: int | None = None) -> int:
+    """The widest tree allowed: :data:`MAX_BUDGET`, and with a known vocabulary within :data:`TREE_BYTES`."""
+    if not vocab_size:
+        return MAX_BUDGET
+    return max(1, min(MAX_BUDGET, TREE_BYTES // (k * vocab_size * BYTES_PER_ROW_ENTRY)))
+
+
+def check_budget(budget: int, k: int, vocab_size: int | None = None, what: str = "budget") -> None:
+    """ParamError (saying the bound) unless ``budget`` outcomes of k tokens fit :func:`max_budget`."""
+    if budget > MAX_BUDGET:
+        raise ParamError(f"{what} B={budget} is more than ssd-chat caches per round (at most {MAX_BUDGET})")
+    most = max_budget(k, vocab_size)
+    if budget > most:
+        need = budget * k * (vocab_size or 0) * BYTES_PER_ROW_ENTRY
+        raise ParamError(
+            f"{what} B={budget} with k={k} over a {vocab_size}-token vocabulary needs {need / 2**30:.1f} GiB of draft "
+            f"distributions per round (B x k x vocabulary x {BYTES_PER_ROW_ENTRY} bytes), over the {TREE_BYTES / 2**30:.0f} GiB "
+            f"limit: use a budget of at most {most}, or a smaller k")
 
 
 def geometric(k: int, budget: int, a: float, r: float = R_EXPONENT, cap: int | None = None) -> list[int]:
@@ -123,7 +150,10 @@ def parse(spec: str | None, k: int, budget: int | None = None, vocab_size: int |
         raise ParamError(f"budget must be at least 1, got {budget}")
     s = (spec or DEFAULT_FAN_OUT).strip().lower().replace(" ", "")
     if s == "geometric":
-        return FanOut(k, "geometric", budget if budget is not None else default_budget(k), cap=cap)
+        # the default shrinks to fit a large vocabulary at a large k; a budget the user chose is checked
+        budget = budget if budget is not None else min(default_budget(k), max_budget(k, vocab_size))
+        check_budget(budget, k, vocab_size)
+        return FanOut(k, "geometric", budget, cap=cap)
     m = re.fullmatch(r"uniform:(\d+)", s)
     if m:
         f = int(m.group(1))
@@ -131,6 +161,7 @@ def parse(spec: str | None, k: int, budget: int | None = None, vocab_size: int |
             raise ParamError(f"fan-out uniform:F needs F >= 1, got {f}")
         if budget is not None and budget != f * (k + 1):
             raise ParamError(f"fan-out uniform:{f} with k={k} caches {f * (k + 1)} outcomes, but --budget is {budget}; drop one of them")
+        check_budget(f * (k + 1), k, vocab_size, f"fan-out uniform:{f} with k={k} caches F x (k+1) outcomes; its budget")
         lst = (f,) * (k + 1)
         return FanOut(k, "uniform", f * (k + 1), lst, lst, cap)
     if re.fullmatch(r"[\d,]+(/[\d,]+)?", s):
@@ -149,5 +180,6 @@ def parse(spec: str | None, k: int, budget: int | None = None, vocab_size: int |
         hit, miss = lists[0], lists[-1]
         if budget is not None and budget != sum(hit):
             raise ParamError(f"fan-out list sums to {sum(hit)}, but --budget is {budget}; drop one of them")
+        check_budget(max(sum(hit), sum(miss)), k, vocab_size, "the fan-out list's sum")
         return FanOut(k, "list", sum(hit), hit, miss, cap)
     raise ParamError(f"unknown fan-out '{spec}' (use uniform:F, geometric, or a list like 3,3,2,2,1 with k+1 entries)")

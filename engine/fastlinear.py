@@ -178,13 +178,14 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, self.weight, self.bias, lambda: _transposed(self))
 
 
-def install(model: nn.Module, announce: Callable[[], None] | None = None) -> int:
+def install(model: nn.Module, announce: Callable[[], None] | None = None,
+            tuned: Callable[[float], None] | None = None) -> int:
     """Give every plain float32 CPU ``nn.Linear`` in ``model`` the few-row fast path, with the
     formulation per (shape, rows) timed on this CPU (:func:`stored_or_tuned`) for those and for
     the weights a module lists in ``fast_linear_weights`` (a trained draft's reduced head, which
     calls :func:`linear` itself).  ``announce`` is called once before any timing (the first load
-    on a machine: seconds, including compiling the row kernels), so a caller can say why it waits.
-    Returns how many layers were changed (0 when disabled, on GPU, or for other dtypes)."""
+    on a machine: seconds, including compiling the row kernels), so a caller can say why it waits;
+    ``tuned(fraction)`` then hears how far the timing is.  Returns how many layers were changed (0 when disabled, on GPU, or for other dtypes)."""
     if not enabled():
         return 0
     linears = _plain_linears(model)
@@ -199,7 +200,7 @@ def install(model: nn.Module, announce: Callable[[], None] | None = None) -> int
     allow_t = total <= MAX_TRANSPOSE_BYTES
     model._ssd_fast_allow_t = allow_t
     _installed.add(model)
-    _prepare_model(model, announce)
+    _prepare_model(model, announce, tuned)
     n = 0
     for m in linears:
         if getattr(m, "_ssd_fast", False):
@@ -226,7 +227,8 @@ def _weights_by_shape(model: nn.Module) -> dict[tuple[int, int], list[torch.Tens
     return by_shape
 
 
-def _prepare_model(model: nn.Module, announce: Callable[[], None] | None = None) -> None:
+def _prepare_model(model: nn.Module, announce: Callable[[], None] | None = None,
+                   tuned: Callable[[float], None] | None = None) -> None:
     if _mode() == "static":
         return
     threads = torch.get_num_threads()
@@ -236,7 +238,7 @@ def _prepare_model(model: nn.Module, announce: Callable[[], None] | None = None)
                 if any((threads, *s, r) not in _choices for r in range(1, MAX_FAST_ROWS + 1))
                 or (retune and (threads, *s) not in _retuned)}
     if by_shape:
-        _choices.update({(threads, *k): m for k, m in stored_or_tuned(by_shape, model._ssd_fast_allow_t, announce).items()})
+        _choices.update({(threads, *k): m for k, m in stored_or_tuned(by_shape, model._ssd_fast_allow_t, announce, tuned).items()})
         if retune:
             _retuned.update((threads, *s) for s in by_shape)
     # the row kernels these choices name, loaded now rather than inside the first reply (~0.3 s)
@@ -340,7 +342,8 @@ def _store() -> Path:
 
 
 def stored_or_tuned(by_shape: dict[tuple[int, int], list[torch.Tensor]], allow_t: bool,
-                    announce: Callable[[], None] | None = None) -> dict[tuple[int, int, int], str]:
+                    announce: Callable[[], None] | None = None,
+                    tuned: Callable[[float], None] | None = None) -> dict[tuple[int, int, int], str]:
     """Choices for every shape in ``by_shape`` on this machine: from the store when timed before,
     otherwise timed now (:func:`tune`, after one call of ``announce``) and added to the store.
     A missing, unreadable or corrupt store only means timing again."""
@@ -356,17 +359,26 @@ def stored_or_tuned(by_shape: dict[tuple[int, int], list[torch.Tensor]], allow_t
     retune = _mode() == "retune"
     out: dict[tuple[int, int, int], str] = {}
     changed = False
+    def valid(got: Any) -> bool:
+        return isinstance(got, dict) and all(got.get(str(r)) in METHODS for r in range(1, MAX_FAST_ROWS + 1))
+
+    todo = sum(1 for o, i in by_shape if retune or not valid(mine.get(f"{o}x{i}")))
+    n_tuned = 0
     for (out_f, in_f), ws in by_shape.items():
         name = f"{out_f}x{in_f}"
         got = mine.get(name)
-        valid = isinstance(got, dict) and all(got.get(str(r)) in METHODS for r in range(1, MAX_FAST_ROWS + 1))
-        if retune or not valid:
+        if retune or not valid(got):
             if announce is not None and not changed:
                 announce()
+            if tuned is not None:
+                tuned(n_tuned / todo)
             got = {str(r): m for r, m in tune(ws, allow_t).items()}
+            n_tuned += 1
             mine[name] = got
             changed = True
         out.update({(out_f, in_f, int(r)): m for r, m in got.items()})  # type: ignore[union-attr]
+    if changed and tuned is not None:
+        tuned(1.0)
     if changed:
         stored[key] = mine
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .events import Event, Round, Stats, Token
+from .events import Event, Notice, Round, Stats, Token, mode_label
 
 
 @dataclass(slots=True)
@@ -35,6 +35,8 @@ class Metrics:
     wait_s: float = 0.0
     has_wait: bool = False
     sd_estimate_s: float | None = None
+    ran_as: str | None = None  # the mode the reply switched to (see Notice.mode)
+    switched_after: int | None = None
 
     def add(self, ev: Event) -> None:
         if isinstance(ev, Token):
@@ -44,6 +46,14 @@ class Metrics:
             self.t_last = ev.t_s
         elif isinstance(ev, Round):
             self._add_round(ev)
+        elif isinstance(ev, Notice) and ev.mode is not None:
+            if self.ran_as is None:
+                self.switched_after = ev.after_round
+            self.ran_as = ev.mode
+
+    @property
+    def label(self) -> str:
+        return mode_label(self.mode, self.ran_as, self.switched_after)
 
     def _add_round(self, r: Round) -> None:
         self.num_rounds += 1
@@ -95,4 +105,6 @@ class Metrics:
             verify_s=self.verify_s if spec else None,
             wait_s=self.wait_s if self.has_wait else None,
             sd_estimate_s=self.sd_estimate_s,
+            ran_as=self.ran_as,
+            switched_after=self.switched_after,
         )

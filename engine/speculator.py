@@ -32,7 +32,6 @@ acceptance test stays exact for every proposal.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 from collections import deque
@@ -41,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import kv
+from . import kv, workers
 from .channel import Reply, Settings
 from .fanout import FanOut
 from .sampling import logits_to_probs, make_generator, sample, saguaro_reshape
@@ -411,22 +410,10 @@ def build_model(recipe: Recipe) -> torch.nn.Module:
     return model.eval()
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the parent dies (even mid-forward)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def worker_main(conn: Any, recipe: Recipe, k: int, fan_out: FanOut, fallback: str, vocab: int, qbuf: torch.Tensor,
                 cores: tuple[int, ...] | None, threads: int | None, parent_pid: int, fault: str | None = None) -> None:
     """The speculator process: load the draft, then serve requests until ``close`` or EOF."""
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the app, which closes us
+    workers.die_with_parent()
     if os.getppid() != parent_pid:
         return
     if not os.environ.get("SSD_CHAT_DEBUG"):

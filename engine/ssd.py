@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from . import fanout, fastlinear, kv
+from . import fanout, fastlinear, kv, workers
 from .ar import context_budget, error_event
 from .channel import Channel, Reply, Settings
 from .detok import ReplyBuilder
@@ -142,7 +142,7 @@ class _Worker:
 
     def __init__(self, decoder: "SSDDecoder") -> None:
         e = decoder.engine
-        ctx = torch.multiprocessing.get_context("spawn")
+        ctx = workers.context()
         parent, child = ctx.Pipe(duplex=True)
         qbuf = torch.zeros(decoder.k, decoder.vocab, dtype=torch.float32).share_memory_()
         src = e.target if e.draft.spec.kind == "derived" else e.draft
@@ -153,7 +153,7 @@ class _Worker:
             args=(child, recipe, decoder.k, fan, e.config.fallback, decoder.vocab, qbuf, decoder.plan.draft_cores,
                   decoder.plan.draft_threads, os.getpid(), decoder.fault),
         )
-        self.proc.start()
+        workers.start(self.proc)  # works under Textual too (its stderr has no fd)
         child.close()
         self.channel = Channel(parent, qbuf, self.proc.sentinel)
         self.ready = False
@@ -270,7 +270,7 @@ class SSDDecoder:
                 self._drop_worker(str(e))
         t0 = time.perf_counter()
         if self._worker is None:
-            yield Notice(f"SSD speculator unavailable ({self._last_error}); {self._local_mode_name()} in this process", "warning")
+            yield self._switch(metrics, f"SSD speculator unavailable ({self._last_error}); {self._local_mode_name()} in this process", 0)
         elif self.plan.shared and not self._told_shared:
             self._told_shared = True
             yield Notice("SSD: verifier and speculator share one device, so they cannot overlap", "info")
@@ -288,7 +288,7 @@ class SSDDecoder:
                         self._drop_worker(str(e))
                         remote = None
                         stack.close()
-                        yield Notice(f"{e}; {self._local_mode_name()} in this process", "warning")
+                        yield self._switch(metrics, f"{e}; {self._local_mode_name()} in this process", 0)
                 # prefill; the target samples the first token (spec §2.8)
                 tcache = kv.new_cache(tmodel)
                 logits = kv.forward(tmodel, torch.tensor(prompt_ids, device=tdev), tcache, last_only=True)[-1]
@@ -321,7 +321,7 @@ class SSDDecoder:
                             self._drop_worker(str(e))
                             remote, reply = None, None
                             stack.close()  # unpin: the verifier has the machine to itself now
-                            yield Notice(f"{e}; continuing {self._local_mode_name()} in this process", "warning")
+                            yield self._switch(metrics, f"{e}; continuing {self._local_mode_name()} in this process", index)
                             local = self._begin_local(seq, settings)
                             k_prev = -1
                     if reply is None and local is not None:
@@ -366,6 +366,12 @@ class SSDDecoder:
         return Round(index, r.tokens, n, bonus_id, emitted, wait_s, verify_s, time.perf_counter() - t0)
 
     # -- the in-process continuation ------------------------------------------------------------
+    def _switch(self, metrics: Metrics, message: str, after_round: int) -> Notice:
+        """The notice that the reply goes on without the speculator, counted in the reply's stats."""
+        ev = Notice(message, "warning", mode="sd" if self._has_local_draft() else "ar", after_round=after_round)
+        metrics.add(ev)
+        return ev
+
     def _local_mode_name(self) -> str:
         return "as SD with the in-process draft" if self._has_local_draft() else "as AR"
 

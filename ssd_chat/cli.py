@@ -9,21 +9,46 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import threading
 from typing import Annotated, Any, Optional
 
+import click
 import typer
+from typer.core import TyperGroup
 
 from . import __version__
 
+
+class _Commands(TyperGroup):
+    """``ssd-chat "a question"`` is the commonest slip: say how to ask instead of only "No such command"."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and self.get_command(ctx, name) is None:
+            import difflib
+            import shlex
+
+            close = difflib.get_close_matches(name, self.list_commands(ctx), n=1, cutoff=0.75)
+            hint = f"did you mean `ssd-chat {close[0]}`?" if close else f"to ask a question: ssd-chat ask {shlex.quote(name)}"
+            ctx.fail(f"No such command {name!r}; {hint}")
+        return super().resolve_command(ctx, args)
+
+
+# Help and usage errors: Rich's boxed tables on a wide terminal; elsewhere (80 columns, a pipe) plain
+# Click help, which wraps text instead of cutting option names and defaults short.
+WIDE = 120
+_wide = sys.stdout.isatty() and shutil.get_terminal_size().columns >= WIDE
 app = typer.Typer(
     name="ssd-chat",
     help="Local LLM chat with exact speculative speculative decoding (SSD / Saguaro).",
     add_completion=False,
     no_args_is_help=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": WIDE},
     pretty_exceptions_enable=False,
+    rich_markup_mode="rich" if _wide else None,
+    cls=_Commands,
 )
 
 def _choice(value: str | None, allowed: tuple[str, ...]) -> str | None:
@@ -35,7 +60,7 @@ def _choice(value: str | None, allowed: tuple[str, ...]) -> str | None:
 # --- shared engine options (CLI > environment > config file > default) ----------------------
 Target = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model: alias, hub id org/name, local folder or .gguf file. Default: smollm2-135m-gguf (packaged).", show_default=False)]
 Draft = Annotated[Optional[str], typer.Option("--draft", "-d", help="Draft model (same tokenizer as the target), or a draft derived from the target: copy, int8, layers:N, trained / features (the drafts shipped for the packaged model), or a trained draft folder. Default: trained for the packaged model, int8 for others.", show_default=False)]
-Mode = Annotated[Optional[str], typer.Option("--mode", "-m", callback=lambda v: _choice(v, ("ar", "sd", "ssd")), help="Decoding: ar (autoregressive), sd (speculative), ssd (speculative speculative, Saguaro).", show_default=False)]
+Mode = Annotated[Optional[str], typer.Option("--mode", "-m", callback=lambda v: _choice(v, ("auto", "ar", "sd", "ssd")), help="Decoding: auto (default: SSD where the machine has room for its speculator and there is a draft for the target, else AR; `ssd-chat config` says which and why), ar (autoregressive), sd (speculative), ssd (speculative speculative, Saguaro).", show_default=False)]
 K = Annotated[Optional[int], typer.Option("--k", "-k", min=1, max=32, help="Draft tokens per round (SD/SSD).", show_default=False)]
 Temperature = Annotated[Optional[float], typer.Option("--temperature", min=0.0, help="0 = greedy (exact token-for-token reproducibility).", show_default=False)]
 TopP = Annotated[Optional[float], typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (1 = off).", show_default=False)]
@@ -68,9 +93,10 @@ def settings(values: dict[str, Any]) -> dict[str, Any]:
     from . import config
 
     try:
-        resolved, _sources = config.resolve(values)
-    except config.ConfigError as e:  # a bad SSD_CHAT_* variable or config.toml entry: one line, exit 1
-        raise fail(str(e)) from None
+        resolved, sources = config.resolve(values)
+        config.check(resolved, sources)
+    except config.ConfigError as e:  # one line naming the flag, SSD_CHAT_* variable or config.toml entry
+        raise fail(str(e), 2 if e.usage else 1) from None
     return resolved
 
 
@@ -86,9 +112,37 @@ def sampling_params(values: dict[str, Any]):
     return SamplingParams(**{k: values[k] for k in SAMPLING_KEYS if values.get(k) is not None})
 
 
+def console():
+    """A Rich console for tables: on a terminal its width; in a pipe or a file wide enough that names and
+    paths are never cut short (Rich would assume 80 columns)."""
+    from rich.console import Console
+
+    if sys.stdout.isatty() or os.environ.get("COLUMNS"):
+        return Console()
+    return Console(width=1000)
+
+
 def fail(message: str, code: int = 1) -> typer.Exit:
     typer.echo(f"ssd-chat: error: {message}", err=True)
     return typer.Exit(code)
+
+
+def utf8_text(value: str | bytes, what: str) -> str:
+    """``value`` as text, or a usage error (exit 2) naming the first byte that is not UTF-8.
+
+    Text is never repaired: a replacement character would change what the model is asked
+    without the user seeing it.  Arguments arrive with undecodable bytes as lone surrogates
+    (Python's surrogateescape); standard input arrives as bytes.
+    """
+    raw = value if isinstance(value, bytes) else value.encode("utf-8", "surrogateescape")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        hint = ("it starts with a UTF-16 byte-order mark: convert it with `iconv -f utf-16 -t utf-8`"
+                if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else "convert it first, e.g. with `iconv -f latin1 -t utf-8`")
+        raise typer.BadParameter(f"{what} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                                 f"ssd-chat reads UTF-8 text: {hint}") from None
+    return text.removeprefix("\ufeff")  # a UTF-8 byte-order mark is not part of the question
 
 
 def quiet_libraries(download_bars: bool = False) -> None:
@@ -109,20 +163,24 @@ def quiet_libraries(download_bars: bool = False) -> None:
 
 
 def load_engine(values: dict[str, Any], progress_to_stderr: bool = True):
-    """Load models for ``values``; progress goes to stderr as one updating line on a terminal."""
+    """Load models for ``values``; progress goes to stderr as one updating line on a terminal,
+    warnings (a model too large for this machine) as lines before anything downloads."""
     from .engine import Engine
 
     show = progress_to_stderr and sys.stderr.isatty()
     quiet_libraries(download_bars=show)
     cfg = engine_config(values)
 
-    def progress(stage: str, frac: float | None) -> None:  # noqa: ARG001
+    def progress(stage: str, frac: float | None) -> None:
         if show:
-            sys.stderr.write(f"\r\x1b[2K{stage}…")
+            sys.stderr.write(f"\r\x1b[2K{stage}…" + (f" {frac:.0%}" if frac is not None else ""))
             sys.stderr.flush()
 
+    def warn(message: str) -> None:
+        typer.echo(("\r\x1b[2K" if show else "") + f"ssd-chat: warning: {message}", err=True)
+
     try:
-        return Engine.load(cfg, progress=progress)
+        return Engine.load(cfg, progress=progress, warn=warn)
     finally:
         if show:
             sys.stderr.write("\r\x1b[2K")
@@ -149,6 +207,8 @@ def main_callback(
         raise typer.Exit(0)
     values = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "version") and v is not None}
     ctx.obj = values
+    if values.get("system"):
+        values["system"] = utf8_text(values["system"], "--system")
     if ctx.invoked_subcommand is None:
         from .tui_launch import launch
 
@@ -161,6 +221,8 @@ def ask(
     prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' or nothing reads standard input.", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object with the text, token ids and stats at the end.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print a one-line summary (tok/s, TTFT, acceptance) to stderr.")] = False,
+    server: Annotated[Optional[str], typer.Option("--server", help="Answer through this `ssd-chat serve` (e.g. http://127.0.0.1:8000) instead of loading the models.", show_default=False)] = None,
+    no_server: Annotated[bool, typer.Option("--no-server", help="Load the models here even if a matching `ssd-chat serve` is running.")] = False,
     target: Target = None, draft: Draft = None, mode: Mode = None, k: K = None,
     temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
     max_new_tokens: MaxNew = None, target_device: TargetDevice = None, draft_device: DraftDevice = None,
@@ -171,14 +233,24 @@ def ask(
 
     Exit status: 0 on success, 2 on bad usage, 1 on a runtime failure, 130 on Ctrl-C.
     """
-    local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "prompt", "json_out", "stats")}
+    local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "prompt", "json_out", "stats", "server", "no_server")}
     values = settings(_merge(ctx, local))
     if prompt is None or prompt == "-":
         if sys.stdin is None or sys.stdin.isatty():
             raise typer.BadParameter("give a PROMPT, or pipe one on standard input", param_hint="PROMPT")
-        prompt = sys.stdin.read()
+        raw = getattr(sys.stdin, "buffer", None)  # bytes, so a bad byte gets our message, not a traceback
+        prompt = utf8_text(raw.read() if raw is not None else sys.stdin.read(), "standard input")
+    prompt = utf8_text(prompt, "the prompt")
+    if values.get("system"):
+        values["system"] = utf8_text(values["system"], "--system")
     if not prompt.strip():
         raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
+    # a running `ssd-chat serve` has the models loaded: ask it before even importing torch
+    from .server_client import ask_via_server
+
+    served = ask_via_server(server, no_server, _merge(ctx, local), values, prompt, json_out, format_stats if stats else None)
+    if served is not None:
+        raise typer.Exit(served)
     from .engine.errors import ParamError, SSDChatError
 
     try:
@@ -231,7 +303,9 @@ def _answer(engine, prompt: str, values: dict[str, Any], params, json_out: bool,
                 out = {
                     "text": ev.text,
                     "token_ids": list(ev.token_ids),
-                    "mode": engine.config.mode,
+                    "mode": ran_as(s),  # the mode that produced the end of the reply
+                    "mode_label": s.label,
+                    "mode_reason": engine.mode_reason,
                     "target": engine.target.name,
                     "draft": engine.draft.name if engine.draft is not None and engine.config.mode != "ar" else None,
                     "finish_reason": ev.reason,
@@ -250,12 +324,18 @@ def _answer(engine, prompt: str, values: dict[str, Any], params, json_out: bool,
     return 0
 
 
+def ran_as(stats) -> str:
+    from .tui.figures import ran_as as _ran_as
+
+    return _ran_as(stats)
+
+
 def _fmt(v: float | None, spec: str) -> str:
     return "n/a" if v is None else format(v, spec)
 
 
 def format_stats(s) -> str:
-    parts = [f"{s.mode}: {s.new_tokens} tokens", f"{_fmt(s.tok_per_s, '.1f')} tok/s", f"TTFT {_fmt(s.ttft_s, '.2f')} s"]
+    parts = [f"{s.label.lower()}: {s.new_tokens} token{'' if s.new_tokens == 1 else 's'}", f"{_fmt(s.tok_per_s, '.1f')} tok/s", f"TTFT {_fmt(s.ttft_s, '.2f')} s"]
     if s.mean_accepted_length is not None:
         parts += [f"accepted length {s.mean_accepted_length:.2f}", f"acceptance {_fmt(s.acceptance_rate, '.0%')}"]
     if s.cache_hit_rate is not None:
@@ -272,19 +352,18 @@ def models(json_out: Annotated[bool, typer.Option("--json", help="Machine-readab
     if json_out:
         typer.echo(json.dumps(rows, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title="ssd-chat models", title_justify="left")
-    table.add_column("alias")
-    table.add_column("source")
+    table.add_column("alias", no_wrap=True)
+    table.add_column("source", overflow="fold")
     table.add_column("local", justify="center")
-    table.add_column("where")
+    table.add_column("where", overflow="fold")
     for r in rows:
         table.add_row(r["alias"] + (" (default)" if r["default"] else ""), r["source"], "yes" if r["local"] else "no", r["where"])
-    console = Console()
-    console.print(table)
-    console.print(
+    out = console()
+    out.print(table)
+    out.print(
         f"Also accepted: any hub id (org/name), a local transformers folder, a .gguf file; drafts derived from the target: copy, int8, layers:N; the drafts shipped for the packaged model: trained, features.\n"
         f"Converted GGUF models are cached in {cache_dir()}; hub downloads honour HF_HOME and HF_HUB_OFFLINE."
     )
@@ -300,6 +379,9 @@ app.add_typer(draft_app, name="draft")
 from .commands import register as _register_app_commands  # noqa: E402 - demo, config, chats
 
 _register_app_commands(app)
+from .serve_cmd import register as _register_serve  # noqa: E402
+
+_register_serve(app)
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
         dtype: Dtype = None, fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None,
         fallback: Fallback = None, trust_remote_code: TrustRemote = None, system: System = None,
     ) -> None:
-        """A scripted multi-turn chat that types itself into the app (real engine, SSD by default),
+        """A scripted multi-turn chat that types itself into the app (real engine, mode auto as everywhere),
         or with --replay, a recorded session played at recorded timing with no model loaded."""
         if not speed > 0:
             raise typer.BadParameter("must be > 0", param_hint="--speed")
@@ -56,7 +56,6 @@ def register(app: typer.Typer) -> None:
             values = {"db": merged.get("db"), "record": merged.get("record"), "resume": None}
             values.update({k_: v for k_, v in recording.info.items() if k_ in ("mode", "target", "draft")})
             raise typer.Exit(launch(values, backend=ReplayBackend(recording, speed), type_delay_s=type_delay / speed))
-        merged.setdefault("mode", "ssd")
         from .config import ConfigError
 
         try:
@@ -66,6 +65,77 @@ def register(app: typer.Typer) -> None:
         if headless:
             raise typer.Exit(run_headless(values, demo_prompts()))
         raise typer.Exit(launch(values, script=demo_prompts(), type_delay_s=type_delay))
+
+    # -- compare -------------------------------------------------------------------------
+    @app.command()
+    def compare(
+        ctx: typer.Context,
+        prompt: Annotated[str, typer.Argument(help="The question to answer in each mode.", show_default=False)],
+        json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object with every run and the verdict.")] = False,
+        target: Target = None, draft: Draft = None, k: K = None, max_new_tokens: MaxNew = None,
+        target_device: TargetDevice = None, draft_device: DraftDevice = None, dtype: Dtype = None,
+        fan_out: FanOut = None, budget: Budget = None, fallback: Fallback = None, trust_remote_code: TrustRemote = None,
+        system: System = None,
+    ) -> None:
+        """Answer PROMPT greedily in AR, SD and SSD one after another on the same models: the tok/s of each
+        and whether the three outputs are identical (exit 1 if they are not, or a mode failed)."""
+        import threading
+
+        from . import compare as cmp
+        from .engine import chat
+        from .engine.errors import ParamError, SSDChatError
+
+        local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "prompt", "json_out")}
+        merged = cli._merge(ctx, local)
+        given_n = merged.get("max_new_tokens")
+        prompt = cli.utf8_text(prompt, "the prompt")
+        if not prompt.strip():
+            raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
+        # loaded as SD: the draft loads, no speculator starts until the SSD run
+        values = cli.settings({**merged, "mode": "sd", "temperature": 0.0, "top_p": 1.0, "top_k": 0})
+        values["max_new_tokens"] = given_n or cmp.DEFAULT_MAX_NEW_TOKENS
+        if values.get("system"):
+            values["system"] = cli.utf8_text(values["system"], "--system")
+        try:
+            params = cli.sampling_params(values)
+            engine = cli.load_engine(values)
+        except ParamError as e:
+            raise _fail(str(e), 2) from None
+        except SSDChatError as e:
+            raise _fail(str(e)) from None
+        if not json_out:
+            typer.echo(f"AR, SD and SSD one after another, greedy, up to {params.max_new_tokens} tokens "
+                       f"(target {engine.target.name}, draft {engine.draft.name if engine.draft else '?'}, k={engine.config.k}):")
+        stop = threading.Event()
+        try:
+            ids, extra = engine.prompt_ids(chat.messages_for(prompt, values.get("system"), []))
+            if extra:
+                from dataclasses import replace
+
+                params = replace(params, stop=tuple(params.stop) + tuple(extra))
+            from dataclasses import replace as _with
+
+            result = cmp.run(lambda m: engine.reconfigure(mode=m),
+                             lambda n: engine.stream(ids, _with(params, max_new_tokens=n) if n else params, stop), "sd",
+                             on_run=None if json_out else (lambda r: typer.echo(cmp.run_line(r))), stop=stop)
+        except KeyboardInterrupt:
+            stop.set()
+            raise typer.Exit(130) from None
+        finally:
+            engine.close()
+        if json_out:
+            typer.echo(json.dumps(result.to_dict(), ensure_ascii=False))
+        else:
+            for r in result.runs:
+                for n in r.notices:
+                    typer.echo(f"ssd-chat: {r.mode}: {n}", err=True)
+            typer.echo(cmp.summary(result))
+            if result.finished:
+                first = result.finished[0]
+                typer.echo(f"--- reply ({first.mode.upper()}{', the same in all' if result.identical else ''}) ---")
+                typer.echo(first.done.text)
+        failed = any(r.done is None for r in result.runs) or result.identical is False
+        raise typer.Exit(1 if failed else 0)
 
     # -- config --------------------------------------------------------------------------
     config_app = typer.Typer(help="Show or change settings (CLI > environment > config file > defaults).",
@@ -86,20 +156,60 @@ def register(app: typer.Typer) -> None:
             values, sources = config.resolve(given)
         except config.ConfigError as e:
             raise _fail(str(e)) from None
+        try:
+            config.check(values, sources)
+            invalid = None
+        except config.ConfigError as e:  # shown with the values, then exit non-zero
+            invalid = e
+        engine = engine_in_force(values) if invalid is None else {"mode_error": str(invalid)}
         if json_out:
-            typer.echo(json.dumps({k_: {"value": values[k_], "source": sources[k_]} for k_ in config.DEFAULTS}, indent=2))
+            out = {k_: {"value": values[k_], "source": sources[k_]} for k_ in config.DEFAULTS}
+            for k_, v in engine.items():
+                if k_ in out and out[k_]["value"] is None:  # left to the engine: what it will use
+                    out[k_]["in_force"] = v
+            out["mode"].update({"resolved": engine.get("mode"), "reason": engine.get("mode_reason"),
+                                "warnings": engine.get("warnings", []), "error": engine.get("mode_error")})
+            typer.echo(json.dumps(out, indent=2))
+            if invalid is not None:
+                raise _fail(str(invalid), 2 if invalid.usage else 1)
             return
-        from rich.console import Console
         from rich.table import Table
 
         table = Table(title=f"ssd-chat settings (file: {config.config_file()})", title_justify="left")
-        table.add_column("setting")
-        table.add_column("value")
-        table.add_column("source")
+        table.add_column("setting", no_wrap=True)
+        table.add_column("value", overflow="fold")
+        table.add_column("source", overflow="fold")
         for key in config.DEFAULTS:
             v = values[key]
-            table.add_row(key, "—" if v is None else str(v), config.describe_source(key, sources[key]))
-        Console().print(table)
+            shown = "—" if v is None else str(v)
+            if key == "mode" and v == "auto" and "mode" in engine:
+                shown = f"auto → {engine['mode']}"
+            elif key in engine and v is None:
+                shown = f"{engine[key]} (engine default)"
+            table.add_row(key, shown, config.describe_source(key, sources[key]))
+        cli.console().print(table)
+        if invalid is not None:
+            raise _fail(str(invalid), 2 if invalid.usage else 1)
+        if "mode_reason" in engine:
+            cli.console().print(f"mode: {engine['mode_reason']}", markup=False, highlight=False)
+            for w in engine["warnings"]:
+                cli.console().print(f"warning: {w}", markup=False, highlight=False)
+        else:
+            cli.console().print(f"these settings cannot start: {engine['mode_error']}", markup=False, highlight=False)
+
+    def engine_in_force(values: dict) -> dict:
+        """What the engine will use for the settings left to it, and what mode ``auto`` resolves to here;
+        ``{"mode_error": ...}`` when the settings cannot load (the same error a start would give)."""
+        from .engine.errors import SSDChatError
+        from .engine.preflight import check, in_force
+
+        try:
+            pre = check(cli.engine_config(values))
+        except (SSDChatError, ValueError) as e:
+            return {"mode_error": str(e)}
+        out = dict(in_force(pre.config))
+        out.update(mode=pre.config.mode, mode_reason=pre.reason, warnings=list(pre.warnings))
+        return out
 
     @config_app.command("path")
     def config_path() -> None:
@@ -137,14 +247,33 @@ def register(app: typer.Typer) -> None:
                             no_args_is_help=True)
     Db = Annotated[Optional[Path], typer.Option("--db", help="History database (default: the XDG data dir).", show_default=False)]
 
-    def _history(ctx: typer.Context, db: Path | None):
-        from .history import History, default_db_path
+    def _db_path(ctx: typer.Context, db: Path | None) -> Path:
+        """The database the app uses: --db, then SSD_CHAT_DB or the config file's ``db``, then the default."""
+        from . import config
+        from .history import default_db_path
 
-        path = db or (ctx.obj or {}).get("db") or default_db_path()
-        h = History(Path(path))
+        given = db or (ctx.obj or {}).get("db")
+        try:
+            values, _ = config.resolve({"db": str(given) if given else None})
+        except config.ConfigError as e:
+            raise _fail(str(e)) from None
+        return Path(values["db"] or default_db_path())
+
+    def _history(ctx: typer.Context, db: Path | None):
+        """The saved chats, or None when there is no database yet (reading never creates one)."""
+        from .history import History
+
+        path = _db_path(ctx, db)
+        if not path.is_file():
+            return None
+        h = History(path)
         if h.warning:
             raise _fail(h.warning.split(";")[0])
         return h
+
+    def _no_chat(chat_id: int, h) -> typer.Exit:
+        where = "" if h is not None else " (there is no chat history database there yet)"
+        return _fail(f"no saved chat with id {chat_id}{where} (see `ssd-chat chats list`)")
 
     @chats_app.command("list")
     def chats_list(ctx: typer.Context, db: Db = None,
@@ -152,25 +281,30 @@ def register(app: typer.Typer) -> None:
         """List saved chats, newest first."""
         import time
 
+        from .history import HistoryError
+        from .terminal import printable
+
         h = _history(ctx, db)
-        convs = h.list_conversations()
+        try:
+            convs = h.list_conversations() if h is not None else []
+        except HistoryError as e:
+            raise _fail(str(e)) from None
         if json_out:
             typer.echo(json.dumps([{"id": c.id, "title": c.title, "messages": c.num_messages, "updated_at": c.updated_at}
                                    for c in convs], indent=2))
             return
         if not convs:
-            typer.echo(f"no saved chats in {h.path}")
+            path = _db_path(ctx, db)
+            typer.echo(f"no saved chats in {printable(str(path))}" + ("" if h is not None else " (it does not exist yet)"))
             return
         for c in convs:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated_at))
-            typer.echo(f"{c.id:>5}  {when}  {c.num_messages:>3} messages  {c.title}")
+            typer.echo(f"{c.id:>5}  {when}  {c.num_messages:>3} messages  {printable(c.title, one_line=True)}")
 
     @chats_app.command("path")
     def chats_path(ctx: typer.Context, db: Db = None) -> None:
         """Print the history database's path."""
-        from .history import default_db_path
-
-        typer.echo(str(db or (ctx.obj or {}).get("db") or default_db_path()))
+        typer.echo(str(_db_path(ctx, db)))
 
     @chats_app.command("export")
     def chats_export(
@@ -181,15 +315,22 @@ def register(app: typer.Typer) -> None:
         db: Db = None,
     ) -> None:
         """Export a chat with its per-reply metrics as Markdown or JSONL."""
+        from .history import HistoryError
+        from .terminal import for_stream
+
         if fmt not in ("md", "markdown", "jsonl"):
             raise typer.BadParameter("use md or jsonl", param_hint="--format")
         h = _history(ctx, db)
+        if h is None:
+            raise _no_chat(chat_id, h)
         try:
             text = h.export_jsonl(chat_id) if fmt == "jsonl" else h.export_markdown(chat_id)
         except KeyError:
-            raise _fail(f"no saved chat with id {chat_id} (see `ssd-chat chats list`)") from None
+            raise _no_chat(chat_id, h) from None
+        except HistoryError as e:
+            raise _fail(str(e)) from None
         if output is None:
-            sys.stdout.write(text if text.endswith("\n") else text + "\n")
+            sys.stdout.write(for_stream(text if text.endswith("\n") else text + "\n", sys.stdout))
         else:
             try:
                 output.write_text(text, encoding="utf-8")
@@ -206,8 +347,13 @@ def register(app: typer.Typer) -> None:
     def chats_delete(ctx: typer.Context, chat_id: Annotated[int, typer.Argument(metavar="ID")], db: Db = None) -> None:
         """Delete a saved chat."""
         h = _history(ctx, db)
-        if not h.delete_conversation(chat_id):
-            raise _fail(f"no saved chat with id {chat_id} (see `ssd-chat chats list`)")
+        if h is None:
+            raise _no_chat(chat_id, h)
+        deleted = h.delete_conversation(chat_id)
+        if h.warning:  # the file refused the write (the copy in memory does not count)
+            raise _fail(h.warning.split(";")[0])
+        if not deleted:
+            raise _no_chat(chat_id, h)
         typer.echo(f"deleted chat {chat_id}")
 
     app.add_typer(chats_app, name="chats")

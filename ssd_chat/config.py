@@ -15,6 +15,7 @@ each one came from.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 DEFAULTS: dict[str, Any] = {
     "target": "smollm2-135m-gguf",
     "draft": None,
-    "mode": "ar",
+    "mode": "auto",  # SSD where it can run (engine/preflight.py), else AR with the reason
     "k": None,
     "temperature": 0.0,
     "top_p": 1.0,
@@ -57,7 +58,12 @@ _FALSE = ("0", "false", "no", "off")
 
 
 class ConfigError(ValueError):
-    """A setting in the environment or the config file is unusable; ``str()`` says which and why."""
+    """A setting in the environment or the config file is unusable; ``str()`` says which and why.
+    ``usage``: every setting to blame was given on the command line (bad usage, exit 2)."""
+
+    def __init__(self, message: str, usage: bool = False) -> None:
+        super().__init__(message)
+        self.usage = usage
 
 
 def config_dir() -> Path:
@@ -143,6 +149,44 @@ def resolve(cli_values: dict[str, Any], path: Path | None = None) -> tuple[dict[
     for key, v in cli_values.items():  # options that are not settings pass through
         values.setdefault(key, v)
     return values, sources
+
+
+def check(values: dict[str, Any], sources: dict[str, str], path: Path | None = None) -> None:
+    """ConfigError when resolved settings are out of range, naming where each value to blame came
+    from.  The ranges are the engine's own (EngineConfig, SamplingParams): a value is to blame when
+    putting its default back makes the error go away."""
+    from .engine.config import EngineConfig
+    from .engine.params import SamplingParams
+    from .engine.errors import ParamError
+
+    def build(vals: dict[str, Any]) -> None:
+        for cls in (EngineConfig, SamplingParams):
+            names = {f.name for f in dataclasses.fields(cls)}
+            cls(**{k: v for k, v in vals.items() if k in names and k in DEFAULTS and v is not None})
+
+    def passes(vals: dict[str, Any]) -> bool:
+        try:
+            build(vals)
+        except ParamError:
+            return False
+        return True
+
+    try:
+        build(values)
+    except ParamError as e:
+        blamed = [k for k in DEFAULTS if sources.get(k, "default") != "default" and passes({**values, k: DEFAULTS[k]})]
+        if len(blamed) > 1:  # AR checks no SSD knobs, so the mode is to blame only when nothing else is
+            blamed = [k for k in blamed if k != "mode"]
+        where = ", ".join(_origin(k, sources[k], path) for k in blamed)
+        raise ConfigError(f"{e} ({where})" if where else str(e), usage=bool(blamed) and all(sources[k] == "cli" for k in blamed)) from None
+
+
+def _origin(key: str, source: str, path: Path | None) -> str:
+    if source == "cli":
+        return f"--{key.replace('_', '-')} on the command line"
+    if source == "env":
+        return f"{key} from environment variable {env_name(key)}"
+    return f"{key} from config file {path or config_file()}"
 
 
 def describe_source(key: str, source: str, path: Path | None = None) -> str:

@@ -29,7 +29,7 @@ def run_headless(values: dict, prompts: list[str]) -> int:
 
     from . import cli
     from .engine.errors import SSDChatError
-    from .engine.events import Done, Error, Round, Token
+    from .engine.events import Done, Error, Notice, Round, Token
     from .recorder import Recorder, RecordingError
     from .session import Session
     from .tui.backend import EngineBackend
@@ -73,6 +73,8 @@ def run_headless(values: dict, prompts: list[str]) -> int:
                     sys.stdout.write(ev.text)
                     sys.stdout.flush()
                     streamed += ev.text
+                elif isinstance(ev, Notice):
+                    typer.echo(f"[{ev.message}]", err=True)
                 elif isinstance(ev, Round):
                     seen.update(c for _, cands in (ev.predicted or ()) for c in cands)
                 elif isinstance(ev, Done):
@@ -82,6 +84,9 @@ def run_headless(values: dict, prompts: list[str]) -> int:
                     raise fail(ev.message)
         if rec is not None:
             rec.vocab({i: t for i in sorted(seen) if (t := backend.token_text(i)) is not None})
+            rec.close()
+            if rec.error:  # the session ran, but its recording is cut short
+                raise fail(rec.stopped_reason)
             typer.echo(f"recorded to {values['record']}", err=True)
     except (SSDChatError, RecordingError, ValueError) as e:
         raise fail(str(e)) from None

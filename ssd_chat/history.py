@@ -6,7 +6,9 @@ i.e. ``~/.local/share/ssd-chat/history.db``), or the path given with ``--db``.
 Schema changes are append-only ``m00N_*`` functions below, applied once each and tracked by
 ``PRAGMA user_version``.  A database that cannot be opened (corrupt, locked, unwritable) never
 stops the chat: :class:`History` falls back to an in-memory database and sets ``warning`` to a
-sentence the app shows; a write that fails later does the same, keeping the conversation going.
+sentence the app shows.  A write that fails later does the same, on an in-memory copy of the file
+when it can still be read, so the current chat goes on with the same ids.  A read that fails
+(damaged pages) raises :class:`HistoryError` with a one-line reason; the rest stays usable.
 """
 
 from __future__ import annotations
@@ -113,6 +115,10 @@ class Message:
     metrics: dict[str, Any] | None = None
 
 
+class HistoryError(Exception):
+    """A saved chat could not be read; ``str()`` is one line naming the file and the reason."""
+
+
 def _title(text: str) -> str:
     line = " ".join(text.split())
     return line[:60] + ("…" if len(line) > 60 else "") or "(empty)"
@@ -125,12 +131,17 @@ class History:
         self.path = Path(path) if path is not None else None
         self.warning: str | None = None
         self.closed = False
+        # Ids the caller may still hold.  An in-memory fallback that could not copy the file starts
+        # its ids above these, so a stale id never names a different chat there.
+        self._max_id = {"conversations": 0, "messages": 0}
+        self.timeout_s = timeout_s
         self.db = self._open(timeout_s)
 
     # -- opening -------------------------------------------------------------------------
     def _open(self, timeout_s: float) -> sqlite3.Connection:
         if self.path is None:
             return self._memory()
+        db = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(self.path, timeout=timeout_s, check_same_thread=False)
@@ -141,7 +152,9 @@ class History:
             return db
         except (sqlite3.Error, OSError) as e:
             self._degrade(f"could not open the chat history {self.path}: {_reason(e)}")
-            return self._memory()
+            if db is not None:
+                db.close()
+            return self._copy_to_memory(None)
 
     @staticmethod
     def _memory() -> sqlite3.Connection:
@@ -158,18 +171,73 @@ class History:
         return self.warning is None and self.path is not None
 
     def _write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
-        """Run a write; if the file database fails, carry on in memory (with a warning)."""
+        """Run a write.  If the file database fails, carry on in memory (with a warning) and retry
+        there; a write that fails in memory (a chat the copy does not have) is dropped: never raises."""
         if self.closed:
             return None
         try:
             with self.db:
                 return fn(self.db)
         except sqlite3.Error as e:
-            if self.path is None or not self.is_persistent:
-                raise
+            if not self.is_persistent:
+                return None
             self._degrade(f"could not write the chat history {self.path}: {_reason(e)}")
-            self.db = self._memory()
+            self.db = self._copy_to_memory(self.db)
+        try:
+            with self.db:
+                return fn(self.db)
+        except sqlite3.Error:
             return None
+
+    def _copy_to_memory(self, source: sqlite3.Connection | None) -> sqlite3.Connection:
+        """The file's contents in memory, read through ``source`` (closed here) or a read-only
+        connection: a reader still gets past another program's write lock, and a read-only file
+        can still be resumed.  When the file cannot be read, an empty store."""
+        mem = sqlite3.connect(":memory:", check_same_thread=False)
+        try:
+            if source is None:
+                source = self._read_only()
+            # Take the read lock first, within the busy timeout: backup() itself retries a locked
+            # file forever.  Holding it, the copy cannot be locked out half-way.
+            source.execute("BEGIN")
+            source.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            source.backup(mem)
+            mem.execute("PRAGMA foreign_keys = ON")
+            migrate(mem)
+            for table in ("conversations", "messages", "turn_metrics"):  # a copy we can write to
+                mem.execute(f"SELECT count(*) FROM {table}").fetchone()
+        except (sqlite3.Error, OSError, ValueError):
+            mem.close()
+            mem = self._memory()
+        finally:
+            if source is not None:
+                try:
+                    source.close()
+                except sqlite3.Error:
+                    pass
+        return mem
+
+    def _read_only(self) -> sqlite3.Connection:
+        """The file opened read-only; in a read-only folder (no room for WAL's -shm file) as immutable."""
+        uri = self.path.resolve().as_uri()  # type: ignore[union-attr]
+        try:
+            db = sqlite3.connect(uri + "?mode=ro", uri=True, timeout=self.timeout_s)
+            db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return db
+        except sqlite3.OperationalError:
+            return sqlite3.connect(uri + "?mode=ro&immutable=1", uri=True)
+
+    def _read(self, what: str, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        try:
+            return fn(self.db)
+        except sqlite3.Error as e:
+            where = self.path if self.is_persistent else "(in memory)"
+            raise HistoryError(f"could not read {what} from the chat history {where}: {_reason(e)}") from None
+
+    def _seen(self, table: str, ident: int | None) -> int | None:
+        if ident is not None:
+            self._max_id[table] = max(self._max_id[table], ident)
+        return ident
 
     # -- conversations -------------------------------------------------------------------
     def new_conversation(self, title: str = "", system: str | None = None) -> int | None:
@@ -177,22 +245,25 @@ class History:
 
         def go(db: sqlite3.Connection) -> int:
             cur = db.execute(
-                "INSERT INTO conversations(title, system, created_at, updated_at) VALUES (?,?,?,?)",
-                (_title(title) if title else "(new chat)", system, now, now),
+                "INSERT INTO conversations(id, title, system, created_at, updated_at) "
+                "VALUES ((SELECT max(coalesce(max(id), 0), ?) + 1 FROM conversations),?,?,?,?)",
+                (self._max_id["conversations"], _title(title) if title else "(new chat)", system, now, now),
             )
             return int(cur.lastrowid)
 
-        return self._write(go)
+        return self._seen("conversations", self._write(go))
 
     def set_system(self, conversation_id: int, system: str | None) -> None:
         self._write(lambda db: db.execute("UPDATE conversations SET system=? WHERE id=?", (system, conversation_id)))
 
     def list_conversations(self) -> list[Conversation]:
-        rows = self.db.execute(
+        rows = self._read("the list of chats", lambda db: db.execute(
             """SELECT c.id, c.title, c.system, c.created_at, c.updated_at, count(m.id)
                FROM conversations c LEFT JOIN messages m ON m.conversation_id = c.id
                GROUP BY c.id ORDER BY c.updated_at DESC, c.id DESC"""
-        ).fetchall()
+        ).fetchall())
+        for r in rows:
+            self._seen("conversations", r[0])
         return [Conversation(*r) for r in rows]
 
     def get_conversation(self, conversation_id: int) -> Conversation | None:
@@ -210,8 +281,9 @@ class History:
 
         def go(db: sqlite3.Connection) -> int:
             cur = db.execute(
-                "INSERT INTO messages(conversation_id, role, content, status, created_at) VALUES (?,?,?,?,?)",
-                (conversation_id, role, content, status, now),
+                "INSERT INTO messages(id, conversation_id, role, content, status, created_at) "
+                "VALUES ((SELECT max(coalesce(max(id), 0), ?) + 1 FROM messages),?,?,?,?,?)",
+                (self._max_id["messages"], conversation_id, role, content, status, now),
             )
             db.execute("UPDATE conversations SET updated_at=? WHERE id=?", (now, conversation_id))
             if role == "user":  # the first prompt names the chat
@@ -220,7 +292,7 @@ class History:
                 )
             return int(cur.lastrowid)
 
-        return self._write(go)
+        return self._seen("messages", self._write(go))
 
     def update_message(self, message_id: int | None, content: str, status: str) -> None:
         """Save a reply's text so far (called while streaming, and when it ends)."""
@@ -240,26 +312,29 @@ class History:
             db.execute(
                 """INSERT OR REPLACE INTO turn_metrics(message_id, mode, target, draft, new_tokens, tok_per_s, ttft_s,
                    mean_accepted_length, acceptance_rate, cache_hit_rate, stats_json) VALUES (?,?,?,?,?,?,?,?,?,?,?)""",
-                (message_id, d.get("mode"), target, draft, d.get("new_tokens"), d.get("tok_per_s"), d.get("ttft_s"),
+                (message_id, _ran(d), target, draft, d.get("new_tokens"), d.get("tok_per_s"), d.get("ttft_s"),
                  d.get("mean_accepted_length"), d.get("acceptance_rate"), d.get("cache_hit_rate"), json.dumps(d)),
             )
 
         self._write(go)
 
     def messages(self, conversation_id: int) -> list[Message]:
-        rows = self.db.execute(
+        rows = self._read(f"chat {conversation_id}", lambda db: db.execute(
             """SELECT m.id, m.role, m.content, m.status, m.created_at, t.stats_json, t.target, t.draft
                FROM messages m LEFT JOIN turn_metrics t ON t.message_id = m.id
                WHERE m.conversation_id=? ORDER BY m.id""",
             (conversation_id,),
-        ).fetchall()
+        ).fetchall())
         out = []
         for mid, role, content, status, created, stats_json, target, draft in rows:
             metrics = None
             if stats_json:
-                metrics = json.loads(stats_json)
-                metrics["target"], metrics["draft"] = target, draft
-            out.append(Message(mid, role, content, status, created, metrics))
+                try:
+                    metrics = dict(json.loads(stats_json))
+                    metrics["target"], metrics["draft"] = target, draft
+                except (ValueError, TypeError):  # damaged metrics: the message itself is still shown
+                    metrics = None
+            out.append(Message(self._seen("messages", mid), role, content, status, created, metrics))
         return out
 
     # -- export --------------------------------------------------------------------------
@@ -305,7 +380,10 @@ def metrics_line(m: dict[str, Any]) -> str:
         v = m.get(key)
         return None if v is None else format(v, spec) + suffix
 
-    parts = [m.get("mode") or "?", f"{m.get('new_tokens', 0)} tokens"]
+    from .engine.events import mode_label  # here: importing the engine package loads torch
+
+    mode, n = m.get("mode"), m.get("new_tokens", 0)
+    parts = [mode_label(mode, m.get("ran_as"), m.get("switched_after")).lower() if mode else "?", f"{n} token{'' if n == 1 else 's'}"]
     for label, key, spec, suffix in (("", "tok_per_s", ".1f", " tok/s"), ("TTFT ", "ttft_s", ".2f", " s"),
                                      ("τ ", "mean_accepted_length", ".2f", ""), ("acceptance ", "acceptance_rate", ".0%", ""),
                                      ("cache hits ", "cache_hit_rate", ".0%", "")):
@@ -313,6 +391,12 @@ def metrics_line(m: dict[str, Any]) -> str:
         if v is not None:
             parts.append(label + v)
     return ", ".join(parts)
+
+
+def _ran(d: dict[str, Any]) -> str | None:
+    """The mode column: the configured mode, or ``ssd→sd`` when the reply switched."""
+    mode, ran = d.get("mode"), d.get("ran_as")
+    return f"{mode}→{ran}" if ran and ran != mode else mode
 
 
 def _reason(e: BaseException) -> str:

@@ -2,6 +2,11 @@
 
 The session keeps the history; a reply that was stopped (Esc, Ctrl-C) or failed
 half-way still enters the history with the text that streamed, so nothing is lost.
+
+A chat that outgrows the model's context window goes on as chat apps do: :func:`fit_context`
+leaves the oldest turns out of the prompt (the system prompt stays) and the reply starts with
+a Notice saying how many.  The chat app (through its engine backend), ``ask`` and the demo
+all build their prompts here.
 """
 
 from __future__ import annotations
@@ -12,8 +17,59 @@ from dataclasses import replace
 from typing import Any
 
 from .engine import chat
-from .engine.events import Done, Error, Event, Token
+from .engine.events import Done, Error, Event, Notice, Token
 from .engine.params import SamplingParams
+
+
+def context_window(engine: Any) -> int | None:
+    """The target's context length in tokens (None when the model does not say)."""
+    return int(getattr(engine.target.model.config, "max_position_embeddings", 0) or 0) or None
+
+
+def reply_room(engine: Any, params: SamplingParams, window: int) -> int:
+    """Tokens kept free for the reply.  Dropping turns only once the prompt alone overflows would
+    leave every later reply a handful of tokens; a quarter of the window (or max-new-tokens if
+    smaller) is kept, plus the draft tokens SD/SSD score past the end."""
+    lookahead = engine.config.k + 1 if engine.config.mode != "ar" else 0
+    return min(params.max_new_tokens, window // 4) + lookahead
+
+
+def fit_context(engine: Any, messages: list[dict[str, str]], params: SamplingParams) -> tuple[list[int], tuple[str, ...], int]:
+    """Prompt ids for ``messages`` (system?, earlier turns, the new user message) and stop strings,
+    leaving out the oldest turns while the prompt and the reply's room do not fit the context window.
+    Returns (ids, stop strings, number of turns left out).  If the newest message alone does not fit,
+    its ids are returned as they are and the engine says so."""
+    ids, stop = engine.prompt_ids(messages)
+    window = context_window(engine)
+    if window is None:
+        return ids, stop, 0
+    head = [m for m in messages[:1] if m["role"] == "system"]
+    body, last = messages[len(head):-1], messages[-1:]
+    dropped = 0
+    while body and len(ids) + reply_room(engine, params, window) > window:
+        # a turn is a user message and what answered it, up to the next user message
+        nxt = next((i for i in range(1, len(body)) if body[i]["role"] == "user"), len(body))
+        body, dropped = body[nxt:], dropped + 1
+        ids, stop = engine.prompt_ids(head + body + last)
+    return ids, stop, dropped
+
+
+def dropped_notice(engine: Any, dropped: int) -> Notice:
+    window = context_window(engine)
+    turns = "turn" if dropped == 1 else "turns"
+    return Notice(f"the chat is longer than {engine.target.name}'s context of {window} tokens: this reply does not see "
+                  f"the oldest {dropped} {turns} (the system prompt is kept)", "warning")
+
+
+def stream_messages(engine: Any, messages: list[dict[str, str]], params: SamplingParams,
+                    stop: threading.Event | None = None) -> Iterator[Event]:
+    """The engine's reply to ``messages``, fitted to the context window (a Notice first if turns were left out)."""
+    ids, extra_stop, dropped = fit_context(engine, messages, params)
+    if extra_stop:
+        params = replace(params, stop=tuple(params.stop) + tuple(extra_stop))
+    if dropped:
+        yield dropped_notice(engine, dropped)
+    yield from engine.stream(ids, params, stop)
 
 
 class Session:
@@ -31,12 +87,9 @@ class Session:
             raise ValueError("the prompt is empty")
         params = params or self.params
         msgs = chat.messages_for(user_text, self.system, self.messages)
-        ids, extra_stop = self.engine.prompt_ids(msgs)
-        if extra_stop:
-            params = replace(params, stop=tuple(params.stop) + tuple(extra_stop))
         reply = ""  # what streamed so far; Done/Error carry the authoritative text
         try:
-            for ev in self.engine.stream(ids, params, stop):
+            for ev in stream_messages(self.engine, msgs, params, stop):
                 if isinstance(ev, Token):
                     reply += ev.text
                 elif isinstance(ev, (Done, Error)):

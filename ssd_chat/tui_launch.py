@@ -18,7 +18,8 @@ def open_history(values: dict[str, Any]):
 
 
 def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str] = (), type_delay_s: float = 0.03) -> int:
-    """Run the app until the user quits; returns the exit status (0, or 1 when loading failed).
+    """Run the app until the user quits; returns the exit status: 0, or 1 when loading failed or the
+    app crashed (Textual has then printed the traceback and set a non-zero ``return_code``).
 
     ``values`` are resolved settings (:func:`ssd_chat.config.resolve`) plus the pass-through
     options ``record`` (JSONL path), ``resume`` (chat id), ``db`` and ``baseline`` (a bench JSON report
@@ -45,7 +46,10 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
         except ValueError as e:
             sys.stderr.write(f"ssd-chat: error: {e}\n")
             return 1
+    from .engine import workers
     from .tui.app import ChatApp
+
+    workers.prepare()  # before Textual swaps out stderr: the speculator's spawn needs a real fd
 
     app = ChatApp(
         backend if backend is not None else EngineBackend(values),
@@ -58,7 +62,7 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
         baselines=baselines,
     )
     try:
-        result = app.run()
+        app.run()
     finally:
         if recorder is not None:
             recorder.close()
@@ -67,4 +71,4 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
     if app.load_error:
         sys.stderr.write(f"ssd-chat: error: {app.load_error}\n")
         return 1
-    return int(result or 0)
+    return 1 if app.return_code is None else app.return_code  # None: the app never got to exit normally

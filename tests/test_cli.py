@@ -29,13 +29,31 @@ def test_ask_paris_greedy():
 
 @pytest.mark.slow
 def test_ask_json_and_stdin():
-    r = cli("ask", "--json", "-n", "12", "-", input="What is the capital of France?")
+    r = cli("ask", "--json", "--mode", "ar", "-n", "12", "-", input="What is the capital of France?")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out) >= {"text", "token_ids", "mode", "target", "draft", "stats"}
     assert set(out["stats"]) == {"new_tokens", "rounds", "tok_per_s", "ttft_s", "acceptance_rate", "mean_accepted_length", "cache_hit_rate"}
     assert out["mode"] == "ar" and out["draft"] is None and out["stats"]["acceptance_rate"] is None
     assert out["stats"]["new_tokens"] == len(out["token_ids"]) <= 12 and "Paris" in out["text"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cores", [None, {0}])
+def test_ask_json_reports_the_mode_auto_ran(cores):
+    """The default mode is auto: SSD with a core for the speculator (and the shipped draft), AR on one core."""
+    preexec = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    r = subprocess.run([sys.executable, "-m", "ssd_chat", "ask", "--json", "-n", "12", "What is the capital of France?"],
+                       capture_output=True, text=True, timeout=300, preexec_fn=preexec)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    if cores is None and len(os.sched_getaffinity(0)) >= 2:
+        assert out["mode"] == "ssd" and out["stats"]["rounds"] > 0 and out["draft"] == "smollm2-135m-instruct"
+        assert out["mode_reason"].startswith("SSD: speculator on cpu")
+    else:
+        assert out["mode"] == "ar" and out["stats"]["rounds"] == 0 and out["draft"] is None
+        assert "1 CPU core" in out["mode_reason"]
+    assert "Paris" in out["text"]
 
 
 @pytest.mark.parametrize(
@@ -52,6 +70,8 @@ def test_ask_json_and_stdin():
         (["ask", "--target-device", "cpu:64", "hi"], 1, "cores"),
         (["ask", "--temperature", "-1", "hi"], 2, "temperature"),
         (["ask", "--top-p", "0", "hi"], 2, "top-p"),
+        (["ask", "--mode", "ssd", "--budget", "1000", "hi"], 2, "at most 256"),
+        (["ask", "--mode", "ssd", "--fan-out", "uniform:500", "hi"], 2, "at most 256"),
     ],
 )
 def test_bad_input_is_a_clear_error(args, code, needle):

@@ -76,7 +76,8 @@ def test_config_command_shows_values_and_sources(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["temperature"] == {"value": 0.2, "source": "cli"}
-    assert data["mode"] == {"value": "sd", "source": "env"}
+    assert {k: data["mode"][k] for k in ("value", "source")} == {"value": "sd", "source": "env"}
+    assert data["mode"]["resolved"] == "sd"
     assert data["k"] == {"value": 3, "source": "file"}
     assert data["top_p"]["source"] == "default"
     table = CliRunner().invoke(app, ["config"])
@@ -105,3 +106,40 @@ def test_bad_env_setting_is_one_line_for_ask_and_the_app(monkeypatch, args):
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 1 and "Traceback" not in r.output
     assert "SSD_CHAT_K: 'k' must be an integer, got 'abc'" in r.stderr
+
+
+def test_a_value_out_of_range_names_the_file_it_came_from(tmp_path, monkeypatch):
+    cfg = write(tmp_path, "k = 99\n")
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(cfg))
+    r = CliRunner().invoke(app, ["ask", "hi"])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert r.stderr == f"ssd-chat: error: k must be between 1 and 32, got 99 (k from config file {cfg / 'config.toml'})\n"
+
+
+def test_a_value_out_of_range_names_the_variable_or_the_flag(monkeypatch):
+    monkeypatch.setenv("SSD_CHAT_TOP_P", "0")
+    r = CliRunner().invoke(app, ["ask", "hi"])
+    assert r.exit_code == 1 and "(top_p from environment variable SSD_CHAT_TOP_P)" in r.stderr
+    monkeypatch.delenv("SSD_CHAT_TOP_P")
+    r = CliRunner().invoke(app, ["ask", "--mode", "ssd", "--budget", "1000", "hi"])
+    assert r.exit_code == 2 and "(at most 256) (--budget on the command line)" in r.stderr
+
+
+def test_settings_that_clash_are_all_named(monkeypatch):
+    monkeypatch.setenv("SSD_CHAT_FAN_OUT", "uniform:2")
+    r = CliRunner().invoke(app, ["ask", "--mode", "ssd", "--budget", "7", "hi"])
+    assert r.exit_code == 1, r.output
+    assert "(fan_out from environment variable SSD_CHAT_FAN_OUT, --budget on the command line)" in r.stderr
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_config_command_shows_invalid_values_and_exits_non_zero(tmp_path, monkeypatch, json_out):
+    cfg = write(tmp_path, "max_new_tokens = 0\n")
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(cfg))
+    r = CliRunner().invoke(app, ["config", *(["--json"] if json_out else [])])
+    assert r.exit_code == 1
+    assert "max-new-tokens must be at least 1, got 0 (max_new_tokens from config file" in r.stderr
+    if json_out:
+        assert json.loads(r.stdout)["max_new_tokens"] == {"value": 0, "source": "file"}
+    else:
+        assert "max_new_tokens" in r.stdout  # the table is still shown

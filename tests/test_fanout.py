@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ssd_chat.engine.errors import ParamError
-from ssd_chat.engine.fanout import default_budget, geometric, parse
+from ssd_chat.engine.fanout import BYTES_PER_ROW_ENTRY, MAX_BUDGET, TREE_BYTES, default_budget, geometric, max_budget, parse
 
 
 @pytest.mark.parametrize(("k", "budget", "a"), [(7, 24, 0.8), (4, 10, 0.5), (3, 8, 0.95), (5, 6, 0.2), (2, 100, 0.7)])
@@ -66,3 +66,37 @@ def test_parse_errors_are_one_line(spec, budget, msg):
     with pytest.raises(ParamError, match=msg) as e:
         parse(spec, 2, budget)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(("spec", "budget", "k", "vocab", "msg"), [
+    ("geometric", 1000, 2, None, "at most 256"),
+    ("geometric", MAX_BUDGET + 1, 2, None, "at most 256"),
+    ("uniform:100", None, 2, None, "uniform:100 .* B=300 .*at most 256"),
+    ("uniform:99999999999999999999", None, 2, None, "at most 256"),
+    ("200,200,1", None, 2, None, "sum B=401"),
+    ("1,1,1/200,200,1", None, 2, None, "sum B=401"),
+    # Qwen2.5's 152,064 tokens at k=32: 64 branches would hold 2.3 GiB of q' and logits rows
+    ("geometric", 64, 32, 152_064, "2.3 GiB .* at most 55"),
+])
+def test_the_tree_is_bounded_and_the_error_says_the_bound(spec, budget, k, vocab, msg):
+    with pytest.raises(ParamError, match=msg) as e:
+        parse(spec, k, budget, vocab)
+    assert "\n" not in str(e.value)
+
+
+def test_the_bounds_in_bytes():
+    assert parse("geometric", 2, MAX_BUDGET, 49_152).budget == MAX_BUDGET  # the packaged SmolLM2: only the cap binds
+    most = max_budget(32, 152_064)
+    assert most * 32 * 152_064 * BYTES_PER_ROW_ENTRY <= TREE_BYTES < (most + 1) * 32 * 152_064 * BYTES_PER_ROW_ENTRY
+    assert parse("geometric", 32, most, 152_064).budget == most
+    # the default budget 2(k+1) = 66 shrinks to fit rather than fail when nobody asked for it
+    assert parse(None, 32, None, 152_064).budget == most < default_budget(32)
+
+
+def test_engine_config_refuses_an_unbounded_budget_before_loading():
+    from ssd_chat.engine import EngineConfig
+
+    with pytest.raises(ParamError, match="at most 256"):
+        EngineConfig(mode="ssd", budget=1000)
+    with pytest.raises(ParamError, match="at most 256"):
+        EngineConfig(mode="ssd", fan_out="uniform:1000")

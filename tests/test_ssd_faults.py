@@ -65,12 +65,17 @@ def test_killed_mid_reply(pair):
                 os.kill(pid, signal.SIGKILL)
         check_exact_with_notice(pair, evs, evs[-1], PROMPTS[1], 60, "")
         assert gone(pid)
+        # the reply says what produced it: SSD for the rounds before the kill, SD after
+        stats, notice = evs[-1].stats, next(e for e in evs if isinstance(e, Notice))
+        assert notice.mode == "sd" and stats.ran_as == "sd" and stats.switched_after == notice.after_round >= 3
+        assert stats.label == f"SSD → SD after round {stats.switched_after}"
         rounds = [e for e in evs if isinstance(e, Round)]
         assert rounds[-1].cache_hit is None and len(rounds[-1].drafted) == 3  # SD rounds after the failure
         # the next reply starts a fresh speculator and is SSD again
         evs2, done2 = run(dec, PROMPTS[1], max_new_tokens=60)
         assert done2.token_ids == evs[-1].token_ids and dec.worker_pid not in (None, pid)
         assert not [e for e in evs2 if isinstance(e, Notice)] and done2.stats.cache_hit_rate > 0
+        assert done2.stats.ran_as is None and done2.stats.label == "SSD"
     finally:
         new = dec.worker_pid
         dec.close()
@@ -119,6 +124,7 @@ def test_no_draft_in_process_continues_as_ar(pair, monkeypatch):
         done = evs[-1]
         assert isinstance(done, Done) and done.token_ids == run(ARDecoder(pair[0]), PROMPTS[0], max_new_tokens=40)[1].token_ids
         assert any(isinstance(e, Notice) and "as AR" in e.message for e in evs)
+        assert done.stats.ran_as == "ar" and done.stats.label.startswith("SSD → AR after round ")
         # close() ends the (restarted) worker
         run(dec, PROMPTS[0], max_new_tokens=4)
         pid = dec.worker_pid

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ssd_chat.engine.events import Done, Error, Event, Round, Token
+from ssd_chat.engine.events import Done, Error, Event, Notice, Round, Token
 from ssd_chat.engine.metrics import Metrics
 from ssd_chat.history import History
 from ssd_chat.tui.app import ChatApp
@@ -721,3 +721,31 @@ async def test_cache_view_for_sd_rounds_shows_their_own_outcome():
         assert row.hit is None and row.bonus_text == "!" and row.accepted == 1
         text = plain(app.cache)
         assert "accepted 1 + !" in text and "no speculation cache (SD)" in text
+
+
+def switched_events(words: list[str], after: int) -> list[Event]:
+    """An SSD stream whose speculator fails after ``after`` rounds: the rest runs as SD (what the engine emits)."""
+    evs = ssd_events(words)
+    rounds = [i for i, e in enumerate(evs) if isinstance(e, Round)]
+    note = Notice("the speculator process exited unexpectedly; continuing as SD", "warning", mode="sd", after_round=after)
+    evs.insert(rounds[after - 1] + 1, note)
+    done = evs[-1]
+    evs[-1] = dataclasses.replace(done, stats=dataclasses.replace(done.stats, ran_as="sd", switched_after=after))
+    return evs
+
+
+@pytest.mark.asyncio
+async def test_a_reply_that_switches_from_ssd_to_sd_says_so_everywhere(tmp_path):
+    """Status line, panel and saved metrics name the mode that produced the reply, not the one configured."""
+    history = History(tmp_path / "h.db")
+    app = ChatApp(FakeBackend([switched_events(WORDS, 2)]), history=history)
+    async with app.run_test(size=(140, 45)) as pilot:
+        await wait_until(pilot, lambda: app.ready)
+        assert app.sub_title.startswith("SSD ·")
+        await app.submit("hi")
+        await wait_until(pilot, lambda: app.current is not None and app.current.finished)
+        assert app.sub_title.startswith("SSD → SD after round 2 ·")
+        assert "SSD → SD after round 2" in plain(app.panel.query_one("#setup"))
+        assert "ssd → sd after round 2" in app.query_one(AssistantMessage)._meta_text
+    msgs = History(tmp_path / "h.db").messages(History(tmp_path / "h.db").list_conversations()[0].id)
+    assert msgs[1].metrics["ran_as"] == "sd" and msgs[1].metrics["switched_after"] == 2

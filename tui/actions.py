@@ -13,7 +13,7 @@ from typing import Any
 from textual.app import SystemCommand
 from textual.screen import Screen
 
-from ..history import data_dir, metrics_line
+from ..history import HistoryError, data_dir, metrics_line
 from .backend import readable
 from .widgets.chats_dialog import ChatsDialog
 from .widgets.settings_dialog import SettingsDialog, parse_settings
@@ -25,8 +25,10 @@ SLASH_KEYS = {"mode": "mode", "k": "k", "fan-out": "fan_out", "fanout": "fan_out
 
 HELP = """Keys: Enter send · Shift+Enter / Ctrl+J new line · ↑/↓ prompt history · Esc stop the reply ·
 Ctrl+N new chat · Ctrl+Y copy last reply · Ctrl+S system prompt · Ctrl+O settings (mode, k, fan-out, temperature) ·
+Ctrl+G compare (the prompt in the box, or the last one, in AR, SD and SSD: tok/s and identical outputs) ·
 Ctrl+R chats · Ctrl+T token colours · Ctrl+P command palette · Ctrl+C quit.
-Commands: /mode ar|sd|ssd · /k N · /fan-out SPEC · /temp X · /max N · /system TEXT · /new · /copy · /chats · /colour · /help"""
+Commands: /mode ar|sd|ssd · /k N · /fan-out SPEC · /temp X · /max N · /system TEXT · /compare [PROMPT] · /new · /copy ·
+/chats · /colour · /help"""
 
 
 class ChatActions:
@@ -41,6 +43,7 @@ class ChatActions:
         self.conversation_id = None
         self.current = None
         self.panel.reset()
+        self.panel.forget_replies()
         self.cache.clear()
         await self.chat.add_notice("new chat")
 
@@ -115,17 +118,23 @@ class ChatActions:
         if self.current is not None and not self.current.finished:
             await self.chat.add_notice("stop the reply first (Esc)", "warning")
             return False
-        conv = self.history.get_conversation(conversation_id)
+        try:  # read it all before changing anything: a damaged chat leaves the current one as it was
+            conv = self.history.get_conversation(conversation_id)
+            saved = self.history.messages(conversation_id) if conv is not None else []
+        except HistoryError as e:
+            await self.chat.add_notice(f"cannot resume: {e}", "error")
+            return False
         if conv is None:
             await self.chat.add_notice(f"no saved chat with id {conversation_id} (see `ssd-chat chats list`)", "error")
             return False
         await self.chat.clear()
         self.current = None
         self.panel.reset()
+        self.panel.forget_replies()
         self.cache.clear()
         self.conversation_id, self.system, self.messages = conv.id, conv.system, []
         await self.chat.add_notice(f"resumed chat {conv.id}: {conv.title}")
-        for m in self.history.messages(conv.id):
+        for m in saved:
             if m.role == "user":
                 await self.chat.add_user(m.content)
             elif m.role == "assistant":
@@ -149,7 +158,7 @@ class ChatActions:
             out = data_dir() / "exports" / f"chat-{self.conversation_id}.{fmt}"
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text, encoding="utf-8")
-        except (KeyError, OSError) as e:
+        except (KeyError, OSError, HistoryError) as e:
             self.notify(f"could not export: {e}", severity="error")
             return None
         self.notify(f"exported to {out}")
@@ -185,6 +194,10 @@ class ChatActions:
             self.action_chats()
         elif name in ("colour", "color"):
             self.action_toggle_colour()
+        elif name == "compare":
+            if arg:
+                self.prompt.set_text(arg)
+            await self.action_compare()
         elif name == "help":
             await self.chat.add_notice(HELP)
         else:
@@ -200,6 +213,8 @@ class ChatActions:
         for m in ("ar", "sd", "ssd"):
             yield SystemCommand(f"Switch to {m.upper()}", f"Decode the next reply with {m.upper()} (models stay loaded)",
                                 lambda m=m: self.run_worker(self.apply_settings({"mode": m})))
+        yield SystemCommand("Compare AR, SD and SSD", "The prompt in the box (or the last one) in each mode: tok/s, identical? (Ctrl+G)",
+                            self.action_compare)
         yield SystemCommand("Chats", "Resume or delete a saved chat (Ctrl+R)", self.action_chats)
         yield SystemCommand("Export chat as Markdown", "With each reply's metrics, to the data dir's exports/", lambda: self.export_chat("md"))
         yield SystemCommand("Export chat as JSONL", "With each reply's metrics, to the data dir's exports/", lambda: self.export_chat("jsonl"))

@@ -27,9 +27,11 @@ from ..engine.events import Done, Error, Event, Notice, Round, Token
 from ..engine.metrics import Metrics
 from ..engine.params import SamplingParams
 from ..history import History, metrics_line
+from ..terminal import printable
 from .actions import SAMPLING_KEYS, ChatActions
 from .backend import Backend, readable
-from .figures import Baseline
+from .comparing import CompareActions
+from .figures import Baseline, baseline_from_reply, ran_as
 from .widgets.cache_view import CacheView
 from .widgets.chat_log import AssistantMessage, ChatLog
 from .widgets.load_status import LoadStatus
@@ -57,7 +59,7 @@ class Turn:
     last_t_s: float = 0.0
 
 
-class ChatApp(ChatActions, App[int]):
+class ChatApp(CompareActions, ChatActions, App[int]):
     CSS_PATH = "app.tcss"
     TITLE = "ssd-chat"
     BINDINGS = [
@@ -72,8 +74,10 @@ class ChatApp(ChatActions, App[int]):
         Binding("ctrl+o", "settings", "Settings", priority=True),
         Binding("ctrl+r", "chats", "Chats", priority=True),
         Binding("ctrl+t", "toggle_colour", "Colours", priority=True),
+        Binding("ctrl+g", "compare", "AR·SD·SSD", priority=True),
     ]
-    MAIN_SCREEN_ACTIONS = {"new_chat", "copy_reply", "system_prompt", "settings", "chats", "toggle_colour", "stop", "quit_key"}
+    MAIN_SCREEN_ACTIONS = {"new_chat", "copy_reply", "system_prompt", "settings", "chats", "toggle_colour", "stop", "quit_key",
+                           "compare"}
 
     class ReplyEvent(Message):
         def __init__(self, turn: int, event: Event) -> None:
@@ -126,6 +130,11 @@ class ChatApp(ChatActions, App[int]):
         self._token_text: dict[int, str] = {}
         self._seen_ids: set[int] = set()
         self._quitting = False
+
+    def notify(self, message: str, *, title: str = "", severity: Any = "information", timeout: float | None = None,
+               markup: bool = False) -> None:
+        """Plain text unless asked: notifications quote paths, model names and chat titles."""
+        super().notify(printable(message), title=title, severity=severity, timeout=timeout, markup=markup)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in self.MAIN_SCREEN_ACTIONS and isinstance(self.screen, ModalScreen):
@@ -184,6 +193,8 @@ class ChatApp(ChatActions, App[int]):
         threading.Thread(target=self._load, name="ssd-chat-load", daemon=True).start()
 
     def _load(self) -> None:
+        # warnings found before loading (a model too large for this machine) reach the chat at once
+        self.backend.warn = lambda message: self.post_message(self.ReplyEvent(-1, Notice(message, "warning")))
         try:
             self.backend.load(lambda stage, frac: self.post_message(self.LoadProgress(stage, frac)))
         except BaseException as e:  # noqa: BLE001 - shown in the app, never as a traceback
@@ -212,7 +223,15 @@ class ChatApp(ChatActions, App[int]):
         info = dict(self.backend.info())
         info.setdefault("temperature", self.params.get("temperature", 0.0))
         self.panel.set_info(info)
-        self.sub_title = f"{(info.get('mode') or '?').upper()} · {info.get('target') or ''}"
+        self.sub_title = printable(f"{(info.get('mode') or '?').upper()} · {info.get('target') or ''}", one_line=True)
+
+    def _show_mode(self, label: str) -> None:
+        """The status line and the panel name the mode that is really running this reply."""
+        info = dict(self.backend.info())
+        info.setdefault("temperature", self.params.get("temperature", 0.0))
+        info["mode_label"] = label
+        self.panel.set_info(info)
+        self.sub_title = f"{label} · {info.get('target') or ''}"
 
     # -- sending -------------------------------------------------------------------------
     @on(PromptInput.Submitted)
@@ -290,6 +309,9 @@ class ChatApp(ChatActions, App[int]):
     async def on_chat_app_reply_event(self, msg: ReplyEvent) -> None:
         t = self.current
         ev = msg.event
+        if msg.turn == -1 and isinstance(ev, Notice):  # not part of a reply
+            await self._warn(ev.message)
+            return
         if t is None or msg.turn != t.index:
             return
         if self._quitting:
@@ -320,6 +342,7 @@ class ChatApp(ChatActions, App[int]):
         t = self.current
         if t is None or t.status != "streaming" or not t.pending:
             return
+        await self._check_recorder()
         events, t.pending = t.pending, []
         pieces: list[tuple[str, str]] = []
         rounds: list[tuple[Round, str | None]] = []
@@ -340,6 +363,7 @@ class ChatApp(ChatActions, App[int]):
                     self._seen_ids.add(ev.bonus_id)
                 t.last_t_s = max(t.last_t_s, ev.t_s)
             elif isinstance(ev, Notice):
+                t.metrics.add(ev)  # a switch of mode (SSD without its speculator) is part of the reply's stats
                 notices.append(ev)
             elif isinstance(ev, (Done, Error)):
                 end = ev
@@ -351,6 +375,8 @@ class ChatApp(ChatActions, App[int]):
         if end is None:
             self.panel.show(t.metrics.stats(t.last_t_s), live=True)
         for ev in notices:
+            if ev.mode is not None:
+                self._show_mode(t.metrics.label)
             await self.chat.add_notice(ev.message, ev.level)
         if pieces:
             await t.widget.append(pieces)
@@ -363,6 +389,8 @@ class ChatApp(ChatActions, App[int]):
         elif isinstance(end, Done):
             status = "done" if end.reason in ("eos", "stop", "length") else "stopped"
             self.panel.show(end.stats, live=False)
+            if status == "done" and (b := baseline_from_reply(end.stats, f"{ran_as(end.stats).upper()} reply {t.index + 1} in this chat")):
+                self.panel.set_measured(b)  # later replies in another mode are measured against it
             info = self.backend.info()
             self.history.save_metrics(t.message_id, end.stats, info.get("target"), info.get("draft"))
             meta = metrics_line(dataclasses.asdict(end.stats)) + ("" if status == "done" else f" · {status}")
@@ -381,13 +409,16 @@ class ChatApp(ChatActions, App[int]):
         self.prompt.remove_class("-busy")
         self._frames.pause()
         await self._check_history()
+        await self._check_recorder()
         t.finished = True
         if self.script and not self._quitting:
             self.type_next_prompt()
 
     # -- actions -------------------------------------------------------------------------
     async def action_stop(self) -> None:
-        """Esc: stop the reply now; keep what streamed, and put the prompt back in the box."""
+        """Esc: stop the reply (or the comparison) now; keep what streamed, and put the prompt back in the box."""
+        if self._compare_stop is not None:
+            self._compare_stop.set()
         t = self.current
         if t is None or t.status != "streaming":
             return
@@ -424,6 +455,7 @@ class ChatApp(ChatActions, App[int]):
                 await asyncio.wait_for(w.wait(), 15)
             except Exception:  # noqa: BLE001
                 pass
+        await self.stop_compare()
         await self._release()
         self.exit(0)
 
@@ -465,6 +497,12 @@ class ChatApp(ChatActions, App[int]):
     async def _warn(self, message: str) -> None:
         await self.chat.add_notice("warning: " + message, "warning")
         self.notify(message, severity="warning", timeout=8)
+
+    async def _check_recorder(self) -> None:
+        r = self.recorder
+        if r is not None and r.error:
+            self.recorder = None  # one notice, no more writes (launch still closes the file)
+            await self._warn(f"{r.stopped_reason}; the chat goes on")
 
     async def _check_history(self) -> None:
         w = self.history.warning

@@ -24,6 +24,9 @@ class Backend:
     #: True when the backend replays prompts of its own (the app types them in)
     scripted_prompts: tuple[str, ...] = ()
 
+    def warn(self, message: str) -> None:
+        """Where :meth:`load` reports a warning found before loading; the app replaces it with its notice."""
+
     def load(self, progress: Progress) -> None:
         """Get ready (load models).  Raise an exception with a readable ``str()`` on failure."""
 
@@ -93,7 +96,7 @@ class EngineBackend(Backend):
         from ..engine import Engine, EngineConfig
 
         cfg = EngineConfig(**{k: self.values[k] for k in ENGINE_KEYS if self.values.get(k) is not None})
-        self.engine = Engine.load(cfg, progress=progress, tqdm_class=_tqdm_to(progress))
+        self.engine = Engine.load(cfg, progress=progress, tqdm_class=_tqdm_to(progress), warn=self.warn)
 
     def info(self) -> dict[str, Any]:
         e = self.engine
@@ -103,6 +106,8 @@ class EngineBackend(Backend):
         uses_draft = c.mode != "ar" and e.draft is not None
         info = {
             "mode": c.mode, "k": c.k if c.mode != "ar" else None, "fan_out": c.fan_out if c.mode == "ssd" else None,
+            # why auto chose this mode, while it is still the mode (a switch in the app is its own reason)
+            "mode_reason": e.mode_reason if c.mode == e.loaded_mode else None,
             "target": e.target.name, "target_device": e.target.placement.label,
             "draft": e.draft.name if uses_draft else None,
             "draft_device": e.draft.placement.label if uses_draft else None,
@@ -120,12 +125,9 @@ class EngineBackend(Backend):
         return info
 
     def stream(self, messages: list[dict[str, str]], params: SamplingParams, stop: threading.Event) -> Iterator[Event]:
-        from dataclasses import replace
+        from ..session import stream_messages  # a chat longer than the context leaves out its oldest turns
 
-        ids, extra_stop = self.engine.prompt_ids(messages)
-        if extra_stop:
-            params = replace(params, stop=tuple(params.stop) + tuple(extra_stop))
-        return self.engine.stream(ids, params, stop)
+        return stream_messages(self.engine, messages, params, stop)
 
     def reconfigure(self, **changes: Any) -> None:
         self.engine.reconfigure(**changes)

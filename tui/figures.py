@@ -1,9 +1,11 @@
 """The numbers the side panel shows, computed from :class:`~ssd_chat.engine.events.Stats` only.
 
-Each figure names its source.  Speedups are *estimated* from this reply's own timings unless
-a measured baseline (``bench`` or race mode on this hardware) has been given.  Both sides of
-an estimate are accounted the same way, from the measured time to the first token and the
-rounds' critical path:
+Each figure names its source.  A speedup is *measured* when there is a measured decode rate of
+the other mode on this hardware: a ``bench`` report given with ``--baseline``, else the latest
+reply in this chat that ran in that mode (another prompt: the basis row says so), or, in a
+comparison, the same prompt run in each mode.  Otherwise it is *estimated* from this reply's own
+timings.  Both sides of an estimate are accounted the same way, from the measured time to the
+first token and the rounds' critical path:
 
 * this reply      = TTFT + verify_s + draft_s + wait_s
 * vs SD (est.)    = sd_estimate_s / this reply   (SSD, when the reply ends: the engine's TTFT + per round
@@ -24,11 +26,28 @@ from ..engine.events import Stats
 
 @dataclass(frozen=True, slots=True)
 class Baseline:
-    """A measured decode rate for a mode on this hardware (from ``bench`` or a race)."""
+    """A measured decode rate for a mode on this hardware (a ``bench`` report, a reply, a comparison)."""
 
-    mode: str  # "ar" | "sd"
+    mode: str  # "ar" | "sd" | "ssd"
     tok_per_s: float
-    source: str  # e.g. "bench 2026-11-29"
+    source: str  # e.g. "bench cpu.json (smollm2, equal)", "AR reply 2 (another prompt)"
+    explicit: bool = False  # given by the user (--baseline): replies in the chat do not replace it
+
+
+MIN_BASELINE_TOKENS = 8  # a reply shorter than this has too few token gaps to be a decode rate
+
+
+def ran_as(s: Stats) -> str:
+    """The mode that produced this reply (its end, when it switched): what its figures and labels must name."""
+    return s.ran_as or s.mode
+
+
+def baseline_from_reply(s: Stats, label: str, min_tokens: int = MIN_BASELINE_TOKENS) -> Baseline | None:
+    """The decode rate of a finished reply as a measured baseline for later replies in other modes
+    (``min_tokens=2`` for runs of the same prompt, whose lengths are the same)."""
+    if s.tok_per_s is None or s.new_tokens < min_tokens or s.switched_after:
+        return None  # a reply that switched modes half-way is no mode's baseline
+    return Baseline(ran_as(s), s.tok_per_s, label)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +68,9 @@ def speedup_vs(s: Stats | None, baseline_mode: str, measured: Baseline | None = 
     """Speedup of this reply over ``baseline_mode`` ("ar" or "sd")."""
     if s is None:
         return Speedup(None, "n/a")
-    if s.mode == baseline_mode or (baseline_mode == "sd" and s.mode == "ar"):
-        return Speedup(None, "n/a", f"this reply is {s.mode.upper()}")
+    mode = ran_as(s)
+    if mode == baseline_mode or (baseline_mode == "sd" and mode == "ar"):
+        return Speedup(None, "n/a", f"this reply is {mode.upper()}")
     if measured is not None and measured.tok_per_s > 0 and s.tok_per_s is not None:
         return Speedup(s.tok_per_s / measured.tok_per_s, "measured", measured.source)
     crit = critical_path_s(s)
@@ -78,7 +98,7 @@ def baselines_from_bench(path: str | Path) -> list[Baseline]:
         for mode in ("ar", "sd"):
             med = (p["modes"].get(mode) or {}).get("tok_per_s", {}).get("median")
             if med:
-                out.append(Baseline(mode, float(med), f"bench {path.name} ({target}, {proto})"))
+                out.append(Baseline(mode, float(med), f"bench {path.name} ({target}, {proto})", explicit=True))
     except FileNotFoundError:
         raise ValueError(f"no bench report at {path}") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration) as e:
@@ -98,12 +118,24 @@ def fmt_speedup(sp: Speedup) -> str:
     return f"{sp.value:.2f}× {'meas.' if sp.kind == 'measured' else 'est.'}"
 
 
+def basis(s: Stats | None, measured: dict[str, Baseline]) -> str:
+    """Where the speedups come from, e.g. "AR: AR reply 2 (another prompt) · SD: estimate"."""
+    parts = []
+    for mode in ("ar", "sd"):
+        sp = speedup_vs(s, mode, measured.get(mode))
+        if sp.kind == "measured":
+            parts.append(f"{mode.upper()}: {sp.note}")
+        elif sp.kind == "estimated":
+            parts.append(f"{mode.upper()}: estimate")
+    return " · ".join(parts) or "—"
+
+
 def panel_values(s: Stats | None, measured: dict[str, Baseline] | None = None) -> dict[str, str]:
     """The panel's figures as displayed strings, keyed by field name."""
     measured = measured or {}
     if s is None:
         return {k: "—" for k in ("tok_per_s", "ttft", "tau", "acceptance", "per_position", "cache_hit", "tau_hit_miss",
-                                 "round_ms", "vs_sd", "vs_ar", "tokens")}
+                                 "round_ms", "vs_sd", "vs_ar", "basis", "tokens")}
     per_round = (lambda v: None if v is None or not s.rounds else 1000 * v / s.rounds)  # noqa: E731
     return {
         "tok_per_s": fmt(s.tok_per_s, ".1f"),
@@ -117,5 +149,6 @@ def panel_values(s: Stats | None, measured: dict[str, Baseline] | None = None) -
             [fmt(per_round(s.verify_s), ".0f"), fmt(per_round(s.draft_s), ".0f")] + ([fmt(per_round(s.wait_s), ".0f")] if s.wait_s is not None else [])),
         "vs_sd": fmt_speedup(speedup_vs(s, "sd", measured.get("sd"))),
         "vs_ar": fmt_speedup(speedup_vs(s, "ar", measured.get("ar"))),
+        "basis": basis(s, measured),
         "tokens": f"{s.new_tokens} in {s.rounds} rounds" if s.rounds else f"{s.new_tokens}",
     }

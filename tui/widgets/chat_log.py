@@ -1,4 +1,9 @@
-"""The transcript: user prompts, streaming assistant replies (Markdown), notices."""
+"""The transcript: user prompts, streaming assistant replies (Markdown), notices.
+
+Everything shown here was written by the user or a model: it is shown as plain text (``Text``,
+``markup=False``) with control characters made visible (:func:`printable`), so neither Textual
+markup nor a terminal escape sequence in it is obeyed.  The widgets keep the text itself unchanged.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ from rich.text import Text
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
+
+from ...terminal import printable
 
 # token colouring (off by default): accepted draft tokens vs the target's own (bonus / AR) tokens
 DRAFT_STYLE = "green"
@@ -16,7 +23,7 @@ class UserMessage(Static):
     """A prompt as the user wrote it (plain text: no Markdown surprises)."""
 
     def __init__(self, text: str) -> None:
-        super().__init__(Text(text), classes="message user", markup=False)
+        super().__init__(Text(printable(text)), classes="message user", markup=False)
         self.text = text
 
 
@@ -24,7 +31,7 @@ class Notice(Static):
     """A line from the app (warnings, errors, settings changes)."""
 
     def __init__(self, text: str, level: str = "info") -> None:
-        super().__init__(Text(text), classes=f"notice -{level}", markup=False)
+        super().__init__(Text(printable(text)), classes=f"notice -{level}", markup=False)
         self.text = text
 
 
@@ -44,9 +51,9 @@ class AssistantMessage(Vertical):
         self.segments: list[tuple[str, str]] = [(text, "target")] if text else []
         self._meta_text = meta
         self._stream: MarkdownStream | None = None
-        self._body = Markdown(text, classes="body")
+        self._body = Markdown(printable(text), classes="body")
         self._colour_view = Static(self._coloured(), classes="coloured", markup=False)
-        self._meta = Static(meta, classes="meta", markup=False)
+        self._meta = Static(Text(printable(meta)), classes="meta", markup=False)
         self.set_class(colour, "-colour")
         self.set_class(status == "streaming", "-streaming")
 
@@ -58,7 +65,7 @@ class AssistantMessage(Vertical):
     def _coloured(self) -> Text:
         out = Text()
         for text, source in self.segments:
-            out.append(text, style=DRAFT_STYLE if source == "draft" else TARGET_STYLE)
+            out.append(printable(text), style=DRAFT_STYLE if source == "draft" else TARGET_STYLE)
         return out
 
     @property
@@ -74,7 +81,7 @@ class AssistantMessage(Vertical):
         self.text += delta
         if self._stream is None:
             self._stream = Markdown.get_stream(self.body)
-        await self._stream.write(delta)
+        await self._stream.write(printable(delta))
         if self.has_class("-colour"):
             self._colour_view.update(self._coloured())
 
@@ -89,7 +96,7 @@ class AssistantMessage(Vertical):
             self.segments = [(text, "target")]
         self.text = text
         self.status = status
-        await self.body.update(text)
+        await self.body.update(printable(text))
         self._colour_view.update(self._coloured())
         self.set_meta(meta)
         self.remove_class("-streaming")
@@ -97,7 +104,7 @@ class AssistantMessage(Vertical):
 
     def set_meta(self, meta: str) -> None:
         self._meta_text = meta
-        self._meta.update(meta)
+        self._meta.update(Text(printable(meta)))
 
     def set_colour(self, on: bool) -> None:
         self.set_class(on, "-colour")

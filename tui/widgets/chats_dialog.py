@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import time
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Label, OptionList
 from textual.widgets.option_list import Option
+
+from ...history import HistoryError
+from ...terminal import printable
 
 
 class ChatsDialog(ModalScreen[int | None]):
@@ -26,7 +30,7 @@ class ChatsDialog(ModalScreen[int | None]):
         with Vertical(classes="dialog"):
             yield Label("Chats — Enter resumes, d d deletes, Esc closes", classes="dialog-title")
             yield OptionList(id="chat-list")
-            yield Label("", id="chats-status")
+            yield Label("", id="chats-status", markup=False)
 
     def on_mount(self) -> None:
         self._fill()
@@ -35,10 +39,16 @@ class ChatsDialog(ModalScreen[int | None]):
     def _fill(self) -> None:
         ol = self.query_one(OptionList)
         ol.clear_options()
-        convs = self.history.list_conversations()
+        try:
+            convs = self.history.list_conversations()
+        except HistoryError as e:  # shown in the dialog; the chat behind it goes on
+            self.query_one("#chats-status", Label).update(printable(str(e)))
+            return
         for c in convs:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated_at))
-            ol.add_option(Option(f"{c.id:>4}  {when}  {c.title}  ({c.num_messages} messages)", id=str(c.id)))
+            # a title is what the user typed: plain text, never markup or escape sequences
+            title = printable(c.title, one_line=True)
+            ol.add_option(Option(Text(f"{c.id:>4}  {when}  {title}  ({c.num_messages} messages)"), id=str(c.id)))
         if not convs:
             self.query_one("#chats-status", Label).update("no saved chats yet")
 

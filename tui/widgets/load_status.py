@@ -1,26 +1,59 @@
-"""Model loading, shown in the app: stage text and a progress bar (indeterminate when unknown)."""
+"""Model loading, shown in the app: the stage, a progress bar, and "37% · 12 s".
+
+The fraction is the stage's own (a download's bytes, a conversion's tensors); a stage that
+cannot know its fraction shows a moving bar and the seconds it has taken so far, never a
+percentage it does not have.
+"""
 
 from __future__ import annotations
 
+import time
+
 from textual.app import ComposeResult
-from textual.containers import Vertical
+from textual.containers import Horizontal, Vertical
 from textual.widgets import Label, ProgressBar
+
+from ...terminal import printable
 
 
 class LoadStatus(Vertical):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.frac: float | None = None
+        self._stage_t0 = time.monotonic()
+        self._stage = ""
+
     def compose(self) -> ComposeResult:
-        yield Label("starting…", id="load-stage")
-        yield ProgressBar(total=None, show_eta=False, id="load-bar")
+        yield Label("starting…", id="load-stage", markup=False)  # stages and errors quote names and paths
+        with Horizontal(id="load-row"):
+            yield ProgressBar(total=None, show_percentage=False, show_eta=False, id="load-bar")
+            yield Label("", id="load-percent")
+
+    def on_mount(self) -> None:
+        self._timer = self.set_interval(1.0, self._render_percent)
 
     def set_stage(self, stage: str, frac: float | None) -> None:
-        self.query_one("#load-stage", Label).update(stage)
+        if stage != self._stage:
+            self._stage, self._stage_t0 = stage, time.monotonic()
+        self.frac = frac
+        self.query_one("#load-stage", Label).update(printable(stage))
         bar = self.query_one("#load-bar", ProgressBar)
         if frac is None:
             bar.update(total=None)
         else:
             bar.update(total=100, progress=round(100 * frac))
+        self._render_percent()
+
+    def percent_text(self) -> str:
+        seconds = f"{time.monotonic() - self._stage_t0:.0f} s"
+        return seconds if self.frac is None else f"{self.frac:.0%} · {seconds}"
+
+    def _render_percent(self) -> None:
+        if self.is_mounted and self.display:
+            self.query_one("#load-percent", Label).update(self.percent_text())
 
     def fail(self, message: str) -> None:
+        self._timer.stop()
         self.add_class("-failed")
-        self.query_one("#load-stage", Label).update(message)
-        self.query_one("#load-bar", ProgressBar).display = False
+        self.query_one("#load-stage", Label).update(printable(message))
+        self.query_one("#load-row").display = False

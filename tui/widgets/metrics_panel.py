@@ -11,6 +11,7 @@ from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
 
 from ...engine.events import Round, Stats
+from ...terminal import printable
 from ..figures import Baseline, panel_values
 
 LABELS = [
@@ -24,6 +25,7 @@ LABELS = [
     ("round_ms", "verify/draft/wait", "ms per round: target verification / drafting on the critical path / SSD wait"),
     ("vs_sd", "vs SD", "speedup over plain speculative decoding"),
     ("vs_ar", "vs AR", "speedup over autoregressive decoding"),
+    ("basis", "basis", "measured: the other mode's decode rate on this machine (whose); estimate: from this reply's round timings"),
     ("tokens", "tokens", "tokens this reply, verification rounds"),
 ]
 
@@ -49,8 +51,9 @@ class MetricsPanel(Vertical):
         yield Static(id="histogram", markup=False)
 
     def on_mount(self) -> None:
-        self._render_setup()
-        self._render_figures()
+        # is_mounted turns true only after this handler: draw once it has, or the panel stays blank until a reply
+        self.call_after_refresh(self._render_setup)
+        self.call_after_refresh(self._render_figures)
 
     # -- inputs --------------------------------------------------------------------------
     def set_info(self, info: dict) -> None:
@@ -58,9 +61,16 @@ class MetricsPanel(Vertical):
         self._render_setup()
 
     def set_measured(self, baseline: Baseline) -> None:
-        """Hook for measured baselines (bench / race results on this hardware)."""
-        self.measured[baseline.mode] = baseline
+        """A measured decode rate on this hardware; one the user gave (--baseline) is kept over replies'."""
+        old = self.measured.get(baseline.mode)
+        if old is None or baseline.explicit or not old.explicit:
+            self.measured[baseline.mode] = baseline
+        self.values = panel_values(self.stats, self.measured)
         self._render_figures()
+
+    def forget_replies(self) -> None:
+        """A new chat: rates measured on this chat's replies no longer apply to "this chat"."""
+        self.measured = {m: b for m, b in self.measured.items() if b.explicit}
 
     def add_rounds(self, rounds: list[Round]) -> None:
         for r in rounds:
@@ -69,9 +79,10 @@ class MetricsPanel(Vertical):
         if rounds:
             self._render_pictures()
 
-    def show(self, stats: Stats | None, live: bool) -> None:
+    def show(self, stats: Stats | None, live: bool, measured: dict[str, Baseline] | None = None) -> None:
+        """``measured``: baselines for this display only (a comparison's runs of the same prompt)."""
         self.stats, self.live = stats, live
-        self.values = panel_values(stats, self.measured)
+        self.values = panel_values(stats, {**self.measured, **(measured or {})})
         self._render_figures()
 
     # -- rendering -----------------------------------------------------------------------
@@ -80,17 +91,20 @@ class MetricsPanel(Vertical):
         t = Table.grid(padding=(0, 1))
         t.add_column(style="bold", no_wrap=True)
         t.add_column()
-        mode = (i.get("mode") or "?").upper()
+        mode = i.get("mode_label") or (i.get("mode") or "?").upper()
         if i.get("k"):
             mode += f"  k={i['k']}"
         if i.get("fan_out"):
             mode += f"  fan-out {i['fan_out']}"
         if i.get("replay"):
             mode += "  (replay)"
-        t.add_row("mode", mode)
-        t.add_row("target", f"{i.get('target') or '?'}" + (f" @ {i['target_device']}" if i.get("target_device") else ""))
+        # model names and devices come from the user (paths, hub ids): Text, so Rich reads no markup in them
+        t.add_row("mode", Text(printable(mode)))
+        if i.get("mode_reason"):
+            t.add_row("why", Text(printable(i["mode_reason"]), style="dim"))
+        t.add_row("target", Text(printable(f"{i.get('target') or '?'}" + (f" @ {i['target_device']}" if i.get("target_device") else ""))))
         if i.get("draft"):
-            t.add_row("draft", f"{i['draft']}" + (f" @ {i['draft_device']}" if i.get("draft_device") else ""))
+            t.add_row("draft", Text(printable(f"{i['draft']}" + (f" @ {i['draft_device']}" if i.get("draft_device") else ""))))
         if i.get("temperature") is not None:
             t.add_row("temp", f"{i['temperature']:g}")
         if self.is_mounted:
@@ -99,7 +113,7 @@ class MetricsPanel(Vertical):
     def _render_figures(self) -> None:
         t = Table.grid(padding=(0, 1))
         t.add_column(style="bold", no_wrap=True)
-        t.add_column(no_wrap=True)
+        t.add_column(overflow="fold")
         for key, label, _ in LABELS:
             t.add_row(label, self.values[key])
         state = "streaming…" if self.live else ("last reply" if self.stats else "no reply yet")

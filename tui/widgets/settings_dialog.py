@@ -10,6 +10,8 @@ from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select
 
+from ...terminal import printable
+
 FIELDS = [("k", "k (draft tokens per round)"), ("fan_out", "fan-out (geometric, uniform:F, 3,2,1)"),
           ("temperature", "temperature (0 = greedy)"), ("max_new_tokens", "max new tokens")]
 
@@ -70,7 +72,7 @@ class SettingsDialog(ModalScreen[dict | None]):
                     yield Label(label)
                     v = self.current.get(key)
                     yield Input("" if v is None else str(v), id=key)
-            yield Label("", id="settings-error")
+            yield Label("", id="settings-error", markup=False)  # errors quote what was typed
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Apply", variant="primary", id="apply")
                 yield Button("Cancel", id="cancel")
@@ -84,7 +86,7 @@ class SettingsDialog(ModalScreen[dict | None]):
         try:
             values = parse_settings(raw)
         except ValueError as e:
-            self.query_one("#settings-error", Label).update(str(e))
+            self.query_one("#settings-error", Label).update(printable(str(e)))
             return
         self.dismiss({k: v for k, v in values.items() if v != self.current.get(k)})
 

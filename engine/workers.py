@@ -1,0 +1,93 @@
+"""Starting the engine's worker processes (the SSD speculator, tensor-parallel ranks).
+
+Workers are ``spawn``ed: a fork of a process that already runs torch threads (and, in the
+app, Textual's) is unsafe.  Two things make spawn fail or leak unless handled here:
+
+* Textual replaces ``sys.stdout``/``sys.stderr`` with objects whose ``fileno()`` is -1.
+  multiprocessing starts its resource tracker on the first spawn and hands it the fd of
+  ``sys.stderr``; -1 makes the start fail ("bad value(s) in fds_to_keep").  :func:`prepare`
+  starts the tracker while the real streams are in place (call it before a full-screen app
+  takes the terminal), and :func:`start` puts the interpreter's own streams back for the
+  moment a process starts, in case a worker is started later from inside the app.
+* A worker must not outlive the app, even when the app is killed: :func:`die_with_parent`
+  (Linux ``PR_SET_PDEATHSIG``) is the first thing a worker runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+_lock = threading.Lock()
+
+
+def context() -> Any:
+    """The multiprocessing context every worker uses (torch's, so tensors can be shared)."""
+    import torch.multiprocessing
+
+    return torch.multiprocessing.get_context("spawn")
+
+
+def _has_fd(stream: Any) -> bool:
+    try:
+        return stream is not None and stream.fileno() >= 0
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def real_stdio() -> Iterator[None]:
+    """Within the block, ``sys.stdout``/``sys.stderr`` have real file descriptors."""
+    with _lock:
+        saved = sys.stdout, sys.stderr
+        devnull = None
+        try:
+            for name in ("stdout", "stderr"):
+                if not _has_fd(getattr(sys, name)):
+                    real = getattr(sys, f"__{name}__")
+                    if not _has_fd(real):
+                        devnull = devnull or open(os.devnull, "w")  # noqa: SIM115 - closed below
+                        real = devnull
+                    setattr(sys, name, real)
+            yield
+        finally:
+            sys.stdout, sys.stderr = saved
+            if devnull is not None:
+                devnull.close()
+
+
+def prepare() -> None:
+    """Start what spawning needs (multiprocessing's resource tracker) while the process still
+    has its real stdio.  Idempotent and cheap after the first call."""
+    from multiprocessing import resource_tracker
+
+    with real_stdio():
+        resource_tracker.ensure_running()
+
+
+def start(proc: multiprocessing.process.BaseProcess) -> None:
+    """``proc.start()`` with real stdio (see the module docstring)."""
+    from multiprocessing import resource_tracker
+
+    with real_stdio():
+        resource_tracker.ensure_running()
+        proc.start()
+
+
+def die_with_parent() -> None:
+    """In a worker: SIGKILL this process when its parent dies (Linux), and leave Ctrl-C to the
+    parent, which closes its workers itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

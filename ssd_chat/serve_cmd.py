@@ -1,0 +1,119 @@
+"""``ssd-chat serve``: the command-line side of :mod:`server` (options, binding, the state file)."""
+
+
+import logging
+import socket
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket, before any model loads: a taken port fails in a second, not after minutes."""
+    family, kind, proto, _name, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    """The URL a local client uses (a wildcard address is reached through loopback)."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def register(app: typer.Typer) -> None:
+    from . import cli
+    from .cli import (Budget, Draft, DraftDevice, Dtype, Fallback, FanOut, K, MaxNew, Mode, SaguaroC, Seed, Target,
+                      TargetDevice, Temperature, TopK, TopP, TrustRemote)
+
+    @app.command()
+    def serve(
+        ctx: typer.Context,
+        host: Annotated[str, typer.Option("--host", help="Address to listen on. 127.0.0.1 keeps it to this machine; 0.0.0.0 opens it to the network.")] = "127.0.0.1",
+        port: Annotated[int, typer.Option("--port", "-p", min=0, max=65535, help="TCP port (0: any free one; the URL is printed).")] = 8000,
+        api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SSD_CHAT_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health.", show_default=False)] = None,
+        max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="Requests that may wait behind the one decoding; more are refused with 429.")] = 16,
+        target: Target = None, draft: Draft = None, mode: Mode = None, k: K = None,
+        temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
+        max_new_tokens: MaxNew = None, target_device: TargetDevice = None, draft_device: DraftDevice = None,
+        dtype: Dtype = None, fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None,
+        fallback: Fallback = None, trust_remote_code: TrustRemote = None,
+    ) -> None:
+        """Serve the engine over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /metrics, /health); sampling options are the defaults for requests that leave them out.
+
+        One request decodes at a time; the others wait in order. SIGTERM or Ctrl-C finishes the reply being decoded, refuses the waiting ones, and exits. See docs/serve.md."""
+        from .engine.errors import ParamError, SSDChatError
+        from .server import create_app, serve as run_server
+        from .server_client import remove_state, write_state
+
+        local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "host", "port", "api_key", "max_queue")}
+        values = cli.settings(cli._merge(ctx, local))
+        try:
+            defaults = cli.sampling_params(values)
+            cli.engine_config(values)
+        except ParamError as e:
+            raise cli.fail(str(e), 2) from None
+        if api_key is not None and not api_key.strip():
+            raise typer.BadParameter("must not be empty", param_hint="--api-key")
+        try:
+            sock = _bind(host, port)
+        except OSError as e:
+            raise cli.fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        if host not in LOOPBACK and not host.startswith("127."):
+            typer.echo(f"ssd-chat: warning: listening on {host}: anyone who can reach this machine can use the model"
+                       + ("" if api_key else " (set --api-key to require a key)") + "; the default 127.0.0.1 keeps it local", err=True)
+        try:
+            engine = cli.load_engine(values)
+            engine.decoder()  # SSD: the speculator starts loading its draft now, not at the first request
+        except ParamError as e:
+            sock.close()
+            raise cli.fail(str(e), 2) from None
+        except SSDChatError as e:
+            sock.close()
+            raise cli.fail(str(e)) from None
+        except KeyboardInterrupt:
+            sock.close()
+            raise typer.Exit(130) from None
+        url = _url(host, sock.getsockname()[1])
+        state = []
+        cfg = engine.config
+        from .engine.engine import default_draft
+
+        desc = cfg.mode + (f", draft {cfg.draft or default_draft(cfg.target)}, k={cfg.k}" if engine.draft is not None and cfg.mode != "ar" else "")
+
+        def ready() -> None:
+            state.append(write_state(url, cfg.target, api_key is not None))
+            typer.echo(f"ssd-chat: serving {cfg.target} ({desc}) at {url}/v1 - Ctrl-C to stop", err=True)
+
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("ssd-chat: %(message)s"))
+        log = logging.getLogger("ssd_chat.server")
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+        def stopping() -> None:
+            for path in state:  # `ask` stops choosing this server now
+                remove_state(path)
+            typer.echo("ssd-chat: stopping: finishing the reply in progress", err=True)
+
+        app_ = create_app(engine, defaults, api_key=api_key, max_queue=max_queue, on_ready=ready)
+        try:
+            run_server(app_, sock, on_signal=stopping)
+        finally:
+            for path in state:
+                remove_state(path)
+            engine.close()
+        typer.echo("ssd-chat: stopped", err=True)

@@ -1,0 +1,379 @@
+"""``ssd-chat serve``: one engine behind an OpenAI-compatible HTTP API.
+
+Built on FastAPI over uvicorn.  FastAPI because request bodies become pydantic models checked
+strictly before any handler runs (every bad field turns into one 400 with the field named), it
+streams server-sent events through Starlette's ``StreamingResponse`` and notices a client that
+hangs up, and it is what vLLM's, SGLang's and llama-cpp-python's OpenAI servers are written
+with, so behaviour matches theirs where clients notice.  uvicorn because it is the reference
+ASGI server and on SIGTERM stops accepting, lets in-flight responses finish, then runs the
+app's shutdown: exactly the drain a server restart needs.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
+(streaming and not), ``GET /metrics`` (Prometheus), ``GET /health`` (no key needed).
+
+Threads: the event loop only parses, tokenizes and queues; the engine runs on one thread of
+its own (:mod:`server_worker`), one request at a time.  The loop tokenizes with a private copy
+of the tokenizer, because a fast tokenizer must not be used by two threads at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import secrets
+import signal
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import EventSourceResponse, format_sse_event
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .engine import chat
+from .engine.events import Done, Error, Notice, Token
+from .engine.params import SamplingParams
+from .server_metrics import CONTENT_TYPE, ServerMetrics
+from .server_schema import APIError, ChatRequest, CompletionRequest, describe_validation, error_body
+from .server_worker import END, EngineWorker, Job, QueueFull, ShuttingDown
+
+log = logging.getLogger("ssd_chat.server")
+
+
+def create_app(engine: Any, defaults: SamplingParams, *, model_id: str | None = None, api_key: str | None = None,
+               max_queue: int = 16, on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """The ASGI app over a loaded engine; ``app.state.worker`` is its engine thread."""
+    model_id = model_id or engine.config.target
+    worker = EngineWorker(engine, ServerMetrics(model_id), max_queue)
+    api = _API(engine, worker, defaults, model_id)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if on_ready is not None:
+            on_ready()
+        yield
+        await asyncio.to_thread(worker.close)  # stops the engine thread and SSD's speculator
+
+    app = FastAPI(title="ssd-chat", version="1", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker = worker
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer KEY'", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status = "draining" if worker.closing else "ok"
+        return JSONResponse({"status": status, "model": model_id, "running": 1 if worker.running else 0, "waiting": worker.waiting},
+                            status_code=503 if worker.closing else 200)
+
+    router = APIRouter(dependencies=[Depends(check_key)])
+    router.add_api_route("/v1/models", api.list_models, methods=["GET"])
+    router.add_api_route("/v1/models/{name:path}", api.get_model, methods=["GET"])
+    router.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
+    router.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    router.add_api_route("/metrics", api.metrics, methods=["GET"])
+    app.include_router(router)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_r: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_bad_body(_r: Request, e: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation(list(e.errors()))
+        return JSONResponse(error_body(400, message, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_r: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def on_bug(_r: Request, e: Exception) -> JSONResponse:
+        log.error("internal error: %s: %s", type(e).__name__, e)
+        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"), status_code=500)
+
+    return app
+
+
+class _API:
+    """The request handlers: validate, tokenize, queue, then answer from the job's events."""
+
+    def __init__(self, engine: Any, worker: EngineWorker, defaults: SamplingParams, model_id: str) -> None:
+        self.engine, self.worker, self.defaults, self.model_id = engine, worker, defaults, model_id
+        try:
+            self.tokenizer = copy.deepcopy(engine.tokenizer)
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared (slow tokenizers are pure Python)
+            self.tokenizer = engine.tokenizer
+        self.context = int(getattr(engine.target.model.config, "max_position_embeddings", 0) or 0)
+        self.created = int(time.time())
+
+    # -- models and metrics ------------------------------------------------------------------
+    def model_card(self) -> dict[str, Any]:
+        from .engine.engine import default_draft
+
+        cfg, draft = self.engine.config, self.engine.draft
+        config = {k: getattr(cfg, k) for k in ("target", "draft", "mode", "k", "target_device", "draft_device", "dtype",
+                                               "fan_out", "budget", "saguaro_c", "fallback", "trust_remote_code")}
+        if draft is not None and cfg.draft is None:
+            config["draft"] = default_draft(cfg.target)  # the setting that chose it, as `ask --draft` would name it
+        info = {"mode": cfg.mode, "modes": self.worker.modes(), "draft": draft.name if draft is not None else None,
+                "k": cfg.k, "context": self.context or None, "config": config}
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "ssd-chat", "ssd": info}
+
+    async def list_models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card()]}
+
+    async def get_model(self, name: str) -> dict[str, Any]:
+        self._check_model(name)
+        return self.model_card()
+
+    async def metrics(self) -> Response:
+        return Response(self.worker.metrics.render(), media_type=CONTENT_TYPE)
+
+    # -- completions -------------------------------------------------------------------------
+    async def chat_completions(self, req: ChatRequest, request: Request) -> Response:
+        req.check_supported()
+        self._check_model(req.model)
+        ids, extra_stop = chat.prompt_ids(self.tokenizer, req.chat())
+        return await self._answer(req, request, ids, extra_stop, chat_api=True)
+
+    async def completions(self, req: CompletionRequest, request: Request) -> Response:
+        req.check_supported()
+        self._check_model(req.model)
+        prompt = req.text_or_ids()
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        else:
+            vocab = len(self.tokenizer.get_vocab()) if hasattr(self.tokenizer, "get_vocab") else None
+            if vocab is not None and any(not 0 <= i < vocab for i in prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+            ids = list(prompt)
+        return await self._answer(req, request, ids, (), chat_api=False)
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_id:
+            raise APIError(404, f"the model '{name}' does not exist: this server serves '{self.model_id}'", "model", "model_not_found")
+
+    def _max_new(self, num_prompt: int, wanted: int | None, prompt_param: str) -> int:
+        ctx = self.context
+        if num_prompt == 0:
+            raise APIError(400, "the prompt is empty", prompt_param)
+        if ctx and num_prompt >= ctx:
+            raise APIError(400, f"the prompt is {num_prompt} tokens but the model's context is {ctx} tokens", prompt_param, "context_length_exceeded")
+        if wanted is None:
+            return min(self.defaults.max_new_tokens, ctx - num_prompt) if ctx else self.defaults.max_new_tokens
+        if ctx and num_prompt + wanted > ctx:
+            raise APIError(400, f"the model's context is {ctx} tokens: the prompt's {num_prompt} plus max_tokens {wanted} do not fit "
+                                f"(at most {ctx - num_prompt})", "max_tokens", "context_length_exceeded")
+        return wanted
+
+    async def _answer(self, req: ChatRequest | CompletionRequest, request: Request, ids: list[int], extra_stop: tuple[str, ...],
+                      chat_api: bool) -> Response:
+        max_new = self._max_new(len(ids), req.wanted_tokens, "messages" if chat_api else "prompt")
+        try:
+            params = req.sampling(self.defaults, max_new, extra_stop)
+        except ValueError as e:  # ParamError: a setting out of range
+            raise APIError(400, str(e)) from None
+        mode = req.ssd_mode or self.engine.config.mode
+        why = self.worker._check_mode(mode)
+        if why is not None:
+            raise APIError(400, why, "ssd_mode")
+        job = Job(ids, params, mode, asyncio.get_running_loop())
+        try:
+            self.worker.submit(job)
+        except QueueFull as e:
+            raise APIError(429, f"the server is busy: {self.worker.max_queue} requests are already waiting; retry in {e.retry_after_s} s",
+                           code="queue_full", headers={"Retry-After": str(e.retry_after_s)}) from None
+        except ShuttingDown:
+            raise APIError(503, "the server is shutting down", code="shutting_down") from None
+        watcher = asyncio.ensure_future(_watch_disconnect(request, job))
+        reply = _Reply(self, job, req, chat_api)
+        try:
+            first = await reply.next()  # waits for its turn; errors before any token are a plain HTTP error
+        except BaseException:
+            watcher.cancel()
+            job.stop.set()
+            raise
+        if first is END:  # the client hung up while the request waited: nobody to answer
+            watcher.cancel()
+            return Response(status_code=204)
+        if not req.stream:
+            try:
+                return JSONResponse(await reply.whole(first))
+            finally:
+                watcher.cancel()
+        return EventSourceResponse(reply.sse(first, watcher), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """Cancel the job (at the engine's next round) when the client hangs up."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.stop.set()
+
+
+class _Reply:
+    """One request's answer, built from its job's events (OpenAI's chat or completion shape)."""
+
+    def __init__(self, api: _API, job: Job, req: ChatRequest | CompletionRequest, chat_api: bool) -> None:
+        self.api, self.job, self.req, self.chat_api = api, job, req, chat_api
+        self.id = f"{'chatcmpl' if chat_api else 'cmpl'}-{secrets.token_hex(6)}-{job.id}"
+        self.created = int(time.time())
+        self.notices: list[str] = []
+
+    async def next(self) -> Any:
+        """The job's next event, or END; a drain before the job started is a 503."""
+        while True:
+            item = await self.job.events.get()
+            if isinstance(item, ShuttingDown):
+                raise APIError(503, "the server is shutting down", code="shutting_down")
+            if isinstance(item, Notice):
+                self.notices.append(item.message)
+                continue
+            if isinstance(item, Error) and not item.token_ids and not item.text:
+                raise APIError(400 if item.kind == "param" else 500, item.message, code="engine_error")
+            return item
+
+    def _finish_reason(self, done: Done) -> str:
+        return "length" if done.reason == "length" else "stop"
+
+    def ssd_stats(self, done: Done) -> dict[str, Any]:
+        s, cfg = done.stats, self.api.engine.config
+        spec = s.mode != "ar"
+        job = self.job
+        return {
+            "mode": s.ran_as or s.mode, "mode_label": s.label, "draft": self.api.engine.draft.name if spec and self.api.engine.draft is not None else None,
+            "k": cfg.k if spec else None, "new_tokens": s.new_tokens, "rounds": s.rounds,
+            "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length, "cache_hit_rate": s.cache_hit_rate,
+            "per_position_acceptance": list(s.per_position_acceptance) if s.per_position_acceptance is not None else None,
+            "tok_per_s": s.tok_per_s, "ttft_s": s.ttft_s, "elapsed_s": s.elapsed_s,
+            "queue_s": (job.started_s - job.arrived_s) if job.started_s is not None else None, "notices": self.notices,
+        }
+
+    def usage(self, done: Done | None, num_tokens: int) -> dict[str, int]:
+        n = len(done.token_ids) if done is not None else num_tokens
+        return {"prompt_tokens": len(self.job.prompt_ids), "completion_tokens": n, "total_tokens": len(self.job.prompt_ids) + n}
+
+    def _base(self) -> dict[str, Any]:
+        obj = ("chat.completion" if self.chat_api else "text_completion")
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.api.model_id}
+
+    async def whole(self, first: Any) -> dict[str, Any]:
+        item, text, ids, done = first, "", [], None
+        while item is not END:
+            if isinstance(item, Token):
+                text += item.text
+                ids.append(item.id)
+            elif isinstance(item, Error):
+                raise APIError(500, f"{item.message} (after {len(item.token_ids)} tokens)", code="engine_error")
+            elif isinstance(item, Done):
+                done = item
+            item = await self.next()
+        if done is None:  # the engine thread ended the job without a result (it was closed)
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self._finish_reason(done), "logprobs": None}
+        if self.chat_api:
+            choice["message"] = {"role": "assistant", "content": done.text}
+        else:
+            choice["text"] = done.text
+        if self.req.return_token_ids:
+            choice["token_ids"] = list(done.token_ids)
+        out = {**self._base(), "choices": [choice], "usage": self.usage(done, len(ids)), "ssd_stats": self.ssd_stats(done)}
+        if self.req.return_token_ids:
+            out["prompt_token_ids"] = list(self.job.prompt_ids)
+        return out
+
+    def _chunk(self, text: str | None, token_ids: list[int] | None = None, finish: str | None = None, role: bool = False) -> dict[str, Any]:
+        if self.chat_api:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        if token_ids is not None and self.req.return_token_ids:
+            choice["token_ids"] = token_ids
+        base = self._base()
+        base["object"] = "chat.completion.chunk" if self.chat_api else "text_completion"
+        return {**base, "choices": [choice]}
+
+    async def sse(self, first: Any, watcher: asyncio.Future) -> AsyncIterator[bytes]:
+        def event(obj: Any) -> bytes:
+            return format_sse_event(data_str=json.dumps(obj, ensure_ascii=False))
+
+        try:
+            if self.chat_api:
+                yield event(self._chunk(None, role=True))
+            item, count = first, 0
+            while item is not END:
+                if isinstance(item, Token):
+                    count += 1
+                    if item.text or self.req.return_token_ids:
+                        yield event(self._chunk(item.text, [item.id]))
+                elif isinstance(item, Error):  # mid-reply: what streamed stays; the error closes the stream
+                    yield event(error_body(500, f"{item.message} (after {len(item.token_ids)} tokens)", code="engine_error"))
+                elif isinstance(item, Done):
+                    chunk = self._chunk(None, [] if self.req.return_token_ids else None, self._finish_reason(item))
+                    chunk["ssd_stats"] = self.ssd_stats(item)
+                    yield event(chunk)
+                    if self.req.stream_options is not None and self.req.stream_options.include_usage:
+                        yield event({**self._chunk(None), "choices": [], "usage": self.usage(item, count)})
+                item = await self.next()
+            yield format_sse_event(data_str="[DONE]")
+        finally:  # the client hung up, or the reply ended: either way the engine moves on
+            self.job.stop.set()
+            watcher.cancel()
+
+
+# -- running it ---------------------------------------------------------------------------------
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, plus: the first SIGTERM/SIGINT also refuses queued requests (503) so that only the
+    reply being decoded is finished; the process then exits 0 instead of re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, worker: EngineWorker, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._worker, self._on_signal = worker, on_signal
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            self._on_signal()
+            if self._loop is not None:  # not from inside the signal handler: the loop may hold the worker's lock
+                self._loop.call_soon_threadsafe(self._worker.drain)
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+
+def serve(app: FastAPI, sock: socket.socket, on_signal: Callable[[], None] = lambda: None) -> None:
+    """Serve ``app`` on the bound socket until SIGTERM/SIGINT; the engine is closed on return."""
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=None)
+    server = _DrainingServer(config, app.state.worker, on_signal)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        app.state.worker.close()

@@ -1,0 +1,177 @@
+"""The OpenAI request bodies the server accepts, and OpenAI-style error objects.
+
+Requests are validated strictly (a string where a number belongs is an error, not coerced),
+and what the engine cannot do (several choices, log-probs, tools, penalties) is refused with
+a 400 that says so, rather than silently ignored.  Unknown fields are ignored: clients send
+many optional ones.  Extensions, as in vLLM: ``top_k``, ``ignore_eos``, ``return_token_ids``,
+and ours, ``ssd_mode`` (decode this request with another mode the loaded draft allows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .engine.params import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """One sentence (and the offending parameter) for pydantic's errors on a request body."""
+    e = errors[0]
+    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    if e.get("type") == "json_invalid":
+        return f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))})", None
+    if not loc and e.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        return "the request body must be a JSON object", None
+    # drop pydantic's union-member labels such as 'str' / 'list[TextPart]' from the path
+    param = ".".join(p for p in loc if not (p[:1].isalpha() and ("[" in p or p in ("str", "int", "float", "bool", "list"))))
+    return f"{param or 'body'}: {e.get('msg', 'invalid value')}", param or None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # vLLM's convention: -1 (or 0) is off
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    ssd_mode: str | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, "n must be 1: the engine decodes one reply per request", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported (only 0): it would change the model's distribution, which speculative decoding reproduces exactly", name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "logit_bias")
+        if self.stop == "" or (isinstance(self.stop, list) and any(not s for s in self.stop)):
+            raise APIError(400, "stop strings must not be empty", "stop")
+
+    def sampling(self, defaults: SamplingParams, max_new_tokens: int, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
+        """This request's settings over the server's defaults (``--temperature`` etc.)."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return replace(
+            defaults,
+            temperature=defaults.temperature if self.temperature is None else self.temperature,
+            top_p=defaults.top_p if self.top_p is None else self.top_p,
+            top_k=defaults.top_k if self.top_k is None else max(0, self.top_k),
+            seed=defaults.seed if self.seed is None else self.seed,
+            max_new_tokens=max_new_tokens,
+            stop=stop + tuple(extra_stop),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs:
+            raise APIError(400, "logprobs are not supported", "logprobs")
+        # Offered tools are not shown to the model, and it answers in text: under "auto" (the default)
+        # that is a valid answer (the model chose not to call one), which keeps chat clients that
+        # always offer tools working.  A call the client insists on cannot be honoured.
+        if self.tools and self.tool_choice not in (None, "auto", "none"):
+            raise APIError(400, "tool calls are not supported: the model always answers in text (tool_choice must be auto or none)", "tool_choice")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise APIError(400, "response_format other than text is not supported", "response_format")
+        if self.messages[-1].role == "assistant":
+            raise APIError(400, "the last message must not be the assistant's: there is nothing to answer", "messages")
+
+    @property
+    def wanted_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat(self) -> list[dict[str, str]]:
+        # "developer" is the newer name of the system role
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs:
+            raise APIError(400, "logprobs are not supported", "logprobs")
+        if self.echo:
+            raise APIError(400, "echo is not supported", "echo")
+        if self.suffix:
+            raise APIError(400, "suffix (fill-in-the-middle) is not supported", "suffix")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+            raise APIError(400, "one prompt per request: the engine decodes one reply at a time", "prompt")
+
+    @property
+    def wanted_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def text_or_ids(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str):
+            return p[0]
+        return p

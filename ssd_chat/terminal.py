@@ -1,0 +1,32 @@
+"""Text from the chat history on a terminal: what a user or a model wrote must not drive the terminal.
+
+A stored prompt or reply can hold escape sequences (an OSC title change, a CSI cursor move, a bell);
+printed raw, the terminal would obey them.  Control characters are shown as visible escapes
+(``\\x1b``) instead, so the text is still all there to read.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+_KEEP = {"\n", "\t"}
+# C0 controls, DEL and C1 controls (0x80-0x9f: a lone 0x9b is a CSI on many terminals)
+_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] if chr(c) not in _KEEP}
+
+
+def printable(text: str, *, one_line: bool = False) -> str:
+    """``text`` with control characters made visible; ``one_line`` also shows newlines and tabs escaped."""
+    out = text.translate(_ESCAPES)
+    return out.replace("\n", "\\n").replace("\t", "\\t") if one_line else out
+
+
+def for_stream(text: str, stream: TextIO | None = None) -> str:
+    """``text`` as it should be written to ``stream``: made printable on a terminal, unchanged into a
+    file or a pipe (an export keeps the stored text exactly)."""
+    stream = stream or sys.stdout
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    return printable(text) if tty else text

