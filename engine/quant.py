@@ -1,115 +1,58 @@
-"""Linear layers computed from a GGUF checkpoint's own quantized blocks, on CPU.
+"""Linear layers computed from GGUF blocks (Q4_0, Q4_1, Q8_0) on CPU, in the checkpoint's precision.
 
 A GGUF loaded through transformers is dequantized to float32: a decode step then streams
-4 bytes per weight (about 540 MB per forward for SmolLM2-135M).  The modules here keep the
-checkpoint's blocks instead and dequantize inside the matrix product, so a step reads
-1.25 bytes per Q4 weight and 1.125 per Q8_0 weight.
+4 bytes per weight (about 540 MB per forward for SmolLM2-135M).  :class:`GGUFLinear` keeps the
+file's blocks (packed nibbles and float16 scales: 0.625 byte per Q4_1 weight, 1.06 per Q8_0
+weight, about 97 MB per forward for that model) and dequantizes inside the product
+(:mod:`qkernels`, which also states why the result is exact and row- and thread-independent).
 
-Exactness.  GGUF's Q4_0, Q4_1 and Q8_0 blocks decode as ``w = d * q + m`` (Q4_0: ``q - 8``
-and ``m = 0``; Q8_0: ``m = 0``) with ``d`` and ``m`` float16 and ``q`` at most 8 bits, so
-``d * q`` is exact in float32 and each weight computed here is bit-identical to the one
-transformers loads (``gguf.dequantize``).  The outputs differ from ``F.linear`` with those
-weights only by the order of the float32 sums.  torch's own int4/int8 CPU products do not
-offer that: its int4 product is vectorised for bfloat16 activations and scales only, and
-its int8 product takes one scale per output row where Q8_0 has one per 32 weights.
+Exactness.  Q4_0, Q4_1 and Q8_0 weights decode as ``w = d * q + m`` (Q4_0: ``d * (q - 8)``,
+Q8_0: ``m = 0``) with ``d`` and ``m`` float16 and ``q`` at most 8 bits, so ``d * q`` is exact in
+float32 and each weight used here is bit-identical to the one transformers loads
+(``gguf.dequantize``).  Outputs differ from ``F.linear`` with those weights only by the order of
+the float32 sums.  Beyond ``KERNEL_MAX_ROWS`` rows (a prompt) the product is ``F.linear`` on the
+dequantized weight (the model's own float32 weight where it was given: the same numbers), since
+MKL's GEMM is far better at compute-bound products.
 
-Layout.  Outputs are grouped in tiles of ``TILE``; for each tile the quants are stored
-``[in_features, TILE]`` (one signed byte each, 4-bit values unpacked: numba vectorises a
-byte-to-float conversion but not a nibble split), the scales ``[in_features / 32, TILE]``.
-The kernel walks a tile's weights once for all rows, which keeps a few-row product
-memory-bound.  Beyond ``KERNEL_MAX_ROWS`` rows (a prompt) the weight is dequantized and
-multiplied by ``F.linear``: compute-bound there, and MKL's GEMM is far better at it.
-
-Mapping GGUF tensors to a model's modules uses the gguf package's name table (as transformers'
-loader does) and transformers' tensor processor, so the row permutation transformers applies to llama q/k projections is applied
-to the quant rows too (:func:`_row_order`); :func:`gguf_linears` checks sampled rows of
-every module against the weights the model holds, bit for bit.
+:func:`quantize` makes Q8_0 blocks from a float weight (gguf's own quantizer), for drafts: a
+draft need not reproduce anything, and SD/SSD stay exact because the target verifies.
+:mod:`gguf_map` maps a GGUF's tensors onto the modules of a model loaded from it.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import numpy as np
 import torch
 import torch.nn.functional as F
-from numba import njit
 from torch import nn
 
+from . import qkernels
 from .errors import ModelError
 
-TILE = 64  # outputs per tile: four 16-float AVX-512 vectors, or eight AVX2 ones
-BLOCK = 32  # weights per GGUF block for the types served here
+TILE, BLOCK = qkernels.TILE, qkernels.BLOCK
 KERNEL_MAX_ROWS = 16  # above this many rows, dequantize and use F.linear (a prompt)
 SUPPORTED = ("Q4_0", "Q4_1", "Q8_0")
 KEPT = ("F32", "F16", "BF16")  # already float in the model: its nn.Linear stays
+_HEAD = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}  # bytes before the quants in a block
 
 
 class QuantError(ModelError):
     """A GGUF tensor cannot be served by these modules."""
 
 
-# --- kernels --------------------------------------------------------------------------------------
+# --- GGUF blocks <-> per-row arrays <-> kernel tiles ----------------------------------------------
 
 
-@njit(fastmath=True, nogil=True, boundscheck=False, cache=True)
-def _mm_dm(x, q, d, m, y):  # pragma: no cover - compiled
-    # x [R, K] f32, q [NT, K, T] i8, d/m [NT, K/32, T] f32, y [R, NT*T] f32: y = x @ (d*q + m).T
-    # Four inputs per pass over a row's accumulators: loading and storing them once per input
-    # costs more than recomputing d * q + m for each row.  One thread: numba's parallel tiles
-    # halved a matrix's time at two threads alone, but made whole decode steps inside
-    # transformers' forward several times slower (measured), so that waits for the compact core.
-    rows, n_in = x.shape
-    n_tiles, _, tile = q.shape
-    acc = np.empty((rows, tile), np.float32)
-    for t in range(n_tiles):
-        acc[:] = 0
-        for k in range(0, n_in, 4):
-            db = d[t, k >> 5]
-            mb = m[t, k >> 5]
-            q0, q1, q2, q3 = q[t, k], q[t, k + 1], q[t, k + 2], q[t, k + 3]
-            for r in range(rows):
-                x0, x1, x2, x3 = x[r, k], x[r, k + 1], x[r, k + 2], x[r, k + 3]
-                a = acc[r]
-                for j in range(tile):  # d * q is exact: each weight is rounded once, as gguf's
-                    a[j] += (x0 * (db[j] * np.float32(q0[j]) + mb[j]) + x1 * (db[j] * np.float32(q1[j]) + mb[j])
-                             + x2 * (db[j] * np.float32(q2[j]) + mb[j]) + x3 * (db[j] * np.float32(q3[j]) + mb[j]))
-        y[:, t * tile:(t + 1) * tile] = acc
-
-
-@njit(fastmath=True, nogil=True, boundscheck=False, cache=True)
-def _mm_d(x, q, d, y):  # pragma: no cover - compiled
-    # as _mm_dm with m = 0 (Q4_0 stores q - 8, Q8_0 q): saves reading the zero offsets
-    rows, n_in = x.shape
-    n_tiles, _, tile = q.shape
-    acc = np.empty((rows, tile), np.float32)
-    for t in range(n_tiles):
-        acc[:] = 0
-        for k in range(0, n_in, 4):
-            db = d[t, k >> 5]
-            q0, q1, q2, q3 = q[t, k], q[t, k + 1], q[t, k + 2], q[t, k + 3]
-            for r in range(rows):
-                x0, x1, x2, x3 = x[r, k], x[r, k + 1], x[r, k + 2], x[r, k + 3]
-                a = acc[r]
-                for j in range(tile):
-                    a[j] += (x0 * (db[j] * np.float32(q0[j])) + x1 * (db[j] * np.float32(q1[j]))
-                             + x2 * (db[j] * np.float32(q2[j])) + x3 * (db[j] * np.float32(q3[j])))
-        y[:, t * tile:(t + 1) * tile] = acc
-
-
-# --- decoding GGUF blocks -------------------------------------------------------------------------
-
-
-def decode_blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Split GGUF blocks ``raw`` (uint8 ``[rows, bytes]``) into quants (int8 ``[rows, in]``),
-    scales and offsets (float32 ``[rows, in / 32]``; offsets None where zero).
+def split_blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """GGUF blocks ``raw`` (uint8 ``[rows, bytes]``) -> (quants ``[rows, in]``: uint8 0..15 for Q4,
+    int8 for Q8_0; scales and offsets as float16 bits, uint16 ``[rows, in / 32]``; offsets None for
+    Q8_0).  Q4_0 gets the offset ``-8 d`` (exact in float16), so it decodes as Q4_1 does.
 
     Block layouts (ggml): Q4_0 = fp16 d, 16 bytes of nibbles; Q4_1 = fp16 d, fp16 m, 16 bytes;
     in both, byte j holds weight j in its low nibble and weight j + 16 in its high one.
     Q8_0 = fp16 d, 32 int8."""
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    head = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}.get(kind)
+    head = _HEAD.get(kind)
     if head is None:
         raise QuantError(f"GGUF quantization {kind} is not supported (supported: {', '.join(SUPPORTED)})")
     size = head + (BLOCK if kind == "Q8_0" else BLOCK // 2)
@@ -117,189 +60,221 @@ def decode_blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, n
         raise QuantError(f"{kind} data of shape {raw.shape} is not whole {size}-byte blocks")
     rows, nb = raw.shape[0], raw.shape[1] // size
     blocks = raw.reshape(rows, nb, size)
-    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else None
+    d = blocks[:, :, 0:2].copy().view(np.uint16)[..., 0]
     body = blocks[:, :, head:]
     if kind == "Q8_0":
-        q = body.view(np.int8)
+        return np.ascontiguousarray(body.view(np.int8).reshape(rows, nb * BLOCK)), d, None
+    q = np.concatenate([body & 0x0F, body >> 4], axis=-1).reshape(rows, nb * BLOCK)
+    if kind == "Q4_1":
+        m = blocks[:, :, 2:4].copy().view(np.uint16)[..., 0]
     else:
-        q = np.concatenate([body & 0x0F, body >> 4], axis=-1).astype(np.int8)  # [rows, nb, 32]
-        if kind == "Q4_0":
-            q = q - np.int8(8)
-    return np.ascontiguousarray(q.reshape(rows, nb * BLOCK)), d, m
+        with np.errstate(over="ignore"):
+            m16 = (d.view(np.float16) * np.float16(-8)).astype(np.float16)
+        if not np.isfinite(m16).all():
+            raise QuantError("a Q4_0 scale is too large to serve (|d| >= 8192)")
+        m = m16.view(np.uint16)
+    return np.ascontiguousarray(q), d, m
 
 
-def _tiles(a: np.ndarray) -> np.ndarray:
-    """``[rows, cols]`` -> ``[rows / TILE, cols, TILE]``, rows padded with zeros to whole tiles."""
-    rows, cols = a.shape
+def decode_blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """GGUF blocks -> (quants int8 ``[rows, in]`` with Q4_0's ``q - 8`` applied, scales and offsets
+    float32 ``[rows, in / 32]``, offsets None where zero): the blocks as the file defines them."""
+    q, d, m = split_blocks(raw, kind)
+    if kind == "Q4_0":
+        return q.astype(np.int8) - np.int8(8), _f32(d), None
+    return q.astype(np.int8), _f32(d), None if m is None else _f32(m)
+
+
+def _f32(h: np.ndarray) -> np.ndarray:
+    return h.view(np.float16).astype(np.float32)
+
+
+def pack(q: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> dict[str, np.ndarray]:
+    """Per-row arrays (as :func:`split_blocks` gives them) -> the kernels' tiles: ``q`` (Q4: uint8
+    ``[tiles, blocks, 32, 32]`` of nibble pairs; Q8_0: int8 ``[tiles, blocks, 32, 64]``), ``d`` and
+    ``m`` (uint16 ``[tiles, blocks, 64]``).  Rows are padded with zeros to whole tiles."""
+    rows, cols = q.shape
     pad = (-rows) % TILE
-    if pad:
-        a = np.concatenate([a, np.zeros((pad, cols), a.dtype)])
-    return np.ascontiguousarray(a.reshape(-1, TILE, cols).transpose(0, 2, 1))
+    nt, nb = (rows + pad) // TILE, cols // BLOCK
+
+    def tiles(a: np.ndarray) -> np.ndarray:  # [rows, ...] -> padded
+        return np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a
+
+    def scales(s: np.ndarray) -> np.ndarray:  # [rows, blocks] -> [tiles, blocks, 64]
+        return np.ascontiguousarray(tiles(s).reshape(nt, TILE, nb).transpose(0, 2, 1))
+
+    qt = tiles(q).reshape(nt, TILE, nb, BLOCK).transpose(0, 2, 3, 1)  # [tiles, blocks, 32 inputs, 64 outputs]
+    if m is None:
+        return {"q": np.ascontiguousarray(qt), "d": scales(d)}
+    qp = (qt[..., :32] | (qt[..., 32:] << 4)).astype(np.uint8)
+    return {"q": np.ascontiguousarray(qp), "d": scales(d), "m": scales(m)}
+
+
+def unpack(tiles: dict[str, np.ndarray], rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The inverse of :func:`pack` (``rows``: the unpadded row count)."""
+    q, d, m = tiles["q"], tiles["d"], tiles.get("m")
+    nt, nb = q.shape[0], q.shape[1]
+
+    def scales(s: np.ndarray) -> np.ndarray:
+        return s.transpose(0, 2, 1).reshape(nt * TILE, nb)[:rows]
+
+    if m is None:
+        return q.transpose(0, 3, 1, 2).reshape(nt * TILE, nb * BLOCK)[:rows], scales(d), None
+    full = np.concatenate([q & 0x0F, q >> 4], axis=-1)  # [tiles, blocks, 32, 64]
+    return full.transpose(0, 3, 1, 2).reshape(nt * TILE, nb * BLOCK)[:rows], scales(d), scales(m)
+
+
+# --- the module ----------------------------------------------------------------------------------
 
 
 class GGUFLinear(nn.Module):
-    """``y = x @ W.T (+ bias)`` with ``W`` kept as a GGUF block type (Q4_0, Q4_1, Q8_0).
+    """``y = x @ W.T (+ bias)`` with ``W`` kept as GGUF blocks (Q4_0, Q4_1, Q8_0).
 
-    Inference only (no gradients).  Inputs of another float dtype are computed in float32 and
-    cast back.  :meth:`dequantized` gives the float32 weight it computes with."""
+    Inference only.  Inputs of another float dtype are computed in float32 and cast back.  Up to
+    ``KERNEL_MAX_ROWS`` rows use the kernels, on ``torch.get_num_threads()`` threads (tiles split
+    between them; the same result at any count).  ``dense``: the float32 weight these blocks
+    decode to, if the caller holds it already (used for prompts instead of dequantizing)."""
 
     def __init__(self, raw: np.ndarray, kind: str, in_features: int, bias: torch.Tensor | None = None,
-                 row_order: np.ndarray | None = None) -> None:
-        super().__init__()
-        q, d, m = decode_blocks(raw, kind)
+                 row_order: np.ndarray | None = None, dense: torch.Tensor | None = None) -> None:
+        q, d, m = split_blocks(raw, kind)
         if q.shape[1] != in_features:
             raise QuantError(f"{kind} tensor has {q.shape[1]} inputs per row, the layer {in_features}")
         if row_order is not None:
             q, d, m = q[row_order], d[row_order], (m[row_order] if m is not None else None)
-        self.kind, self.in_features, self.out_features = kind, in_features, q.shape[0]
-        self.register_buffer("q", torch.from_numpy(_tiles(q)), persistent=False)
-        self.register_buffer("d", torch.from_numpy(_tiles(d)), persistent=False)
-        self.register_buffer("m", torch.from_numpy(_tiles(m)) if m is not None else None,
-                             persistent=False)
+        self._setup(kind, pack(q, d, m), in_features, q.shape[0], bias, dense)
+
+    @classmethod
+    def from_tiles(cls, kind: str, tiles: dict[str, np.ndarray | torch.Tensor], in_features: int, out_features: int,
+                   bias: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> "GGUFLinear":
+        """A module over tiles as :func:`pack` makes them (read back from a cache, or selected rows)."""
+        mod = cls.__new__(cls)
+        arrays = {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in tiles.items()}
+        mod._setup(kind, arrays, in_features, out_features, bias, dense)
+        return mod
+
+    def _setup(self, kind: str, tiles: dict[str, np.ndarray], in_features: int, out_features: int,
+               bias: torch.Tensor | None, dense: torch.Tensor | None) -> None:
+        super().__init__()
+        if kind not in SUPPORTED:
+            raise QuantError(f"GGUF quantization {kind} is not supported (supported: {', '.join(SUPPORTED)})")
+        q = tiles["q"]
+        want = (BLOCK, TILE) if kind == "Q8_0" else (BLOCK, TILE // 2)
+        if q.ndim != 4 or q.shape[2:] != want or q.shape[1] * BLOCK != in_features or q.shape[0] * TILE < out_features \
+                or (kind == "Q8_0") != ("m" not in tiles):
+            raise QuantError(f"{kind} tiles of shape {q.shape} do not fit a {out_features}x{in_features} layer")
+        self.kind, self.in_features, self.out_features = kind, in_features, out_features
+        # int16 tensors hold the float16 bits (torch's uint16 is a storage-only dtype); the kernels read them as uint16
+        tiles = {k: np.ascontiguousarray(v) if k == "q" else np.ascontiguousarray(v).view(np.uint16) for k, v in tiles.items()}
+        for name in ("q", "d", "m"):
+            a = tiles.get(name)
+            t = None if a is None else torch.from_numpy(a if name == "q" else a.view(np.int16))
+            self.register_buffer(name, t, persistent=False)
         self.bias = nn.Parameter(bias.detach().float(), requires_grad=False) if bias is not None else None
+        self._arrays = (tiles["q"], tiles["d"], tiles.get("m"))  # numpy views of the buffers, for the eager kernels
+        self.dense = dense  # not a parameter: the caller's tensor, never copied
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}, bias={self.bias is not None}"
 
+    def tiles(self) -> dict[str, np.ndarray]:
+        """The kernel arrays (numpy views; d and m as uint16)."""
+        out = {"q": self.q.numpy(), "d": self.d.numpy().view(np.uint16)}
+        if self.m is not None:
+            out["m"] = self.m.numpy().view(np.uint16)
+        return out
+
     @property
     def nbytes(self) -> int:
-        """Bytes one product reads: the quants and scales (and the offsets where present)."""
+        """Bytes one product reads: quants, scales and offsets."""
         return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
 
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The float32 ``[out, in]`` weight (or only ``rows`` of it), computed as the kernel does."""
-        def rowwise(t: torch.Tensor) -> torch.Tensor:  # [tiles, cols, TILE] -> [out (or rows), cols]
-            if rows is None:
-                return t.permute(0, 2, 1).reshape(-1, t.shape[1])[: self.out_features]
-            return t[rows // TILE, :, rows % TILE]
+        """The float32 ``[out, in]`` weight (or only ``rows`` of it), computed as the kernels do."""
+        q, d, m = unpack(self.tiles(), self.out_features)
+        if rows is not None:
+            idx = rows.cpu().numpy()
+            q, d, m = q[idx], d[idx], (m[idx] if m is not None else None)
+        w = np.repeat(_f32(d), BLOCK, axis=1) * q.astype(np.float32)
+        if m is not None:
+            w = w + np.repeat(_f32(m), BLOCK, axis=1)
+        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
 
-        w = rowwise(self.d).repeat_interleave(BLOCK, dim=1) * rowwise(self.q).float()
-        if self.m is not None:
-            w = w + rowwise(self.m).repeat_interleave(BLOCK, dim=1)
-        return w
+    def select_rows(self, ids: torch.Tensor | np.ndarray) -> "GGUFLinear":
+        """A module over output rows ``ids`` of this one (same blocks: a reduced draft head)."""
+        idx = np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64)
+        q, d, m = unpack(self.tiles(), self.out_features)
+        bias = self.bias.detach()[torch.from_numpy(idx)] if self.bias is not None else None
+        return GGUFLinear.from_tiles(self.kind, pack(q[idx], d[idx], None if m is None else m[idx]), self.in_features,
+                                     len(idx), bias)
 
-    @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, dtype = x.shape[:-1], x.dtype
-        x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        x2 = x.detach().reshape(-1, self.in_features)
         rows = x2.shape[0]
-        if rows > KERNEL_MAX_ROWS or x2.device.type != "cpu":
-            y = F.linear(x2, self.dequantized().to(x2.device))
+        if rows > KERNEL_MAX_ROWS or x2.device.type != "cpu" or rows == 0:
+            w = self.dense if self.dense is not None else self.dequantized()
+            y = F.linear(x2.float(), w.to(x2.device))
+        elif torch.compiler.is_compiling():
+            y = torch.ops.ssd_chat.gguf_mm(x2.float().contiguous(), self.q, self.d, self.d if self.m is None else self.m,
+                                           self.out_features)
         else:
-            yp = torch.empty(rows, self.q.shape[0] * TILE, dtype=torch.float32)
-            if self.m is not None:
-                _mm_dm(x2.numpy(), self.q.numpy(), self.d.numpy(), self.m.numpy(), yp.numpy())
-            else:
-                _mm_d(x2.numpy(), self.q.numpy(), self.d.numpy(), yp.numpy())
-            y = yp[:, : self.out_features]
+            y = torch.from_numpy(_product(x2.float().contiguous().numpy(), self._arrays, self.out_features))
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features).to(dtype)
 
 
-# --- building modules for a loaded model ----------------------------------------------------------
+_threads = [1]  # numba's thread count last set (setting it costs a call into the threading layer)
 
 
-def _field(reader: Any, key: str) -> Any:
-    f = reader.fields.get(key)
-    if f is None or not f.data:
-        return None
-    v = f.parts[f.data[0]]
-    return bytes(v).decode() if v.dtype == np.uint8 else v[0].item()
+def _product(x: np.ndarray, arrays: tuple[np.ndarray, ...], out_features: int) -> np.ndarray:
+    """The kernel call for float32 C-contiguous ``x`` on as many threads as torch uses.  ``arrays``:
+    (q, d, m) as the kernels take them (m None for Q8_0).  Numpy throughout: a torch.Tensor.numpy()
+    costs about as much as the product of a small matrix."""
+    q, d, m = arrays
+    y = np.empty((x.shape[0], q.shape[0] * TILE), np.float32)
+    threads = torch.get_num_threads()
+    if threads > 1:
+        import numba
+
+        threads = min(threads, numba.config.NUMBA_NUM_THREADS, q.shape[0])
+        if threads != _threads[0]:
+            numba.set_num_threads(threads)
+            _threads[0] = threads
+    if m is None:
+        (qkernels.q8_parallel if threads > 1 else qkernels.q8_serial)(x, q, d, y)
+    else:
+        (qkernels.q4_parallel if threads > 1 else qkernels.q4_serial)(x, q, d, m, y)
+    return y if y.shape[1] == out_features else y[:, :out_features]
 
 
-def _row_order(processor: Any, name: str, rows: int, mapping: dict[str, str]) -> np.ndarray | None:
-    """The row order transformers gives this tensor (llama q/k: un-permuting the rotary halves),
-    found by running its tensor processor on the row numbers; None when it keeps the order."""
-    ids = np.arange(rows, dtype=np.float64).reshape(rows, 1)
+@torch.library.custom_op("ssd_chat::gguf_mm", mutates_args=())
+def _gguf_mm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The kernels as an opaque op, so a compiled graph calls them (``m`` is ``d`` for Q8_0)."""
+    arrays = (q.numpy(), d.numpy().view(np.uint16), None if q.dtype == torch.int8 else m.numpy().view(np.uint16))
+    return torch.from_numpy(np.ascontiguousarray(_product(x.numpy(), arrays, out_features)))
+
+
+@_gguf_mm.register_fake
+def _(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+def quantize(weight: torch.Tensor, bias: torch.Tensor | None = None, kind: str = "Q8_0") -> GGUFLinear:
+    """A :class:`GGUFLinear` of ``weight`` ``[out, in]`` quantized to ``kind`` blocks by gguf's own
+    quantizer (llama.cpp's rounding).  For drafts: it changes the weights."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    out_f, in_f = weight.shape
+    if in_f % BLOCK:
+        raise QuantError(f"cannot quantize a layer with {in_f} inputs to {kind} (needs a multiple of {BLOCK})")
     try:
-        out = processor.process(weights=ids, name=name, tensor_key_mapping=mapping,
-                                parsed_parameters={"config": processor.config, "tensors": {}})
-        order = np.asarray(out.weights).reshape(-1)
-    except Exception as e:
-        raise QuantError(f"transformers transforms GGUF tensor {name} in a way these modules cannot follow: {e}") from e
-    if order.shape != (rows,) or not np.array_equal(np.sort(order), ids[:, 0]):
-        raise QuantError(f"transformers transforms GGUF tensor {name} by more than a reordering of its rows")
-    order = order.astype(np.int64)
-    return None if np.array_equal(order, np.arange(rows)) else order
-
-
-def gguf_linears(model: nn.Module, gguf_path: str | Path, *, keep_unsupported: bool = False,
-                 check_rows: int = 4) -> dict[str, GGUFLinear]:
-    """For ``model`` (loaded by transformers from ``gguf_path``, or from its dequantized copy):
-    a :class:`GGUFLinear` for every ``nn.Linear`` whose weight is a Q4_0/Q4_1/Q8_0 tensor of the
-    file, keyed by module name (a tied output head gets one built from the embedding's blocks).
-    Linears stored as F32/F16/BF16 are left out (the model's own layer already computes in that
-    precision).  Any other type raises :class:`QuantError`, or is left out with
-    ``keep_unsupported``.  ``check_rows`` sampled rows of each module are compared bit for bit
-    with the model's weight: a GGUF that is not the model's raises :class:`QuantError`."""
-    try:
-        from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
-        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-    except ImportError as e:  # an incompatible transformers or gguf
-        raise QuantError(f"cannot map GGUF tensors to the model: {e}") from e
-    try:
-        reader = GGUFReader(str(gguf_path))
-    except Exception as e:
-        raise QuantError(f"could not read GGUF file '{gguf_path}': {e}") from e
-    cfg = getattr(model, "config", None)
-    arch = _field(reader, "general.architecture") or getattr(cfg, "model_type", "")
-    heads = {"num_attention_heads": getattr(cfg, "num_attention_heads", None),
-             "num_key_value_heads": getattr(cfg, "num_key_value_heads", None)}
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=heads)
-    arch_id = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
-    if arch_id is None:
-        raise QuantError(f"GGUF architecture '{arch}' is unknown to the installed gguf package")
-    # gguf's own name table (the one transformers' loader uses), built once: transformers'
-    # get_gguf_hf_weights_map rebuilds it for every submodule (seconds for a 30-layer model)
-    table = get_tensor_name_map(arch_id, int(_field(reader, f"{arch}.block_count") or getattr(cfg, "num_hidden_layers", 0)))
-    params = dict(model.named_parameters(remove_duplicate=False))
-    mapping: dict[str, str] = {}
-    for n in params:
-        g = table.get_name(n, try_suffixes=(".weight", ".bias"))
-        if g is not None:
-            mapping.setdefault(g, n)
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    by_ptr: dict[int, list[str]] = {}
-    for n, m in linears.items():
-        by_ptr.setdefault(m.weight.data_ptr(), []).append(n)
-    out: dict[str, GGUFLinear] = {}
-    bad: list[str] = []
-    for t in reader.tensors:
-        hf = mapping.get(t.name)
-        if hf is None or hf not in params:
-            continue
-        names = by_ptr.get(params[hf].data_ptr(), [])  # the linear itself, or heads tied to an embedding
-        kind = t.tensor_type.name
-        if not names or kind in KEPT:
-            continue
-        if kind not in SUPPORTED:
-            bad.append(f"{t.name} ({kind})")
-            continue
-        rows = int(t.shape[-1])  # gguf lists dims innermost first
-        order = _row_order(processor, t.name, rows, mapping)
-        raw = np.asarray(t.data).reshape(rows, -1)
-        for n in names:
-            lin = linears[n]
-            mod = GGUFLinear(raw, kind, lin.in_features, lin.bias, order)
-            _check(mod, lin.weight, n, check_rows)
-            out[n] = mod
-    if bad and not keep_unsupported:
-        raise QuantError(f"GGUF quantization not supported for {', '.join(bad[:3])}{' and others' if len(bad) > 3 else ''} "
-                         f"(supported: {', '.join(SUPPORTED)})")
-    return out
-
-
-def _check(mod: GGUFLinear, weight: torch.Tensor, name: str, rows: int) -> None:
-    if tuple(weight.shape) != (mod.out_features, mod.in_features):
-        raise QuantError(f"{name}: the GGUF tensor is {mod.out_features}x{mod.in_features}, the model's {tuple(weight.shape)}")
-    if rows <= 0:
-        return
-    pick = torch.linspace(0, mod.out_features - 1, min(rows, mod.out_features)).long()
-    got = mod.dequantized(pick)
-    if not torch.equal(got, weight.detach()[pick].to(device="cpu", dtype=torch.float32)):
-        raise QuantError(f"{name}: the GGUF blocks do not decode to the model's weights (a different checkpoint?)")
+        raw = gguf_quantize(weight.detach().float().cpu().numpy(), GGMLQuantizationType[kind])
+    except (KeyError, NotImplementedError) as e:
+        raise QuantError(f"cannot quantize to {kind}: {e}") from e
+    return GGUFLinear(np.asarray(raw).reshape(out_f, -1), kind, in_f, bias)
 
 
 def swap_modules(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:

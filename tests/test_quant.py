@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
 
-from ssd_chat.engine import quant
+from ssd_chat.engine import gguf_map, quant
 from ssd_chat.engine.quant import GGUFLinear, QuantError
 
 EPS = torch.finfo(torch.float32).eps
@@ -202,7 +202,7 @@ def tiny_gguf(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
 
 def test_tiny_gguf_maps_every_linear_bit_identically(tiny_gguf):
     path, model = tiny_gguf
-    mods = quant.gguf_linears(model, path, check_rows=10**6)
+    mods = gguf_map.gguf_linears(model, path, check_rows=10**6)
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert set(mods) == linears  # 2 x 7 projections and the head tied to the Q8_0 embedding
     assert mods["lm_head"].kind == "Q8_0" and mods["model.layers.0.self_attn.k_proj"].kind == "Q4_0"
@@ -215,9 +215,9 @@ def test_q_and_k_rows_follow_transformers_permutation(tiny_gguf, monkeypatch):
     """Without the row order transformers gives llama q/k projections the check must fail:
     the permutation is real here (4 query heads, 2 key heads), not an identity."""
     path, model = tiny_gguf
-    monkeypatch.setattr(quant, "_row_order", lambda *a, **k: None)
+    monkeypatch.setattr(gguf_map, "_row_order", lambda *a, **k: None)
     with pytest.raises(QuantError, match="q_proj: the GGUF blocks do not decode to the model's weights"):
-        quant.gguf_linears(model, path, check_rows=64)
+        gguf_map.gguf_linears(model, path, check_rows=64)
 
 
 def test_swapped_model_computes_like_the_dequantized_one(tiny_gguf):
@@ -225,7 +225,7 @@ def test_swapped_model_computes_like_the_dequantized_one(tiny_gguf):
     ids = torch.tensor([[1, 5, 9, 2, 77, 31, 4]])
     with torch.inference_mode():
         ref = model(ids).logits
-        old = quant.swap_modules(model, quant.gguf_linears(model, path))
+        old = quant.swap_modules(model, gguf_map.gguf_linears(model, path))
         try:
             assert isinstance(model.model.layers[1].mlp.down_proj, GGUFLinear)
             got = model(ids).logits
@@ -242,8 +242,8 @@ def test_unsupported_type_is_a_clear_error(tmp_path):
     path = write_tiny_gguf(tmp_path / "k.gguf", {**KINDS, "ffn_down": "Q4_K"}, layers=1)
     model = load_gguf(path)
     with pytest.raises(QuantError, match=r"not supported for blk\.0\.ffn_down\.weight \(Q4_K\) \(supported: Q4_0, Q4_1, Q8_0\)"):
-        quant.gguf_linears(model, path)
-    mods = quant.gguf_linears(model, path, keep_unsupported=True)
+        gguf_map.gguf_linears(model, path)
+    mods = gguf_map.gguf_linears(model, path, keep_unsupported=True)
     assert "model.layers.0.mlp.down_proj" not in mods and "model.layers.0.mlp.up_proj" in mods
 
 
@@ -251,9 +251,9 @@ def test_a_different_checkpoint_is_refused(tiny_gguf, tmp_path):
     _, model = tiny_gguf
     other = write_tiny_gguf(tmp_path / "other.gguf", seed=1)
     with pytest.raises(QuantError, match="do not decode to the model's weights"):
-        quant.gguf_linears(model, other)
+        gguf_map.gguf_linears(model, other)
     with pytest.raises(QuantError, match="could not read GGUF file"):
-        quant.gguf_linears(model, tmp_path / "missing.gguf")
+        gguf_map.gguf_linears(model, tmp_path / "missing.gguf")
 
 
 # --- the packaged SmolLM2-135M-Instruct (Q4_1 layers, Q8_0 tied head) -----------------------------
@@ -267,7 +267,7 @@ def test_packaged_model_greedy_agreement(smollm2, record_property):
     from ssd_chat.engine import models
 
     model, tok = smollm2.model, smollm2.tokenizer
-    mods = quant.gguf_linears(model, models.packaged_gguf())
+    mods = gguf_map.gguf_linears(model, models.packaged_gguf())
     assert len(mods) == 30 * 7 + 1 and mods["lm_head"].kind == "Q8_0"
     assert {m.kind for n, m in mods.items() if n != "lm_head"} == {"Q4_1"}
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at"]
