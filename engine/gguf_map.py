@@ -176,7 +176,7 @@ def _write_cache(path: Path, mods: dict[str, GGUFLinear], keep_unsupported: bool
 
 def _read_cache(path: Path, linears: dict[str, nn.Linear], keep_unsupported: bool) -> dict[str, GGUFLinear] | None:
     """The modules the cache holds, or None (absent, unreadable, or for other modules: rebuild)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     if not path.is_file():
         return None
@@ -194,6 +194,6 @@ def _read_cache(path: Path, linears: dict[str, nn.Linear], keep_unsupported: boo
                 tiles = {k: f.get_tensor(f"{n}.{k}") for k in ("q", "d", "m") if f"{n}.{k}" in f.keys()}
                 tiles = {k: (a if k == "q" else a.view(np.uint16)) for k, a in tiles.items()}
                 out[n] = GGUFLinear.from_tiles(kind, tiles, in_f, out_f, lin.bias, lin.weight.detach())
-    except (OSError, ValueError, KeyError, TypeError, QuantError):
+    except (OSError, ValueError, KeyError, TypeError, QuantError, SafetensorError):
         return None
     return out
