@@ -26,7 +26,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ssd_chat.engine import models, quant
+import numpy as np
+
+from ssd_chat.engine import gguf_map, models, quant
 
 
 def bandwidth(threads: int, mb: int = 512, repeats: int = 5) -> float:
@@ -58,7 +60,7 @@ class Fn(torch.nn.Module):
 
 def routes(model: torch.nn.Module, gguf: Any) -> dict[str, tuple[dict[str, torch.nn.Module], int]]:
     """route -> (a module per linear of the model, in forward order; bytes they read per forward)."""
-    g = quant.gguf_linears(model, gguf)
+    g = gguf_map.gguf_linears(model, gguf)
     lins = dict(model.named_modules())
     names = _order(model)
     assert set(names) == set(g)
@@ -78,10 +80,10 @@ def routes(model: torch.nn.Module, gguf: Any) -> dict[str, tuple[dict[str, torch
     for n in names:
         fq = g[n]
         if fq.kind in ("Q4_0", "Q4_1"):
-            cols = fq.d.shape[1]
-            dq = fq.d.permute(0, 2, 1).reshape(-1, cols)[: fq.out_features]  # [out, in/32]
-            zero = fq.m.permute(0, 2, 1).reshape(-1, cols)[: fq.out_features] + 8 * dq if fq.m is not None else torch.zeros_like(dq)
-            nib = fq.q.permute(0, 2, 1).reshape(-1, fq.in_features)[: fq.out_features].int() + (8 if fq.kind == "Q4_0" else 0)
+            q, d16, m16 = quant.unpack(fq.tiles(), fq.out_features)  # raw nibbles; Q4_0's offset is m = -8d
+            dq = torch.from_numpy(d16.view(np.float16).astype(np.float32))  # [out, in/32]
+            zero = torch.from_numpy(m16.view(np.float16).astype(np.float32)) + 8 * dq
+            nib = torch.from_numpy(q.astype(np.int32))
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(nib, 1)
             sz = torch.stack([dq, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [in/32, out, 2]
             i4[n] = Fn(lambda x, p=packed, s=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), p, quant.BLOCK, s),

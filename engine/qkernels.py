@@ -24,10 +24,19 @@ tokens computes the very products of k + 1 one-token steps), and the same at any
 
 from __future__ import annotations
 
+import os
+
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
+
+# numba's OpenMP layer leaves its threads spin-waiting between products, where torch's own OpenMP
+# threads and other processes need the cores: under load, two-thread products took 2-5x longer
+# than with the workqueue layer (threads that sleep).  A user's NUMBA_THREADING_LAYER wins.
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER = "workqueue"
 
 TILE = 64
 BLOCK = 32

@@ -36,6 +36,10 @@ if mode == "hang":
     time.sleep(60)
 n = int(args[args.index("-n") + 1])
 t = int(args[args.index("-t") + 1])
+burn = float(os.environ.get("FAKE_LLAMA_BURN_MS", "0")) * n * int(args[args.index("-r") + 1]) / 1e3
+t0 = time.process_time()
+while time.process_time() - t0 < burn:  # CPU time in proportion to the tokens generated
+    pass
 print(json.dumps([{{"build_commit": "abc1234", "build_number": 42, "model_type": "llama ?B Q4_1", "n_prompt": 0,
                    "n_gen": n, "n_threads": t, "avg_ts": 50.0 * t, "stddev_ts": 1.5, "samples_ts": [50.0 * t]}}]))
 """
@@ -151,3 +155,10 @@ def test_cli_checks_the_binary_before_loading_anything(tmp_path):
     assert "llama-bench not found" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(app, ["bench", "--dry-run", "--against", "llama.cpp"])
     assert r.exit_code == 2 and "requires 2 arguments" in r.output
+
+
+def test_cpu_ms_per_token_is_the_cpu_time_of_the_extra_tokens(fake_bench, gguf, monkeypatch):
+    # the fake spends 4 ms of CPU per generated token; start-up costs cancel out of the difference
+    monkeypatch.setenv("FAKE_LLAMA_BURN_MS", "4")
+    ms = llamacpp.cpu_ms_per_token(fake_bench, gguf, threads=1, n_lo=4, n_hi=24, repetitions=2)
+    assert 3.5 < ms < 5.0

@@ -110,6 +110,22 @@ def test_result_does_not_depend_on_the_thread_count():
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("env, layer", [(None, "workqueue"), ("omp", "omp")])
+def test_kernels_use_sleeping_threads_unless_the_user_chose(env, layer):
+    """numba's OpenMP threads spin between products and take the cores torch and the other
+    process need; the kernels pick the workqueue layer unless NUMBA_THREADING_LAYER says otherwise."""
+    import os
+    import subprocess
+    import sys
+
+    e = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    if env:
+        e["NUMBA_THREADING_LAYER"] = env
+    code = "import numba; from ssd_chat.engine import qkernels; print(numba.config.THREADING_LAYER)"
+    out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == layer
+
+
 def test_many_rows_use_f_linear_on_the_same_weights():
     raw = blocks(64, 64, "Q4_1", np.random.default_rng(2))
     mod = GGUFLinear(raw, "Q4_1", 64)
