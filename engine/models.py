@@ -275,6 +275,7 @@ class LoadedModel:
     load_s: float = 0.0
     folder: Path | None = None
     eos_ids: frozenset[int] = field(default_factory=frozenset)
+    gguf: Any = None  # precision.GGUFWeights when its linears compute from GGUF blocks
 
     @property
     def device(self) -> torch.device:

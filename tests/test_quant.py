@@ -171,9 +171,12 @@ KINDS = {"attn_q": "Q4_1", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q
          "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q4_1"}
 
 
-def write_tiny_gguf(path: Path, kinds: dict[str, str] = KINDS, layers: int = 2, seed: int = 0) -> Path:
+def write_tiny_gguf(path: Path, kinds: dict[str, str] = KINDS, layers: int = 2, seed: int = 0,
+                    file_type: int | None = None) -> Path:
     rng = np.random.default_rng(seed)
     w = GGUFWriter(str(path), "llama")
+    if file_type is not None:  # general.file_type, as llama.cpp's quantizer writes it
+        w.add_file_type(file_type)
     w.add_block_count(layers)
     w.add_context_length(128)
     w.add_embedding_length(H)
