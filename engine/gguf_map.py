@@ -186,12 +186,13 @@ def _read_cache(path: Path, linears: dict[str, nn.Linear], keep_unsupported: boo
             if meta.get("keep_unsupported") != str(bool(keep_unsupported)):
                 return None
             index = json.loads(meta["modules"])
+            names = set(f.keys())
             out = {}
             for n, (kind, in_f, out_f) in index.items():
                 lin = linears.get(n)
                 if lin is None or (lin.out_features, lin.in_features) != (out_f, in_f):
                     return None
-                tiles = {k: f.get_tensor(f"{n}.{k}") for k in ("q", "d", "m") if f"{n}.{k}" in f.keys()}
+                tiles = {k: f.get_tensor(f"{n}.{k}") for k in ("q", "d", "m") if f"{n}.{k}" in names}
                 tiles = {k: (a if k == "q" else a.view(np.uint16)) for k, a in tiles.items()}
                 out[n] = GGUFLinear.from_tiles(kind, tiles, in_f, out_f, lin.bias, lin.weight.detach())
     except (OSError, ValueError, KeyError, TypeError, QuantError, SafetensorError):

@@ -191,10 +191,14 @@ class GGUFLinear(nn.Module):
 
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 ``[out, in]`` weight (or only ``rows`` of it), computed as the kernels do."""
-        q, d, m = unpack(self.tiles(), self.out_features)
-        if rows is not None:
-            idx = rows.cpu().numpy()
-            q, d, m = q[idx], d[idx], (m[idx] if m is not None else None)
+        if rows is None:
+            q, d, m = unpack(self.tiles(), self.out_features)
+        else:  # only the tiles that hold these rows (a start checks a few rows of every module)
+            idx = rows.cpu().numpy().astype(np.int64)
+            tix, inv = np.unique(idx // TILE, return_inverse=True)
+            q, d, m = unpack({k: v[tix] for k, v in self.tiles().items()}, len(tix) * TILE)
+            sel = inv.reshape(-1) * TILE + idx % TILE
+            q, d, m = q[sel], d[sel], (m[sel] if m is not None else None)
         w = np.repeat(_f32(d), BLOCK, axis=1) * q.astype(np.float32)
         if m is not None:
             w = w + np.repeat(_f32(m), BLOCK, axis=1)
