@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from . import chat, models
+from . import chat, models, precision
 from .ar import ARDecoder
 from .config import CONFIG_MODES, MODES, EngineConfig
 from .errors import ParamError
@@ -95,17 +95,17 @@ class Engine:
                 ttok = models.load_tokenizer(models.tokenizer_folder(tspec, tqdm_class), config.trust_remote_code)
                 dtok = models.load_tokenizer(models.tokenizer_folder(dspec, tqdm_class), config.trust_remote_code)
                 models.check_same_vocab(config.target, ttok, draft_name, dtok)
-        target = models.load(config.target, tplace, config.trust_remote_code, progress, tqdm_class)
+        target = precision.load(config.target, tplace, config.trust_remote_code, progress, tqdm_class)
         draft = None
         if draft_name is not None:
             from . import drafts
 
             progress(f"preparing draft {draft_name}", None)
             if drafts.is_derived(draft_name):
-                draft = drafts.derive(draft_name, target)
+                draft = precision.derive(draft_name, target)  # in the target's precision
             else:
                 assert dplace is not None
-                draft = models.load(draft_name, dplace, config.trust_remote_code, progress, tqdm_class)
+                draft = precision.load(draft_name, dplace, config.trust_remote_code, progress, tqdm_class)
         return cls(config, target, draft, pre.reason if pre.auto else None)
 
     # -- use ----------------------------------------------------------------------------
@@ -129,7 +129,7 @@ class Engine:
             name = new.draft or default_draft(new.target)
             if not drafts.is_derived(name):
                 raise ParamError(f"mode '{new.mode}' needs the draft '{name}' loaded; restart with --mode {new.mode} --draft {name}")
-            draft = drafts.derive(name, self.target)
+            draft = precision.derive(name, self.target)
         check_draft_for_mode(new.mode, draft)
         self.draft = draft
         self.config = new

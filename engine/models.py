@@ -186,6 +186,7 @@ class Placement:
     dtype: torch.dtype
     cores: tuple[int, ...] | None = None
     device_map: tuple[str, ...] | None = None  # several GPUs for one model
+    dtype_auto: bool = False  # no dtype asked for: a GGUF on the CPU then computes in its own precision
 
     @property
     def label(self) -> str:
@@ -259,7 +260,7 @@ def parse_placement(device: str = "auto", dtype: str = "auto", option: str = "--
     else:
         raise DeviceError(f"unknown dtype '{dtype}' (use auto, float32, bfloat16, float16)")
     device_map = tuple(str(d) for d in parsed) if len(parsed) > 1 else None
-    return Placement(first, torch_dtype, cores, device_map)
+    return Placement(first, torch_dtype, cores, device_map, dt == "auto")
 
 
 # --- loading -------------------------------------------------------------------------------
@@ -282,8 +283,8 @@ class LoadedModel:
         return self.placement.device
 
     @property
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+    def num_params(self) -> int:  # a GGUF linear's weights are blocks, not parameters: counted by its shape
+        return sum(p.numel() for p in self.model.parameters()) + sum(getattr(m, "block_weights", 0) for m in self.model.modules())
 
 
 def load_tokenizer(folder: Path, trust_remote_code: bool = False) -> Any:
@@ -318,7 +319,8 @@ def load(
     progress: ProgressFn = _no_progress,
     tqdm_class: Any = None,
 ) -> LoadedModel:
-    """Resolve, fetch and load a model and its tokenizer."""
+    """Resolve, fetch and load a model and its tokenizer (in float: :func:`precision.load` gives a
+    GGUF its own precision)."""
     from transformers import AutoModelForCausalLM
 
     t0 = time.perf_counter()

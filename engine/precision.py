@@ -15,6 +15,7 @@ shares are the target's layer objects, which hold the GGUF linears again afterwa
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,9 +27,23 @@ from torch import nn
 GGUF = "gguf"
 
 
-def wanted(spec_kind: str, device_type: str, dtype: str | None) -> bool:
-    """Whether a target loads in its GGUF precision: a GGUF, on the CPU, and no dtype asked for."""
-    return spec_kind == "gguf" and device_type == "cpu" and (dtype or "auto").strip().lower() == "auto"
+def wanted(spec_kind: str, device_type: str, dtype_auto: bool) -> bool:
+    """Whether a model loads in its GGUF precision: a GGUF, on the CPU, and no dtype asked for."""
+    return spec_kind == "gguf" and device_type == "cpu" and dtype_auto
+
+
+def load(name: str, placement: Any, trust_remote_code: bool = False, progress: Any = None, tqdm_class: Any = None) -> Any:
+    """:func:`models.load`, then a GGUF on the CPU without a dtype asked for computes in its own precision."""
+    from . import models
+
+    progress = progress or models._no_progress
+    lm = models.load(name, placement, trust_remote_code, progress, tqdm_class)
+    if wanted(lm.spec.kind, placement.device.type, placement.dtype_auto) and not placement.device_map:
+        progress(f"reading {name}'s GGUF blocks", None)
+        t0 = time.perf_counter()
+        to_gguf(lm)
+        lm.load_s += time.perf_counter() - t0
+    return lm
 
 
 def gguf_label(path: str | Path | None, kinds: Counter | None = None) -> str:
@@ -48,7 +63,7 @@ def planned(target: str, device: str | None, dtype: str | None) -> str | None:
 
     spec = models.resolve(target)
     place = models.parse_placement(device or "auto", dtype or "auto")
-    if not wanted(spec.kind, place.device.type, dtype):
+    if not wanted(spec.kind, place.device.type, place.dtype_auto):
         return None
     return gguf_label(spec.source)
 

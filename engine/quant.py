@@ -185,6 +185,11 @@ class GGUFLinear(nn.Module):
         return out
 
     @property
+    def block_weights(self) -> int:
+        """How many weights the blocks hold (a model's parameter count includes them)."""
+        return self.in_features * self.out_features
+
+    @property
     def nbytes(self) -> int:
         """Bytes one product reads: quants, scales and offsets."""
         return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)

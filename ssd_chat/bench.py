@@ -771,12 +771,12 @@ class ModelPool:
         return "cpu" if d.startswith("cpu") or d == "auto" and not _cuda() else d
 
     def models_for(self, plan: Plan) -> tuple[Any, Any]:
-        from .engine import drafts, models
+        from .engine import drafts, models, precision
 
         tk = self._key(plan.target_device)
         if tk not in self._targets:
             self._progress(f"loading {self.values['target']} on {plan.target_device}")
-            self._targets[tk] = models.load(self.values["target"], models.parse_placement(plan.target_device, self.values.get("dtype") or "auto"),
+            self._targets[tk] = precision.load(self.values["target"], models.parse_placement(plan.target_device, self.values.get("dtype") or "auto"),
                                             bool(self.values.get("trust_remote_code")))
         target = self._targets[tk]
         if plan.mode == "ar" or self.draft_name is None:
@@ -784,10 +784,10 @@ class ModelPool:
         dk = (tk, self._key(plan.draft_device))
         if dk not in self._drafts:
             if drafts.is_derived(self.draft_name):
-                self._drafts[dk] = drafts.derive(self.draft_name, target)
+                self._drafts[dk] = precision.derive(self.draft_name, target)
             else:
                 self._progress(f"loading {self.draft_name} on {plan.draft_device}")
-                self._drafts[dk] = models.load(self.draft_name, models.parse_placement(plan.draft_device, self.values.get("dtype") or "auto"),
+                self._drafts[dk] = precision.load(self.draft_name, models.parse_placement(plan.draft_device, self.values.get("dtype") or "auto"),
                                                bool(self.values.get("trust_remote_code")))
         return target, self._drafts[dk]
 
@@ -796,10 +796,13 @@ class ModelPool:
 
     def describe(self) -> dict[str, Any]:
         t = self._first.target
-        out: dict[str, Any] = {"target": {"name": t.name, "params": t.num_params, "dtype": str(t.placement.dtype).removeprefix("torch.")}}
+        from .engine import precision
+
+        out: dict[str, Any] = {"target": {"name": t.name, "params": t.num_params, "dtype": str(t.placement.dtype).removeprefix("torch."),
+                                          "precision": precision.of(t)}}
         d = self._first.draft
         if d is not None:
-            out["draft"] = {"name": d.name, "params": d.num_params}
+            out["draft"] = {"name": d.name, "params": d.num_params, "precision": precision.of(d)}
         return out
 
 

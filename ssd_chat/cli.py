@@ -308,6 +308,7 @@ def _answer(engine, prompt: str, values: dict[str, Any], params, json_out: bool,
                     "mode_reason": engine.mode_reason,
                     "target": engine.target.name,
                     "draft": engine.draft.name if engine.draft is not None and engine.config.mode != "ar" else None,
+                    "precision": precision_of(engine),
                     "finish_reason": ev.reason,
                     "stats": {
                         "new_tokens": s.new_tokens, "rounds": s.rounds, "tok_per_s": s.tok_per_s, "ttft_s": s.ttft_s,
@@ -322,6 +323,14 @@ def _answer(engine, prompt: str, values: dict[str, Any], params, json_out: bool,
             if stats:
                 typer.echo(format_stats(s), err=True)
     return 0
+
+
+def precision_of(engine) -> dict[str, str | None]:
+    """What the target's (and the draft's, when one drafted) linears computed in: ``gguf Q4_1``, ``float32``."""
+    from .engine.precision import of
+
+    uses_draft = engine.draft is not None and engine.config.mode != "ar"
+    return {"target": of(engine.target), "draft": of(engine.draft) if uses_draft else None}
 
 
 def ran_as(stats) -> str:

@@ -99,6 +99,8 @@ class EngineBackend(Backend):
         self.engine = Engine.load(cfg, progress=progress, tqdm_class=_tqdm_to(progress), warn=self.warn)
 
     def info(self) -> dict[str, Any]:
+        from ..engine.precision import of, where
+
         e = self.engine
         if e is None:
             return {"mode": self.values.get("mode"), "target": self.values.get("target")}
@@ -108,9 +110,9 @@ class EngineBackend(Backend):
             "mode": c.mode, "k": c.k if c.mode != "ar" else None, "fan_out": c.fan_out if c.mode == "ssd" else None,
             # why auto chose this mode, while it is still the mode (a switch in the app is its own reason)
             "mode_reason": e.mode_reason if c.mode == e.loaded_mode else None,
-            "target": e.target.name, "target_device": e.target.placement.label,
+            "target": e.target.name, "target_device": where(e.target),
             "draft": e.draft.name if uses_draft else None,
-            "draft_device": e.draft.placement.label if uses_draft else None,
+            "draft_device": where(e.draft) if uses_draft else None,
         }
         if c.mode == "ssd":  # the speculator runs where the decoder's plan puts it, not where the draft was loaded
             try:
@@ -119,9 +121,10 @@ class EngineBackend(Backend):
                 p = None
             if p is not None:
                 cores = f" (cores {','.join(map(str, p.draft_cores))})" if p.draft_cores else ""
-                info["draft_device"] = f"speculator on {p.draft_device}{cores}" + (", shared with the target" if p.shared else "")
+                info["draft_device"] = (f"speculator on {p.draft_device}{cores}, {of(e.draft)}"
+                                        + (", shared with the target" if p.shared else ""))
                 if p.target_cores:
-                    info["target_device"] = f"{e.target.placement.device} (cores {','.join(map(str, p.target_cores))})"
+                    info["target_device"] = f"{e.target.placement.device} (cores {','.join(map(str, p.target_cores))}) {of(e.target)}"
         return info
 
     def stream(self, messages: list[dict[str, str]], params: SamplingParams, stop: threading.Event) -> Iterator[Event]:
