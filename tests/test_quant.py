@@ -172,7 +172,10 @@ KINDS = {"attn_q": "Q4_1", "attn_k": "Q4_0", "attn_v": "Q8_0", "attn_output": "Q
 
 
 def write_tiny_gguf(path: Path, kinds: dict[str, str] = KINDS, layers: int = 2, seed: int = 0,
-                    file_type: int | None = None) -> Path:
+                    file_type: int | None = None, vocab: int = VOCAB, natural: bool = False) -> Path:
+    """A llama GGUF of random blocks with the edge cases (a tied head), or with ``natural``: normal
+    weights (std 0.02) quantized by gguf and an untied, sharpened Q8_0 head, whose greedy text
+    varies (random blocks mostly repeat one token)."""
     rng = np.random.default_rng(seed)
     w = GGUFWriter(str(path), "llama")
     if file_type is not None:  # general.file_type, as llama.cpp's quantizer writes it
@@ -185,15 +188,23 @@ def write_tiny_gguf(path: Path, kinds: dict[str, str] = KINDS, layers: int = 2, 
     w.add_head_count_kv(NKV)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(VOCAB)
+    w.add_vocab_size(vocab)
     w.add_rope_dimension_count(H // NH)
     shapes = {"attn_q": (H, H), "attn_k": (H // NH * NKV, H), "attn_v": (H // NH * NKV, H), "attn_output": (H, H),
               "ffn_gate": (FF, H), "ffn_up": (FF, H), "ffn_down": (H, FF)}
 
-    def add(name: str, shape: tuple[int, int], kind: str) -> None:
-        w.add_tensor(name, blocks(*shape, kind, rng), raw_dtype=GGMLQuantizationType[kind])
+    def add(name: str, shape: tuple[int, int], kind: str, std: float = 0.02) -> None:
+        if natural:
+            from gguf.quants import quantize
 
-    add("token_embd.weight", (VOCAB, H), "Q8_0")  # no output.weight: the head is tied to it
+            raw = quantize((rng.standard_normal(shape) * std).astype(np.float32), GGMLQuantizationType[kind])
+        else:
+            raw = blocks(*shape, kind, rng)
+        w.add_tensor(name, raw, raw_dtype=GGMLQuantizationType[kind])
+
+    add("token_embd.weight", (vocab, H), "Q8_0")  # without output.weight the head is tied to it
+    if natural:
+        add("output.weight", (vocab, H), "Q8_0", std=0.16)
     for i in range(layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(H, np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(H, np.float32))
