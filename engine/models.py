@@ -283,8 +283,12 @@ class LoadedModel:
         return self.placement.device
 
     @property
-    def num_params(self) -> int:  # a GGUF linear's weights are blocks, not parameters: counted by its shape
-        return sum(p.numel() for p in self.model.parameters()) + sum(getattr(m, "block_weights", 0) for m in self.model.modules())
+    def num_params(self) -> int:
+        params = {p.data_ptr(): p.numel() for p in self.model.parameters()}
+        # a GGUF linear's weights are blocks, not parameters (a tied head's are the embedding's)
+        blocks = sum(m.block_weights for m in self.model.modules() if hasattr(m, "block_weights")
+                     and (m.dense is None or m.dense.data_ptr() not in params))
+        return sum(params.values()) + blocks
 
 
 def load_tokenizer(folder: Path, trust_remote_code: bool = False) -> Any:

