@@ -61,8 +61,8 @@ class ARDecoder:
         reason = None
         try:
             # prefill: the whole prompt in one forward
-            cache = kv.new_cache(model)
-            logits = kv.forward(model, torch.tensor(prompt_ids, device=dev), cache, last_only=True)[-1]
+            runner = kv.Runner(model, dev)
+            logits = runner.append(prompt_ids, logits="last").logits[-1]
             metrics.prefill_s = time.perf_counter() - t0
             while True:
                 if stop is not None and stop.is_set():
@@ -78,7 +78,7 @@ class ARDecoder:
                 if builder.finished:
                     reason = builder.reason
                     break
-                logits = kv.forward(model, torch.tensor([tok], device=dev), cache)[-1]
+                logits = runner.append([tok]).logits[-1]
         except Exception as e:  # noqa: BLE001 - reported as an event, with the partial reply
             yield error_event(e, builder)
             return

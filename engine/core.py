@@ -110,12 +110,12 @@ def traceable(m: nn.Module, rows: int) -> Linear:
     """The default projection inside a compiled graph of ``rows`` rows.  A plain Linear is called as
     ``F.linear`` on its own weight, or on CPU with fastlinear installed, as the product fastlinear timed
     fastest for that row count (its numba kernels as an opaque custom op); anything else is called as it is."""
-    if type(m) is not nn.Linear:
-        return m
-    if getattr(m, "_ssd_fast", False) and m.weight.device.type == "cpu":
-        from . import fastlinear
+    from .fastlinear import FastLinear
 
-        return fastlinear.traceable(m, rows)
+    if isinstance(m, FastLinear) and m.weight.device.type == "cpu":
+        return m.path.traceable(m, rows)
+    if type(m) is not nn.Linear and type(m) is not FastLinear:
+        return m
     return lambda x: F.linear(x, m.weight, m.bias)
 
 

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from .config import cache_dir
+
 if TYPE_CHECKING:
     from .core import Core
 
@@ -195,8 +197,6 @@ def _median_time(f: Callable[[], Any]) -> float:
 
 def _use_disk_cache() -> None:
     """Inductor's kernels and FX graphs under the ssd-chat cache dir (unless the user chose a dir)."""
-    from .models import cache_dir
-
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     # inductor writes its default into the environment when it first looks: that one is not a choice
@@ -225,8 +225,6 @@ def _auto_key(core: "Core", r: int) -> str:
 
 
 def _store_path() -> Any:
-    from .models import cache_dir
-
     return cache_dir() / "core-compile.json"
 
 

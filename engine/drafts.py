@@ -9,7 +9,7 @@
 * ``trained``   the layers draft shipped in ``assets/drafts`` for the target (SmolLM2-135M only)
 * ``features``  the feature draft shipped there (SD only: it reads the target's hidden states)
 * a folder with a ``draft.json`` manifest: a draft trained for this target by
-  ``ssd-chat draft train`` (see draft_model.py); its shared part is rebuilt from the target
+  ``ssd-chat draft train`` (see draft_folder.py); its shared part is rebuilt from the target
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .draft_model import _shallow, _sub_config
-from .errors import ModelError
+from . import fastlinear
+from .errors import ModelError, ParamError
+from .layout import shallow, sub_config
 from .models import LoadedModel, ModelSpec
 
 _LAYERS = re.compile(r"^layers:(\d+)$")
@@ -33,7 +34,7 @@ SHIPPED = {"trained": "layers", "features": "features"}  # alias -> kind of a dr
 
 
 def is_derived(name: str) -> bool:
-    from .draft_model import is_draft_dir
+    from .draft_folder import is_draft_dir
 
     return name in ("copy", "int8") or name in SHIPPED or bool(_LAYERS.match(name)) or is_draft_dir(name)
 
@@ -43,7 +44,7 @@ def shipped_drafts() -> list[tuple[str, str, str]]:
     import json
     from importlib.resources import files
 
-    from .draft_model import MANIFEST
+    from .draft_folder import MANIFEST
 
     out = []
     root = Path(str(files("ssd_chat.assets") / "drafts"))
@@ -72,14 +73,36 @@ def shipped_draft(alias: str, target: LoadedModel) -> str:
     )
 
 
+def default_draft(target: str) -> str:
+    """The draft used when --draft is not given: ``trained``, the layers draft shipped for the
+    target, when one ships for it (the packaged SmolLM2 has one), otherwise the ``int8`` copy.
+    On the packaged model at the default k=2, SSD beat AR with ``trained`` and not with ``int8``
+    (docs/performance.md)."""
+    if any(t == target and kind == SHIPPED["trained"] for _, t, kind in shipped_drafts()):
+        return "trained"
+    return "int8"
+
+
+def check_draft_for_mode(mode: str, draft: LoadedModel | None) -> None:
+    """A ParamError now, before any reply, for a draft the mode cannot use."""
+    if mode == "ssd" and draft is not None:
+        from .feature_draft import is_feature_draft
+
+        if is_feature_draft(draft.model):
+            raise ParamError(
+                f"draft '{draft.name}' is a feature draft: it reads the target's hidden states, which SSD's speculator does "
+                "not have while it drafts ahead; use it with --mode sd, or use SSD with another draft (e.g. --draft int8)"
+            )
+
+
 def derive(name: str, target: LoadedModel) -> LoadedModel:
     """Build the derived draft ``name`` from ``target``."""
-    from . import draft_model
+    from . import draft_folder
 
     if name in SHIPPED:
         name = shipped_draft(name, target)
-    if draft_model.is_draft_dir(name):
-        return draft_model.load(name, target)
+    if draft_folder.is_draft_dir(name):
+        return draft_folder.load(name, target)
     base = target.model
     if name == "copy":
         model = copy.deepcopy(base)
@@ -108,6 +131,7 @@ def _int8_copy(base: nn.Module) -> nn.Module:
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
     model = copy.deepcopy(base).float()
+    fastlinear.restore(model)  # torch's quantization swaps exactly-typed nn.Linear modules
     head = model.get_output_embeddings()
     if head is not None and head.weight is model.get_input_embeddings().weight:
         # untie, so the input embedding stays fp32 while the head is quantized
@@ -128,11 +152,11 @@ def _first_layers(base: nn.Module, n: int) -> nn.Module:
     total = len(layers)
     if not 1 <= n <= total:
         raise ModelError(f"layers:{n} is out of range: the target has {total} layers")
-    cfg = _sub_config(base.config, list(range(n)))
-    inner_c = _shallow(inner)
+    cfg = sub_config(base.config, list(range(n)))
+    inner_c = shallow(inner)
     inner_c.layers = nn.ModuleList(list(layers)[:n])  # the same layer objects: weights are shared
     inner_c.config = cfg
-    draft = _shallow(base)
+    draft = shallow(base)
     draft.model = inner_c
     draft.config = cfg
     return draft

@@ -7,23 +7,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from . import chat, models, precision
+from . import chat, drafts, models, precision
 from .ar import ARDecoder
 from .config import CONFIG_MODES, MODES, EngineConfig
+from .drafts import check_draft_for_mode, default_draft
 from .errors import ParamError
 from .events import Event
 from .params import SamplingParams
-
-def default_draft(target: str) -> str:
-    """The draft used when --draft is not given: ``trained``, the layers draft shipped for the
-    target, when one ships for it (the packaged SmolLM2 has one), otherwise the ``int8`` copy.
-    Measured on the 2-core Zen 2 VM at the default k=2 (README, "Training a draft"): SSD/AR
-    1.07x with ``trained`` against 0.91x with ``int8``, SD/AR 0.96x and 0.97x."""
-    from .drafts import SHIPPED, shipped_drafts
-
-    if any(t == target and kind == SHIPPED["trained"] for _, t, kind in shipped_drafts()):
-        return "trained"
-    return "int8"
 
 
 def _sd(e: "Engine") -> Any:
@@ -40,18 +30,6 @@ def _ssd(e: "Engine") -> Any:
 
 # mode -> factory(engine) -> decoder with .stream(prompt_ids, params, stop) and optional .close()
 DECODERS: dict[str, Callable[["Engine"], Any]] = {"ar": lambda e: ARDecoder(e.target), "sd": _sd, "ssd": _ssd}
-
-
-def check_draft_for_mode(mode: str, draft: models.LoadedModel | None) -> None:
-    """A ParamError now, before any reply, for a draft the mode cannot use."""
-    if mode == "ssd" and draft is not None:
-        from .draft_model import is_feature_draft
-
-        if is_feature_draft(draft.model):
-            raise ParamError(
-                f"draft '{draft.name}' is a feature draft: it reads the target's hidden states, which SSD's speculator does "
-                "not have while it drafts ahead; use it with --mode sd, or use SSD with another draft (e.g. --draft int8)"
-            )
 
 
 class Engine:
@@ -85,8 +63,6 @@ class Engine:
             raise ParamError(f"mode '{config.mode}' is not available in this version")
         dplace = None
         if draft_name is not None:
-            from . import drafts
-
             if not drafts.is_derived(draft_name):
                 dplace = models.parse_placement(config.draft_device, config.dtype, "--draft-device")
                 # compare vocabularies before any weights are loaded
@@ -98,8 +74,6 @@ class Engine:
         target = precision.load(config.target, tplace, config.trust_remote_code, progress, tqdm_class)
         draft = None
         if draft_name is not None:
-            from . import drafts
-
             progress(f"preparing draft {draft_name}", None)
             if drafts.is_derived(draft_name):
                 draft = precision.derive(draft_name, target)  # in the target's precision
@@ -116,6 +90,32 @@ class Engine:
     def prompt_ids(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[str, ...]]:
         return chat.prompt_ids(self.tokenizer, messages)
 
+    def describe(self) -> dict[str, Any]:
+        """What is in use now, for a status panel: mode, k, fan-out, the models and where they run (for SSD,
+        where its placement puts the speculator and pins the verifier), and why ``auto`` chose the mode while
+        it is still the mode (a later switch is its own reason)."""
+        c = self.config
+        uses_draft = c.mode != "ar" and self.draft is not None
+        out: dict[str, Any] = {
+            "mode": c.mode, "k": c.k if c.mode != "ar" else None, "fan_out": c.fan_out if c.mode == "ssd" else None,
+            "mode_reason": self.mode_reason if c.mode == self.loaded_mode else None,
+            "target": self.target.name, "target_device": precision.where(self.target),
+            "draft": self.draft.name if uses_draft else None,
+            "draft_device": precision.where(self.draft) if uses_draft else None,
+            # what the linears compute in: "gguf Q4_1" (the GGUF's blocks) or the dtype ("float32")
+            "precision": precision.of(self.target), "draft_precision": precision.of(self.draft) if uses_draft else None,
+        }
+        if c.mode == "ssd":  # the speculator runs where the SSD decoder's plan puts it, not where the draft was loaded
+            from .ssd import plan
+
+            p = plan(c, self.target.device, self.target.placement.cores)
+            cores = f" (cores {','.join(map(str, p.draft_cores))})" if p.draft_cores else ""
+            out["draft_device"] = (f"speculator on {p.draft_device}{cores}, {out['draft_precision']}"
+                                   + (", shared with the target" if p.shared else ""))
+            if p.target_cores:
+                out["target_device"] = f"{self.target.placement.device} (cores {','.join(map(str, p.target_cores))}) {out['precision']}"
+        return out
+
     def reconfigure(self, **changes: Any) -> None:
         """Change mode / k / fan-out / ... between replies (models stay loaded; switching from AR
         to SD/SSD without a draft derives the default one from the target)."""
@@ -124,8 +124,6 @@ class Engine:
         if new.needs_draft and draft is None:
             # started in AR without --draft: the default draft is derived from the loaded target
             # (the shipped trained draft, or the int8 copy), so it can be made now
-            from . import drafts
-
             name = new.draft or default_draft(new.target)
             if not drafts.is_derived(name):
                 raise ParamError(f"mode '{new.mode}' needs the draft '{name}' loaded; restart with --mode {new.mode} --draft {name}")

@@ -42,39 +42,23 @@ def _by_weight(target_mods: dict[str, GGUFLinear]) -> dict[int, GGUFLinear]:
     return {m.dense.data_ptr(): m for m in target_mods.values() if m.dense is not None}
 
 
-class QuantReducedHead(nn.Module):
-    """A trained draft's reduced head (draft_model.ReducedHead) over GGUF blocks: logits for the
-    ``ids`` rows plus the head's biases, ``-inf`` for every other token."""
-
-    def __init__(self, rows: GGUFLinear, ids: torch.Tensor, vocab_size: int, bias: torch.Tensor) -> None:
-        super().__init__()
-        self.rows, self.vocab_size = rows, int(vocab_size)
-        self.register_buffer("ids", ids.detach().clone().long(), persistent=False)
-        self.register_buffer("bias", bias.detach().clone().float(), persistent=False)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        sub = self.rows(h) + self.bias
-        full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
-        full[..., self.ids] = sub
-        return full
-
-
 def fast_draft(draft: nn.Module, target_mods: dict[str, GGUFLinear], kind: str = "Q8_0") -> dict[str, nn.Module]:
     """Modules to swap into ``draft`` (derived from the float32 target whose GGUF linears are
     ``target_mods``): shared target linears -> the target's GGUFLinear, the draft's own linears ->
-    ``kind`` blocks, a reduced head -> :class:`QuantReducedHead` over the target head's blocks."""
+    ``kind`` blocks, a reduced head's rows (its ``proj``) -> the target head's blocks for those rows."""
     from .draft_model import ReducedHead
 
     shared = _by_weight(target_mods)
     head = next((m for m in target_mods.values() if m.kind == "Q8_0" and m.dense is not None
                  and m.dense.shape[0] == getattr(draft.config, "vocab_size", -1)), None)
     out: dict[str, nn.Module] = {}
+    heads: set[int] = set()
     for name, m in draft.named_modules():
-        if isinstance(m, nn.Linear) and type(m) is nn.Linear:
+        if isinstance(m, ReducedHead):
+            out[f"{name}.proj" if name else "proj"] = _head_rows(m, shared, head)
+            heads.add(id(m.proj))
+        elif isinstance(m, nn.Linear) and id(m) not in heads:  # nn.Linear or the fast path's FastLinear
             out[name] = shared.get(m.weight.data_ptr()) or quant.quantize(m.weight, m.bias, kind)
-        elif isinstance(m, ReducedHead):
-            src = _head_rows(m, shared, head)
-            out[name] = QuantReducedHead(src, m.ids, m.vocab_size, m.fixed_bias + m.bias)
     return out
 
 

@@ -1,137 +1,338 @@
 """Faster few-row ``nn.Linear`` on CPU: decode steps, verification and draft trees.
 
-Decoding multiplies every weight matrix by a handful of rows (1 for an AR step, k+1 for
-a verification, a few tree nodes for the speculator).  PyTorch's CPU ``F.linear`` computes
-``x @ W.T`` through MKL's GEMM with a transposed operand, and for 2-5 rows that path is two
-to three times slower than one row: it reorganises the whole weight for every call.  The
-same products computed the other way round are memory-bound, as they should be.  Measured
-on this project's 2-core Zen 4 VM, one thread, the SmolLM2-135M linears of one forward
-(30 layers + the 49152-row head):
+Decoding multiplies every weight matrix by a handful of rows (1 for an AR step, k+1 for a
+verification, a few tree nodes for the speculator).  PyTorch's CPU ``F.linear`` computes
+``x @ W.T`` through MKL's GEMM with a transposed operand, and for 2-5 rows that path can be two
+to three times slower than one row: it reorganises the whole weight for every call.  The same
+products computed another way are memory-bound, as they should be.  The formulations:
 
-    rows                 1      2      3      4      5      8
-    F.linear           44.3   71.7   91.0   64.7   71.1   72.4  ms
-    W @ x.T (then .T)  44.7   27.8   44.3   43.1   56.1   77.1  ms
-    x @ W.T contiguous 32.9   48.1   60.2   65.5   74.7   80.3  ms
+* ``linear``: ``F.linear``;
+* ``wxt``: ``(W @ x.T).T`` (copied back to row-major, which the next ops read faster);
+* ``xwt``: ``x @ Wt`` with a cached contiguous transpose of the weight;
+* ``rows`` / ``rows4``: the numba kernels of :mod:`rowkernels` (an optional extra,
+  ``pip install ssd-chat[cpu-kernels]``), which read each weight once for all rows.
 
-So: one row multiplies a cached contiguous transpose of the weight (``x @ Wt``); 2-5 rows
-use ``(W @ x.T).T`` (copied back to row-major: the transposed view, handed on to the residual
-add, the norm and the next layer, cost a 2-3-row forward more than the copy), except for wide-input matrices (``in >= 1024`` and ``in >= 2 * out``,
-the MLP's down projection) beyond two rows, where ``F.linear`` is as fast; everything else, and anything that needs
-gradients, is plain ``F.linear``.  The results are the same products in a different
-summation order, equal to ``F.linear`` up to float rounding (what GEMV vs GEMM already
-differ by), so greedy exactness tests run through this path unchanged.
+Which one is fastest depends on the CPU, the shape, the row count and torch's thread count
+(one CPU's rule made another's 2-3-row forwards 35 % slower), so a :class:`FastPath` times them
+on the model's own weights streaming from memory, once per machine, and keeps the choices in
+``fastlinear.json`` in the cache dir (keyed by CPU model, torch version, thread count).  All
+are the same products in a different summation order: results equal ``F.linear`` up to float
+rounding, what GEMV and GEMM already differ by.
 
-The transpose cache costs one extra copy of the linear weights; it is made lazily (on the
-first one-row call), keyed on the weight's storage and version counter so an in-place
-update (loading a trained draft, an optimizer step) rebuilds it, and it is skipped for
-models whose linear weights exceed ``MAX_TRANSPOSE_BYTES``.
-
-**The rule above is one CPU's.**  On a Zen 2 EPYC the same rule made 2-3-row forwards up to
-35 % slower than plain ``F.linear``.  So :func:`install` times the three formulations on the
-model's own weights for every (shape, rows) it has, 1 to ``MAX_FAST_ROWS`` rows, and keeps
-the fastest (:func:`tune`): each timing cycles through up to ``TUNE_BYTES`` of that shape's
-matrices, so the weights stream from memory as in a real forward rather than sitting in
-cache.  That takes a few seconds once; the choices are kept in ``fastlinear.json`` in the
-cache dir, keyed by CPU model, torch version, thread count and transpose permission, and
-reused by every later load (the app, the speculator process, the draft).
-
-**Row kernels.**  Since 2026-12-02 the candidates also include two numba kernels
-(``engine/rowkernels.py``) that read each weight once for all 1-8 rows; on the Zen 2 VM they
-win almost everywhere beyond one row.  Choices are kept per torch thread count, and
-:func:`prepare` times (or reads back) the ones for the count decoding actually runs with: the
-app loads its models with every core and decodes pinned to fewer (SSD), where at 2 threads
-MKL's products use both cores and the kernels one.
-
-``SSD_CHAT_FAST_LINEAR``: ``0`` turns the whole thing off, ``static`` uses the Zen 4 rule
-without timing, ``torch`` times torch's three products only (no row kernels; all three for
-A/B measurements), ``retune`` times again and overwrites the stored choices.
+It is explicit: :meth:`FastPath.install` replaces each plain float32 CPU ``nn.Linear`` of a
+model by a :class:`FastLinear` (the same weight and bias, so tied and shared weights stay
+shared) owned by the path, and :meth:`FastPath.prepare` times (or reads back) the choices for a
+thread count; the SSD verifier calls it for the thread count it decodes with.  One path serves
+a process (:func:`shared`).  ``SSD_CHAT_FAST_LINEAR=0`` turns it off, ``=torch`` keeps to
+torch's products (A/B runs against the row kernels).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import contextlib
 import os
-import platform
 import time
-import types
 import weakref
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import rowkernels
+from . import fastlinear_store, rowkernels
 
-MAX_TRANSPOSE_BYTES = 2 << 30  # 2 GiB of linear weights: a ~500M-parameter model in fp32
+MAX_TRANSPOSE_BYTES = 2 << 30  # linear weights above this (a ~500M-parameter fp32 model) get no transpose copy
 MAX_FAST_ROWS = rowkernels.MAX_ROWS  # rows timed and served (1..8)
-STATIC_MAX_ROWS = 5  # the Zen 4 rule was measured up to 5 rows
+STATIC_MAX_ROWS = 5  # the rule used where nothing was timed was measured up to 5 rows
 TUNE_BYTES = 64 << 20  # matrices of one shape cycled through per timing: more than a CPU's last-level cache
 TUNE_REPEATS = 3  # timed passes per (shape, rows, formulation); the fastest counts
-METHODS = ("linear", "wxt", "xwt", "rows", "rows4")  # F.linear; (W @ x.T).T; x @ Wt with the cached transpose;
-# the numba row kernels (engine/rowkernels.py), one or four outputs per pass over x
-_KERNEL_BLOCK = {"rows": 1, "rows4": 4}  # row-kernel method -> outputs per pass
-_DTYPES = (torch.float32,)
-_choices: dict[tuple[int, int, int, int], str] = {}  # (threads, out, in, rows) -> the method measured fastest on this CPU
-_retuned: set[tuple[int, int, int]] = set()  # (threads, out, in) timed again in this process under SSD_CHAT_FAST_LINEAR=retune
-_installed: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models install() changed: prepare() times their shapes
+METHODS = ("linear", "wxt", "xwt", "rows", "rows4")
+KERNEL_BLOCK = {"rows": 1, "rows4": 4}  # row-kernel method -> outputs per pass
+Key = tuple[int, int, int, int]  # (threads, out, in, rows)
 
 
-def _mode() -> str:
+def mode() -> str:
+    """``SSD_CHAT_FAST_LINEAR``: ``1`` (default), ``torch`` (no row kernels) or ``0`` (off)."""
     return os.environ.get("SSD_CHAT_FAST_LINEAR", "1").strip().lower()
 
 
 def enabled() -> bool:
-    return _mode() not in ("0", "false", "no", "off")
-
-
-def cached_transpose(owner: nn.Module, w: torch.Tensor) -> torch.Tensor:
-    """The contiguous transpose of ``w``, kept on ``owner`` and rebuilt when ``w``'s storage
-    or version counter changes (an in-place update, a copy loaded into it)."""
-    key = (w.data_ptr(), w._version)
-    if owner.__dict__.get("_ssd_t_key") != key:
-        owner._ssd_t = w.detach().t().contiguous()
-        owner._ssd_t_key = key
-    return owner._ssd_t
-
-
-def _transposed(self: nn.Linear) -> torch.Tensor | None:
-    return cached_transpose(self, self.weight) if self._ssd_allow_t else None
-
-
-def _wide_input(out_f: int, in_f: int) -> bool:
-    """A down-projection-like matrix (long rows): from 3 rows on, F.linear is as fast as W @ x.T."""
-    return in_f >= 1024 and in_f >= 2 * out_f
+    return mode() not in ("0", "false", "no", "off")
 
 
 def static_choice(out_f: int, in_f: int, rows: int) -> str:
-    """The rule measured on the Zen 4 VM (the module docstring's table), used where nothing was timed."""
+    """The rule used where nothing was timed (measured on one Zen 4 CPU): the transpose for one row,
+    ``W @ x.T`` for 2-5 rows except long-row matrices (the MLP's down projection) beyond two."""
     if rows == 1:
         return "xwt"
-    if 2 <= rows <= STATIC_MAX_ROWS and (rows == 2 or not _wide_input(out_f, in_f)):
+    wide = in_f >= 1024 and in_f >= 2 * out_f
+    if 2 <= rows <= STATIC_MAX_ROWS and (rows == 2 or not wide):
         return "wxt"
     return "linear"
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, wt: Any = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` by the fastest formulation for the number of rows of ``x``.
-    ``wt``: the contiguous transpose of ``w`` (or a callable returning it, or None), used for
-    one row."""
-    if (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)) or x.dtype != w.dtype or x.device != w.device \
-            or w.device.type != "cpu":
-        return F.linear(x, w, bias)
-    out_f, in_f = w.shape
-    rows = x.numel() // in_f if in_f else 0
-    method = _choices.get((torch.get_num_threads(), out_f, in_f, rows)) or static_choice(out_f, in_f, rows)
-    t = (wt() if callable(wt) else wt) if method == "xwt" else None
-    if method == "linear" or (method == "xwt" and t is None) or not _runnable(method, w):
-        return F.linear(x, w, bias)
-    y = _run(method, x.reshape(rows, in_f), w, t)  # the same products tune() timed
-    if bias is not None:
-        y = y + bias
-    return y.reshape(*x.shape[:-1], out_f)
+class FastLinear(nn.Linear):
+    """An ``nn.Linear`` computed by the formulation its :class:`FastPath` timed fastest for the
+    number of rows.  Shares the weight and bias of the Linear it replaced."""
+
+    def __init__(self, linear: nn.Linear, path: "FastPath", allow_t: bool) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        if linear.bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = linear.bias
+        self.path = path
+        self.allow_t = allow_t  # whether the transpose copy may be kept (memory)
+        self._t: torch.Tensor | None = None
+        self._t_key: tuple[int, int] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.path.linear(x, self.weight, self.bias, self.transposed)
+
+    def transposed(self) -> torch.Tensor | None:
+        """The contiguous transpose of the weight, rebuilt when the weight's storage or version
+        changes (an in-place update, a trained draft's weights copied in); None if not allowed."""
+        if not self.allow_t:
+            return None
+        w = self.weight
+        key = (w.data_ptr(), w._version)
+        if self._t_key != key:
+            self._t, self._t_key = w.detach().t().contiguous(), key
+        return self._t
+
+    def plain(self) -> nn.Linear:
+        """An ``nn.Linear`` with the same weight and bias (for code that needs that exact type)."""
+        m = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        m.weight = self.weight
+        if self.bias is not None:
+            m.bias = self.bias
+        return m
+
+
+class FastPath:
+    """The fast path of one process: the :class:`FastLinear` modules it installed and its choice
+    per (threads, shape, rows).  ``store``: the choices file (default: ``fastlinear.json`` in the
+    cache dir); ``kernels``: whether the row kernels are candidates (default: unless
+    ``SSD_CHAT_FAST_LINEAR=torch``); ``timed``: False keeps to :func:`static_choice`."""
+
+    def __init__(self, store: Any = None, kernels: bool | None = None, timed: bool = True) -> None:
+        self.store = store
+        self.kernels = (mode() != "torch") if kernels is None else kernels
+        self.timed = timed
+        self.choices: dict[Key, str] = {}
+        self._layers: weakref.WeakSet[FastLinear] = weakref.WeakSet()
+
+    def __deepcopy__(self, memo: dict) -> "FastPath":
+        return self  # a copied model's layers stay served by the same path
+
+    # -- installing ------------------------------------------------------------------------------
+    def install(self, model: nn.Module, announce: Callable[[], None] | None = None,
+                tuned: Callable[[float], None] | None = None) -> int:
+        """Replace every plain float32 CPU ``nn.Linear`` inside ``model`` by a :class:`FastLinear`,
+        then :meth:`prepare` the current thread count (``announce`` is called once before any timing,
+        the first load on a machine; ``tuned(fraction)`` hears how far it is).  Returns how many
+        modules were replaced (0 when disabled, on GPU, or for other dtypes)."""
+        if not enabled():
+            return 0
+        for m in model.modules():  # copies of installed layers (a draft built from the target's) are served too
+            if isinstance(m, FastLinear) and m.path is self:
+                self._layers.add(m)
+        plain = {id(m): m for m in model.modules() if type(m) is nn.Linear and _served(m.weight)}
+        if not plain:
+            return 0
+        sizes = {m.weight.data_ptr(): m.weight.numel() * m.weight.element_size() for m in plain.values()}
+        allow_t = sum(sizes.values()) <= MAX_TRANSPOSE_BYTES
+        new: dict[int, FastLinear] = {}
+        for parent in list(model.modules()):
+            for name, child in list(parent._modules.items()):  # every name: a module may sit at two
+                if id(child) in plain:
+                    fast = new.setdefault(id(child), FastLinear(child, self, allow_t))
+                    setattr(parent, name, fast)
+                    self._layers.add(fast)
+        self.prepare(None, announce, tuned)
+        return len(new)
+
+    def wrap(self, linear: nn.Linear) -> FastLinear:
+        """One Linear on its own (``install`` replaces the ones inside a model)."""
+        fast = FastLinear(linear, self, linear.weight.numel() * linear.weight.element_size() <= MAX_TRANSPOSE_BYTES)
+        self._layers.add(fast)
+        self.prepare()
+        return fast
+
+    # -- choosing ---------------------------------------------------------------------------------
+    def prepare(self, threads: int | None = None, announce: Callable[[], None] | None = None,
+                tuned: Callable[[float], None] | None = None) -> None:
+        """Make sure every shape served has choices for ``threads`` torch threads (default: the
+        current count): read back from the store, or timed now with that many threads.  Cheap when
+        nothing is missing.  The choices differ by thread count: at 2 threads MKL's products use
+        both cores, the row kernels one."""
+        if not enabled() or not self.timed:
+            return
+        with _threads(threads):
+            n = torch.get_num_threads()
+            for allow_t, by_shape in self._weights().items():
+                missing = {s: ws for s, ws in by_shape.items() if any((n, *s, r) not in self.choices for r in range(1, MAX_FAST_ROWS + 1))}
+                if missing:
+                    got = fastlinear_store.stored_or_tuned(missing, allow_t, self._tune, self._methods(allow_t), announce, tuned,
+                                                           self.store)
+                    self.choices.update({(n, *k): m for k, m in got.items()})
+            # the row kernels these choices name, loaded now rather than inside the first reply
+            rowkernels.warm({(r, KERNEL_BLOCK[m]) for (t, _, _, r), m in self.choices.items() if t == n and m in KERNEL_BLOCK})
+
+    def choice(self, out_f: int, in_f: int, rows: int) -> str:
+        return self.choices.get((torch.get_num_threads(), out_f, in_f, rows)) or static_choice(out_f, in_f, rows)
+
+    def _weights(self) -> dict[bool, dict[tuple[int, int], list[torch.Tensor]]]:
+        out: dict[bool, dict[tuple[int, int], list[torch.Tensor]]] = {}
+        seen: set[int] = set()
+        for m in list(self._layers):
+            w = m.weight
+            if w.data_ptr() not in seen and _served(w):
+                seen.add(w.data_ptr())
+                out.setdefault(m.allow_t, {}).setdefault(tuple(w.shape), []).append(w)  # type: ignore[arg-type]
+        return out
+
+    def _methods(self, allow_t: bool) -> list[str]:
+        """The formulations this path can run: ``xwt`` needs the transpose copy, the row kernels numba."""
+        kernels = self.kernels and rowkernels.available()
+        return [m for m in METHODS if (allow_t or m != "xwt") and (m not in KERNEL_BLOCK or kernels)]
+
+    def _tune(self, weights: list[torch.Tensor], allow_t: bool) -> dict[int, str]:
+        return tune(weights, self._methods(allow_t))
+
+    # -- running ----------------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+               wt: Callable[[], torch.Tensor | None] | None = None) -> torch.Tensor:
+        """``F.linear(x, w, bias)`` by the formulation chosen for the rows of ``x``; ``wt`` gives the
+        weight's transpose (for ``xwt``).  Anything that needs gradients is plain ``F.linear``."""
+        if (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)) or x.dtype != w.dtype \
+                or x.device != w.device or w.device.type != "cpu":
+            return F.linear(x, w, bias)
+        out_f, in_f = w.shape
+        rows = x.numel() // in_f if in_f else 0
+        method = self.choice(out_f, in_f, rows)
+        t = wt() if method == "xwt" and wt is not None else None
+        if method == "linear" or (method == "xwt" and t is None) or not _runnable(method, w):
+            return F.linear(x, w, bias)
+        y = run(method, x.reshape(rows, in_f), w, t)  # the same products tune() timed
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], out_f)
+
+    def traceable(self, m: FastLinear, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``m`` for [rows, in] inputs as a compiled graph can call it: the chosen formulation (the row
+        kernels through :func:`row_op`, opaque to the compiler), else the static rule.  ``xwt`` reads
+        the transpose taken now: a later in-place weight update needs a new graph."""
+        w, b = m.weight, m.bias
+        out_f, in_f = w.shape
+        method = self.choice(out_f, in_f, rows)
+        if method in KERNEL_BLOCK and _runnable(method, w) and rows <= MAX_FAST_ROWS:
+            op, block = row_op(), KERNEL_BLOCK[method]
+            return (lambda x: op(x, w, block)) if b is None else (lambda x: op(x, w, block) + b)
+        if method not in ("linear", "wxt", "xwt"):
+            method = static_choice(out_f, in_f, rows)
+        wt = m.transposed() if method == "xwt" else None
+        if wt is not None:
+            return (lambda x: torch.mm(x, wt)) if b is None else (lambda x: torch.mm(x, wt) + b)
+        if method == "wxt":
+            return (lambda x: torch.mm(w, x.t()).t()) if b is None else (lambda x: torch.mm(w, x.t()).t() + b)
+        return lambda x: F.linear(x, w, b)
+
+
+def restore(model: nn.Module) -> None:
+    """Put plain ``nn.Linear`` modules back where :meth:`FastPath.install` put FastLinears."""
+    plain: dict[int, nn.Linear] = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if isinstance(child, FastLinear):
+                setattr(parent, name, plain.setdefault(id(child), child.plain()))
+
+
+_shared: FastPath | None = None
+
+
+def shared() -> FastPath:
+    """The process's fast path (what the app's models, the speculator's draft and the drafts use)."""
+    global _shared
+    if _shared is None:
+        _shared = FastPath()
+    return _shared
+
+
+def install(model: nn.Module, announce: Callable[[], None] | None = None, tuned: Callable[[float], None] | None = None) -> int:
+    return shared().install(model, announce, tuned)
+
+
+def prepare(threads: int | None = None) -> None:
+    shared().prepare(threads)
+
+
+# --- the formulations and their timing -------------------------------------------------------------
+
+
+def _served(w: torch.Tensor) -> bool:
+    return w.device.type == "cpu" and w.dtype == torch.float32
+
+
+def _runnable(method: str, w: torch.Tensor) -> bool:
+    """Per call, so cheap: a row kernel needs a contiguous weight (and numba, loaded once)."""
+    if method in KERNEL_BLOCK:
+        return w.is_contiguous() and rowkernels.available()
+    return True
+
+
+def run(method: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None) -> torch.Tensor:
+    if method in KERNEL_BLOCK:
+        return rowkernels.matmul_t(x, w, KERNEL_BLOCK[method])
+    if method == "xwt":
+        return torch.mm(x, wt)  # type: ignore[arg-type]
+    if method == "wxt":
+        return torch.mm(w, x.t()).t().contiguous()
+    return F.linear(x, w)
+
+
+@torch.inference_mode()
+def tune(weights: list[torch.Tensor], methods: list[str], rows: range = range(1, MAX_FAST_ROWS + 1),
+         clock: Any = time.perf_counter) -> dict[int, str]:
+    """The fastest of ``methods`` for each row count, timed on these same-shape matrices: each pass
+    multiplies every one of them (up to ``TUNE_BYTES``), so they stream from memory."""
+    out_f, in_f = weights[0].shape
+    per = weights[0].numel() * weights[0].element_size()
+    ws = [w.detach() for w in weights[: max(1, min(len(weights), TUNE_BYTES // max(per, 1)))]]
+    wts = [w.t().contiguous() for w in ws] if "xwt" in methods else [None] * len(ws)
+    ms = [m for m in methods if _runnable(m, ws[0])]
+    best: dict[int, str] = {}
+    gen = torch.Generator().manual_seed(out_f * 131 + in_f)
+    for r in rows:
+        x = torch.randn(r, in_f, generator=gen, dtype=ws[0].dtype)
+        times: dict[str, float] = {}
+        for m in ms:
+            for w, t in zip(ws, wts):  # warm-up (and the transposes' first touch)
+                run(m, x, w, t)
+            fastest = float("inf")
+            for _ in range(TUNE_REPEATS):
+                t0 = clock()
+                for w, t in zip(ws, wts):
+                    run(m, x, w, t)
+                fastest = min(fastest, clock() - t0)
+            times[m] = fastest
+        best[r] = min(ms, key=lambda m: (times[m], METHODS.index(m)))
+    return best
+
+
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    old = torch.get_num_threads()
+    if n and n != old:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n and n != old:
+            torch.set_num_threads(old)
 
 
 _row_op: Any = None
@@ -152,240 +353,3 @@ def row_op() -> Any:
 
         _row_op = row_matmul
     return _row_op
-
-
-def traceable(m: nn.Linear, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``m`` for ``rows`` [rows, in] inputs as a compiled graph can call it: the formulation the stored
-    timings chose (the row kernels through :func:`row_op`), else the static rule.  ``xwt`` reads the
-    transpose cache the eager fast path keeps (taken now: a later in-place weight update needs a new graph)."""
-    w, b = m.weight, m.bias
-    out_f, in_f = w.shape
-    method = _choices.get((torch.get_num_threads(), out_f, in_f, rows)) or static_choice(out_f, in_f, rows)
-    if method in _KERNEL_BLOCK and _runnable(method, w) and rows <= MAX_FAST_ROWS:
-        op, block = row_op(), _KERNEL_BLOCK[method]
-        return (lambda x: op(x, w, block)) if b is None else (lambda x: op(x, w, block) + b)
-    if method not in ("linear", "wxt", "xwt"):
-        method = static_choice(out_f, in_f, rows)
-    if method == "xwt" and getattr(m, "_ssd_allow_t", False):
-        wt = cached_transpose(m, w)
-        return (lambda x: torch.mm(x, wt)) if b is None else (lambda x: torch.mm(x, wt) + b)
-    if method == "wxt":
-        return (lambda x: torch.mm(w, x.t()).t()) if b is None else (lambda x: torch.mm(w, x.t()).t() + b)
-    return lambda x: F.linear(x, w, b)
-
-
-def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, self.weight, self.bias, lambda: _transposed(self))
-
-
-def install(model: nn.Module, announce: Callable[[], None] | None = None,
-            tuned: Callable[[float], None] | None = None) -> int:
-    """Give every plain float32 CPU ``nn.Linear`` in ``model`` the few-row fast path, with the
-    formulation per (shape, rows) timed on this CPU (:func:`stored_or_tuned`) for those and for
-    the weights a module lists in ``fast_linear_weights`` (a trained draft's reduced head, which
-    calls :func:`linear` itself).  ``announce`` is called once before any timing (the first load
-    on a machine: seconds, including compiling the row kernels), so a caller can say why it waits;
-    ``tuned(fraction)`` then hears how far the timing is.  Returns how many layers were changed (0 when disabled, on GPU, or for other dtypes)."""
-    if not enabled():
-        return 0
-    linears = _plain_linears(model)
-    if not linears:
-        return 0
-    seen: set[int] = set()
-    total = 0
-    for m in linears:
-        if m.weight.data_ptr() not in seen:
-            seen.add(m.weight.data_ptr())
-            total += m.weight.numel() * m.weight.element_size()
-    allow_t = total <= MAX_TRANSPOSE_BYTES
-    model._ssd_fast_allow_t = allow_t
-    _installed.add(model)
-    _prepare_model(model, announce, tuned)
-    n = 0
-    for m in linears:
-        if getattr(m, "_ssd_fast", False):
-            continue
-        m._ssd_fast = True
-        m._ssd_allow_t = allow_t
-        m._ssd_t = None
-        m._ssd_t_key: Any = None
-        m.forward = types.MethodType(_forward, m)
-        n += 1
-    return n
-
-
-def _plain_linears(model: nn.Module) -> list[nn.Linear]:
-    """The plain float32 CPU ``nn.Linear`` modules of ``model``: those the fast path serves."""
-    return [m for m in model.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype in _DTYPES]
-
-
-def _weights_by_shape(model: nn.Module) -> dict[tuple[int, int], list[torch.Tensor]]:
-    by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
-    own = [getattr(m, n) for m in model.modules() for n in getattr(type(m), "fast_linear_weights", ())]
-    for w in [m.weight for m in _plain_linears(model)] + [w for w in own if w.device.type == "cpu" and w.dtype in _DTYPES]:
-        by_shape.setdefault(tuple(w.shape), []).append(w)  # type: ignore[arg-type]
-    return by_shape
-
-
-def _prepare_model(model: nn.Module, announce: Callable[[], None] | None = None,
-                   tuned: Callable[[float], None] | None = None) -> None:
-    if _mode() == "static":
-        return
-    threads = torch.get_num_threads()
-    retune = _mode() == "retune"  # once per process, thread count and shape
-    all_shapes = _weights_by_shape(model)
-    by_shape = {s: ws for s, ws in all_shapes.items()
-                if any((threads, *s, r) not in _choices for r in range(1, MAX_FAST_ROWS + 1))
-                or (retune and (threads, *s) not in _retuned)}
-    if by_shape:
-        _choices.update({(threads, *k): m for k, m in stored_or_tuned(by_shape, model._ssd_fast_allow_t, announce, tuned).items()})
-        if retune:
-            _retuned.update((threads, *s) for s in by_shape)
-    # the row kernels these choices name, loaded now rather than inside the first reply (~0.3 s)
-    rowkernels.warm({(r, _KERNEL_BLOCK[m]) for (t, o, i, r), m in _choices.items()
-                     if t == threads and m in _KERNEL_BLOCK and (o, i) in all_shapes})
-
-
-def prepare() -> None:
-    """Make sure every installed model has choices for torch's current thread count: call it
-    after changing the thread count for decoding (the choices differ: at 2 threads MKL's
-    products use both cores, the row kernels one).  Stored choices are read back; shapes never
-    timed with this thread count are timed now.  Cheap when nothing is missing."""
-    if not enabled():
-        return
-    for model in list(_installed):
-        _prepare_model(model)
-
-
-def uninstall(model: nn.Module) -> None:
-    """Undo :func:`install` (and drop the transpose caches)."""
-    _installed.discard(model)
-    for m in model.modules():
-        if getattr(m, "_ssd_fast", False):
-            del m.forward
-            for a in ("_ssd_fast", "_ssd_allow_t", "_ssd_t", "_ssd_t_key"):
-                m.__dict__.pop(a, None)
-
-
-# --- choosing the formulation by timing it on this CPU ---------------------------------------------
-
-
-def methods(allow_t: bool) -> list[str]:
-    """The formulations this process can run: ``xwt`` needs the transpose cache, the row kernels numba."""
-    kernels = _mode() != "torch" and rowkernels.available()
-    return [m for m in METHODS if (allow_t or m != "xwt") and (m not in _KERNEL_BLOCK or kernels)]
-
-
-def _runnable(method: str, w: torch.Tensor) -> bool:
-    """Per call, so cheap: a row kernel needs a contiguous weight (and numba, loaded once)."""
-    if method in _KERNEL_BLOCK:
-        return w.is_contiguous() and rowkernels.available()
-    return True
-
-
-def _run(method: str, x: torch.Tensor, w: torch.Tensor, wt: torch.Tensor | None) -> torch.Tensor:
-    if method in _KERNEL_BLOCK:
-        return rowkernels.matmul_t(x, w, _KERNEL_BLOCK[method])
-    if method == "xwt":
-        return torch.mm(x, wt)  # type: ignore[arg-type]
-    if method == "wxt":
-        return torch.mm(w, x.t()).t().contiguous()
-    return F.linear(x, w)
-
-
-@torch.inference_mode()
-def tune(weights: list[torch.Tensor], allow_t: bool, rows: range = range(1, MAX_FAST_ROWS + 1),
-         clock: Any = time.perf_counter) -> dict[int, str]:
-    """The fastest formulation for each row count, timed on these same-shape matrices: each pass
-    multiplies every one of them (up to ``TUNE_BYTES``), so they stream from memory."""
-    out_f, in_f = weights[0].shape
-    per = weights[0].numel() * weights[0].element_size()
-    ws = [w.detach() for w in weights[: max(1, min(len(weights), TUNE_BYTES // max(per, 1)))]]
-    wts = [w.t().contiguous() for w in ws] if allow_t else []
-    ms = [m for m in methods(allow_t) if _runnable(m, ws[0])]
-    best: dict[int, str] = {}
-    gen = torch.Generator().manual_seed(out_f * 131 + in_f)
-    for r in rows:
-        x = torch.randn(r, in_f, generator=gen, dtype=ws[0].dtype)
-        times: dict[str, float] = {}
-        for m in ms:
-            for w, t in zip(ws, wts or [None] * len(ws)):  # warm-up (and the transposes' first touch)
-                _run(m, x, w, t)
-            fastest = float("inf")
-            for _ in range(TUNE_REPEATS):
-                t0 = clock()
-                for w, t in zip(ws, wts or [None] * len(ws)):
-                    _run(m, x, w, t)
-                fastest = min(fastest, clock() - t0)
-            times[m] = fastest
-        best[r] = min(ms, key=lambda m: (times[m], METHODS.index(m)))
-    return best
-
-
-def _machine_key(allow_t: bool) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    ident = [cpu, torch.__version__, torch.get_num_threads(), allow_t, MAX_FAST_ROWS, methods(allow_t), "v2"]
-    return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
-
-
-def _store() -> Path:
-    from .models import cache_dir  # models imports this module
-
-    return cache_dir() / "fastlinear.json"
-
-
-def stored_or_tuned(by_shape: dict[tuple[int, int], list[torch.Tensor]], allow_t: bool,
-                    announce: Callable[[], None] | None = None,
-                    tuned: Callable[[float], None] | None = None) -> dict[tuple[int, int, int], str]:
-    """Choices for every shape in ``by_shape`` on this machine: from the store when timed before,
-    otherwise timed now (:func:`tune`, after one call of ``announce``) and added to the store.
-    A missing, unreadable or corrupt store only means timing again."""
-    key = _machine_key(allow_t)
-    path = _store()
-    try:
-        stored = json.loads(path.read_text())
-        if not isinstance(stored, dict):
-            stored = {}
-    except (OSError, ValueError):
-        stored = {}
-    mine = stored.get(key) if isinstance(stored.get(key), dict) else {}
-    retune = _mode() == "retune"
-    out: dict[tuple[int, int, int], str] = {}
-    changed = False
-    def valid(got: Any) -> bool:
-        return isinstance(got, dict) and all(got.get(str(r)) in METHODS for r in range(1, MAX_FAST_ROWS + 1))
-
-    todo = sum(1 for o, i in by_shape if retune or not valid(mine.get(f"{o}x{i}")))
-    n_tuned = 0
-    for (out_f, in_f), ws in by_shape.items():
-        name = f"{out_f}x{in_f}"
-        got = mine.get(name)
-        if retune or not valid(got):
-            if announce is not None and not changed:
-                announce()
-            if tuned is not None:
-                tuned(n_tuned / todo)
-            got = {str(r): m for r, m in tune(ws, allow_t).items()}
-            n_tuned += 1
-            mine[name] = got
-            changed = True
-        out.update({(out_f, in_f, int(r)): m for r, m in got.items()})  # type: ignore[union-attr]
-    if changed and tuned is not None:
-        tuned(1.0)
-    if changed:
-        stored[key] = mine
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(stored, indent=1, sort_keys=True))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only cache dir: keep the choices for this process only
-    return out

@@ -42,11 +42,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .draft_model import (DraftShape, _parts, _set_layer_idx, _shallow, _sub_config, check_shape, hidden_of, is_feature_draft,
-                          output_module, own_state, reduced_head)
+from .draft_model import DraftShape, check_shape, own_state, reduced_head
 from .errors import ParamError
+from .layout import parts, set_layer_idx, shallow, sub_config
 
-__all__ = ["FeatureDraft", "FeatureOutput", "FeatureState", "FeatureTap", "is_feature_draft"]
+__all__ = ["FeatureDraft", "FeatureOutput", "check_fuse_layer", "is_feature_draft"]
+
+
+def is_feature_draft(model: Any) -> bool:
+    """A feature draft reads the target's hidden states besides its tokens (only SD provides them)."""
+    return bool(getattr(model, "needs_features", False))
 
 
 @dataclass
@@ -63,7 +68,7 @@ class FeatureDraft(nn.Module):
     def __init__(self, target: nn.Module, init_from: tuple[int, ...], vocab_ids: torch.Tensor,
                  fuse_layer: int | None = None) -> None:
         super().__init__()
-        inner, layers, norm, head = _parts(target)
+        inner, layers, norm, head = parts(target)
         self.init_from = tuple(int(i) for i in init_from)
         self.fuse_layer = check_fuse_layer(target, fuse_layer)
         self.ssd_shape = DraftShape(0, self.init_from)  # nothing shared but the embedding and head rows
@@ -90,10 +95,10 @@ class FeatureDraft(nn.Module):
         new_layers = []
         for j, src in enumerate(self.init_from):
             layer = copy.deepcopy(layers[src])
-            _set_layer_idx(layer, j)
+            set_layer_idx(layer, j)
             new_layers.append(layer)
-        cfg = _sub_config(target.config, list(self.init_from))
-        body = _shallow(inner)
+        cfg = sub_config(target.config, list(self.init_from))
+        body = shallow(inner)
         body.layers = nn.ModuleList(new_layers)
         body.norm = copy.deepcopy(norm)
         body.config = cfg
@@ -115,7 +120,7 @@ class FeatureDraft(nn.Module):
     def true_features(self, f: torch.Tensor) -> torch.Tensor:
         """The feature the draft reads for a position the target has run: the target's final
         normed hidden state ``f`` [.., H], or, for a fused draft, ``fuse`` over [mid | final]
-        (``f`` [.., 2H] as :class:`FeatureTap` records it)."""
+        (``f`` [.., 2H] as :func:`drafting.target_features` gives it)."""
         if self.fuse_layer is None:
             return f
         hid = self.hidden_size
@@ -152,103 +157,3 @@ def check_fuse_layer(target: nn.Module, fuse_layer: int | None) -> int | None:
     if not 0 <= int(fuse_layer) < n:
         raise ParamError(f"--fuse-layer must be between 0 and {n - 1} for this target ({n} layers), got {fuse_layer}")
     return int(fuse_layer)
-
-
-class FeatureTap:
-    """Records the output of the target's final norm (its feature at every position it runs)
-    while installed; ``take()`` returns and clears the last forward's [T, H] (batch row 0).
-    With ``fuse_layer`` n it also records the output of the first n layers and ``take()``
-    returns [T, 2H]: [that | final], what :meth:`FeatureDraft.true_features` reads."""
-
-    def __init__(self, target: nn.Module, fuse_layer: int | None = None) -> None:
-        _, _, norm, _ = _parts(target)
-        self.last: torch.Tensor | None = None
-        self.mid: torch.Tensor | None = None
-        self.fused = fuse_layer is not None
-        self._hooks = [norm.register_forward_hook(self._recorder("last"))]
-        if fuse_layer is not None:
-            self._hooks.append(output_module(target, fuse_layer).register_forward_hook(self._recorder("mid")))
-
-    def _recorder(self, attr: str) -> Any:
-        def record(mod: Any, args: Any, out: Any) -> None:
-            setattr(self, attr, hidden_of(out)[0].detach())
-        return record
-
-    def take(self) -> torch.Tensor:
-        if self.last is None or (self.fused and self.mid is None):
-            raise RuntimeError("the target ran no forward since the last take()")
-        t, self.last = self.last, None
-        if self.fused:
-            t, self.mid = torch.cat([self.mid.to(t.dtype), t], dim=-1), None
-        return t
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-
-    def __enter__(self) -> "FeatureTap":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class FeatureState:
-    """The SD side of a feature draft: its KV cache over a prefix of the sequence in which every
-    token was fed the target's true feature, plus those features.
-
-    ``feats[p]`` is the target's feature at position p (known for every position the target
-    has run).  :meth:`catch_up` feeds the cache the tokens of ``seq`` it has not seen, with
-    their true features; drafted tokens go through :meth:`forward` with the draft's own
-    features and are dropped again by :meth:`rollback`."""
-
-    def __init__(self, model: FeatureDraft, device: torch.device) -> None:
-        from . import kv
-
-        self.model = model
-        self.device = device
-        self.cache = kv.new_cache(model)
-        self.feats = torch.zeros(0, model.hidden_size, device=device, dtype=model.fc.weight.dtype)
-        self.valid = 0  # cached positions fed true features
-
-    def add_features(self, f: torch.Tensor, start: int) -> None:
-        """Target features (as :class:`FeatureTap` takes them) for positions
-        ``start..start+len(f)-1``, replacing what was there."""
-        with torch.no_grad():
-            g = self.model.true_features(f.to(self.device, self.feats.dtype))
-        self.feats = torch.cat([self.feats[:start], g], dim=0)
-
-    def _feat_in(self, start: int, n: int) -> torch.Tensor:
-        """Input features for tokens at positions start..start+n-1: feats[p-1] (zeros for p = 0)."""
-        lo = max(start - 1, 0)
-        f = self.feats[lo : start + n - 1]
-        if start == 0:
-            f = torch.cat([f.new_zeros(1, f.shape[-1]), f], dim=0)
-        if f.shape[0] != n:
-            raise RuntimeError(f"feature draft: features for positions {start}..{start + n - 1} are not known")
-        return f
-
-    @torch.inference_mode()
-    def forward(self, ids: list[int], feats: torch.Tensor | None = None, last_only: bool = False) -> FeatureOutput:
-        from . import kv
-
-        start = kv.length(self.cache)
-        f = self._feat_in(start, len(ids)) if feats is None else feats
-        pos = torch.arange(start, start + len(ids), device=self.device)[None]
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), features=f[None], cache=self.cache,
-                         position_ids=pos, logits_to_keep=1 if last_only else 0)
-        return FeatureOutput(out.logits[0], out.hidden[0])
-
-    def catch_up(self, seq: list[int]) -> FeatureOutput:
-        """Feed ``seq[valid:]`` with their true features; returns the last position's output."""
-        from . import kv
-
-        kv.truncate(self.cache, self.valid)
-        out = self.forward(seq[self.valid :], last_only=True)
-        self.valid = len(seq)
-        return out
-
-    def rollback(self) -> None:
-        from . import kv
-
-        kv.truncate(self.cache, self.valid)

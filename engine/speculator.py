@@ -16,9 +16,9 @@ reference code's draft runner, spec §2.2): for every round it
    sequence, so the shared prefix KV is never copied.  The scratch region is cropped
    after the tree.
 
-It runs in a worker process (:func:`worker_main`, pinned to its own cores) behind
-:mod:`channel`; the verifier also runs it in-process as plain SD when the worker
-is gone (no tree, neural fallback every round).
+It runs in a worker process (:mod:`spec_worker`, pinned to its own cores) behind
+:mod:`channel`.  It runs the draft through a :class:`kv.Runner`: the tree rows are the
+runner's uncommitted scratch rows, and on a hit the winning branch is adopted, not recomputed.
 
 Every draft token is sampled from the distribution q' that is sent with it: the
 draft's temperature/top-k/top-p distribution, reshaped by Saguaro sampling
@@ -31,17 +31,16 @@ acceptance test stays exact for every proposal.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from . import kv, workers
+from . import kv
 from .channel import Reply, Settings
+from .drafting import fit_vocab
 from .fanout import FanOut
 from .sampling import logits_to_probs, make_generator, sample, saguaro_reshape
 
@@ -64,20 +63,29 @@ class _FallbackStats:
     proposal: tuple[int, ...] | None = None  # the fast proposal for the round being verified
 
 
+@dataclass
+class _Scratch:
+    """Where the last tree's rows are in the runner's scratch region: branch b at depth d is slot
+    ``base + d * width + b``; ``depth_logits[d][b]`` its logits."""
+
+    base: int
+    width: int
+    index: dict[tuple[int, int], int]  # (j, candidate) -> branch
+    depth_logits: list[torch.Tensor]
+
+
 class Speculator:
     """The draft side of SSD for one model on one device (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, k: int, fan_out: FanOut | None, fallback: str = "neural",
                  vocab: int | None = None) -> None:
-        self.model = model
         self.vocab = vocab  # the target's logits width; draft logits are padded (-inf) or cut to it
-        self.device = model.get_input_embeddings().weight.device
-        self.dtype = model.get_input_embeddings().weight.dtype
+        self.runner = kv.Runner(model)
+        self.device = self.runner.device
         self.k = k
-        self.fan = fan_out  # None: no cache (plain SD, used in-process after the worker failed)
+        self.fan = fan_out  # None: no cache (every round a neural fallback)
         self.fallback = fallback
-        self.cache = kv.new_cache(model)
-        self.kv_ids: list[int] = []  # the tokens whose KV self.cache holds (main region)
+        self.kv_ids: list[int] = []  # the tokens the runner has committed
         self.step_times: deque = deque(maxlen=64)
         self.fb_stats = _FallbackStats()
         self._reset()
@@ -92,7 +100,7 @@ class Speculator:
         self.predicted: tuple[tuple[int, tuple[int, ...]], ...] = ()
         self.build_s = 0.0
         self._glue_logits: list[torch.Tensor] | None = None  # g_0..g_{k-1} left by a neural fallback or a hit
-        self._scratch: tuple[int, int, dict[tuple[int, int], int], list[torch.Tensor]] | None = None  # see _adopt
+        self._scratch: _Scratch | None = None  # the last complete tree, for _adopt
 
     # -- per reply ------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int], settings: Settings) -> None:
@@ -103,11 +111,11 @@ class Speculator:
         self.ctx = list(prompt_ids)
         self._extend(self.ctx, logits_from=len(self.ctx))
         if not self.step_times and self.ctx:  # one timed decode step, for the SD estimate and --fallback auto
-            n = kv.length(self.cache)
+            n = self.runner.length
             t0 = time.perf_counter()
             self._forward(self.ctx[-1:])
             self.step_times.append(time.perf_counter() - t0)
-            kv.truncate(self.cache, n)
+            self.runner.truncate(n)
             del self.kv_ids[n:]
 
     @property
@@ -236,62 +244,43 @@ class Speculator:
     def _tree(self, L: int, js: list[int], cands: list[int], hit_list: list[int], abort: Callable[[], bool]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Draft k tokens for B branches at once; branch b is ``ctx + [bonus, d_1..d_{j_b}, c_b]``.
         Returns tokens [B, k] and q' [B, k, V] (None under greedy), or None if aborted."""
-        k, dev = self.k, self.device
-        B = len(js)
-        base = kv.length(self.cache)  # L + k + 1: prefix + glue
-        j_t = torch.tensor(js, device=dev)
-        cols = torch.arange(base, device=dev)
-        # prefix for everyone; glue slot L+i only for branches with i <= j
-        allowed = (cols[None, :] < L) | ((cols[None, :] >= L) & (cols[None, :] - L <= j_t[:, None]))  # [B, base]
-        eye = torch.eye(B, dtype=torch.bool, device=dev)
-        neg = torch.finfo(self.dtype).min
+        k, dev, B = self.k, self.device, len(js)
+        base = self.runner.length  # L + k + 1: prefix + glue
         x = torch.tensor(cands, device=dev)
         toks = torch.empty(B, k, dtype=torch.long, device=dev)
         qs: list[torch.Tensor] = []
         depth_logits: list[torch.Tensor] = []
-        done = False
-        try:
-            for d in range(k):
-                if abort():
-                    return None
-                mask = torch.cat([allowed] + [eye] * (d + 1), dim=1)  # [B, base + (d+1)B]
-                attn = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill(~mask, neg)[None, None]
-                pos = (L + 1 + d + j_t)[None]  # RoPE positions of the hypothesised sequences
-                out = self.model(input_ids=x[None], cache=self.cache, use_cache=True, position_ids=pos, attention_mask=attn)
-                logits = _fit_vocab(out.logits[0], self.vocab)  # [B, V]
-                depth_logits.append(logits)
-                q = self._proposal(logits, hit_list[d] if hit_list else 0)
-                x = torch.tensor(self._draw(logits, q), device=dev)
-                toks[:, d] = x
-                if q is not None:
-                    qs.append(q)
-            done = True
-        finally:
-            if not done:
-                kv.truncate(self.cache, base)
+        for d in range(k):
+            if abort():
+                return None
+            # branch b sees the prefix, the glue up to its own accepted length, its earlier tree rows and itself
+            ancestors = [list(range(L, L + j + 1)) + [base + e * B + b for e in range(d)] for b, j in enumerate(js)]
+            slots = [base + d * B + b for b in range(B)]
+            positions = [L + 1 + d + j for j in js]  # RoPE positions of the hypothesised sequences
+            logits = fit_vocab(self.runner.tree(x, positions, slots, ancestors, prefix=L).logits, self.vocab)  # [B, V]
+            depth_logits.append(logits)
+            q = self._proposal(logits, hit_list[d] if hit_list else 0)
+            x = torch.tensor(self._draw(logits, q), device=dev)
+            toks[:, d] = x
+            if q is not None:
+                qs.append(q)
         # keep the scratch region: on a hit the winning branch's KV and logits replace the glue forward
-        self._scratch = (base, B, {(j, c): b for b, (j, c) in enumerate(zip(js, cands))}, depth_logits)
+        self._scratch = _Scratch(base, B, {(j, c): b for b, (j, c) in enumerate(zip(js, cands))}, depth_logits)
         return toks, (torch.stack(qs, dim=1) if qs else None)
 
     def _adopt(self, key: tuple[int, int], tokens: tuple[int, ...]) -> None:
         """On a hit, make the winning branch's tree KV the main sequence (no recomputation): keep the
-        committed prefix, gather the branch's k slots [c, e_1..e_{k-1}] from the scratch region (their
-        RoPE positions were already the real ones), and keep its per-depth logits as g_0..g_{k-1}, so
-        the next glue is a single-token forward.  Falls back to a full glue if anything does not fit."""
+        committed prefix, then the branch's k slots [c, e_1..e_{k-1}] (their RoPE positions were
+        already the real ones), and keep its per-depth logits as g_0..g_{k-1}, so the next glue is a
+        single-token forward.  Falls back to a full glue if anything does not fit."""
         sc = self._scratch
-        layers = getattr(self.cache, "layers", None)
-        if sc is None or key not in sc[2] or not layers or any(type(x).__name__ != "DynamicLayer" for x in layers):
+        if sc is None or key not in sc.index or len(self.kv_ids) != sc.base:
             return
-        base, B, index, depth_logits = sc
-        b, keep = index[key], len(self.ctx)
-        if kv.length(self.cache) != base + self.k * B or len(self.kv_ids) != base or keep > base:
+        b, keep = sc.index[key], len(self.ctx)
+        if not self.runner.adopt(keep, [sc.base + d * sc.width + b for d in range(self.k)]):
             return
-        idx = torch.cat([torch.arange(keep), base + torch.arange(self.k) * B + b]).to(self.device)
-        for layer in layers:
-            layer.keys = layer.keys.index_select(-2, idx)
-            layer.values = layer.values.index_select(-2, idx)
         self.kv_ids = self.ctx + [key[1], *tokens[:-1]]
-        self._glue_logits = [lg[b] for lg in depth_logits]
+        self._glue_logits = [lg[b] for lg in sc.depth_logits]
 
     # -- helpers ----------------------------------------------------------------------------------
     def _lists(self) -> tuple[list[int], list[int]]:
@@ -311,12 +300,10 @@ class Speculator:
         return sample(q, self.gen).tolist()
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
-        """Append ``ids`` to the draft cache; logits [len(ids), V]."""
-        if kv.length(self.cache) != len(self.kv_ids):  # drop a tree scratch region
-            kv.truncate(self.cache, len(self.kv_ids))
-        out = kv.forward(self.model, torch.tensor(ids, device=self.device), self.cache)
+        """Append ``ids`` to the draft's sequence (dropping a tree's scratch rows); logits [len(ids), V]."""
+        out = self.runner.append(ids).logits
         self.kv_ids.extend(ids)
-        return _fit_vocab(out, self.vocab)
+        return fit_vocab(out, self.vocab)
 
     def _extend(self, ids: list[int], logits_from: int) -> torch.Tensor:
         """Make the cache hold exactly ``ids``, reusing the common prefix, and return the logits of
@@ -325,21 +312,15 @@ class Speculator:
         lim = min(len(self.kv_ids), len(ids), logits_from)
         while n < lim and self.kv_ids[n] == ids[n]:
             n += 1
-        kv.truncate(self.cache, n)
+        self.runner.truncate(n)
         del self.kv_ids[n:]
         if n == len(ids):
             return torch.empty(0, device=self.device)
+        if logits_from >= len(ids):  # nothing to return: no head over the new rows
+            self.runner.append(ids[n:], logits="none")
+            self.kv_ids.extend(ids[n:])
+            return torch.empty(0, device=self.device)
         return self._forward(ids[n:])[logits_from - n:]
-
-
-def _fit_vocab(logits: torch.Tensor, size: int | None) -> torch.Tensor:
-    """Draft logits [..., Vd] -> [..., size] (same tokenizer, possibly a padded head)."""
-    vd = logits.shape[-1]
-    if size is None or vd == size:
-        return logits
-    if vd > size:
-        return logits[..., :size]
-    return torch.cat([logits, logits.new_full((*logits.shape[:-1], size - vd), float("-inf"))], dim=-1)
 
 
 def _common_prefix(a: tuple[int, ...] | list[int], b: list[int]) -> int:
@@ -359,149 +340,3 @@ def _ngram_next(hist: list[int]) -> int:
             if hist[i:i + n] == suffix:
                 return hist[i + n]
     return hist[-1]
-
-
-# --- the worker process ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """How the worker gets its draft without pickling a big model: load a folder (and derive
-    ``derived`` from it), or for models that exist only in memory (tests), a config + state_dict.
-    ``gguf``: the GGUF whose blocks the model computes from (:mod:`precision`), as in the app."""
-
-    dtype: torch.dtype
-    device: str
-    folder: str | None = None
-    config: Any = None
-    state_dict: dict | None = None
-    derived: str | None = None  # copy | int8 | layers:N | a trained draft's folder, applied to what folder/state_dict holds
-    gguf: str | None = None
-
-
-def recipe_for(draft: Any, target: Any, device: str, dtype: torch.dtype) -> Recipe:
-    """The recipe that rebuilds ``draft`` (a LoadedModel) in another process."""
-    from . import precision
-
-    derived = draft.spec.source if draft.spec.kind == "derived" else None
-    src = target if derived else draft
-    gguf = src.spec.source if getattr(src, "gguf", None) is not None else None
-    if src.folder is not None and (src.folder / "config.json").is_file():
-        return Recipe(dtype, device, folder=str(src.folder), derived=derived, gguf=gguf)
-    with precision.float_view(src):  # the float weights (GGUF linears hold no state_dict entries)
-        state = {n: t.detach().cpu() for n, t in src.model.state_dict().items()}
-    return Recipe(dtype, device, config=src.model.config, state_dict=state, derived=derived, gguf=gguf)
-
-
-def build_model(recipe: Recipe) -> torch.nn.Module:
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
-
-    from . import precision
-    from .models import LoadedModel, ModelSpec, Placement
-
-    dev = torch.device(recipe.device)
-    if recipe.folder is not None:
-        model = AutoModelForCausalLM.from_pretrained(recipe.folder, dtype=recipe.dtype)
-    else:
-        model = AutoModelForCausalLM.from_config(recipe.config).to(recipe.dtype)
-        model.load_state_dict(recipe.state_dict)
-    model = model.to(dev).eval()
-    spec = ModelSpec("target", "gguf", recipe.gguf) if recipe.gguf else ModelSpec("target", "folder", recipe.folder or "memory")
-    base = LoadedModel("target", spec, model, None, Placement(dev, recipe.dtype),
-                       folder=Path(recipe.folder) if recipe.folder else None)
-    if recipe.gguf:
-        precision.to_gguf(base)  # the tiles from the converted folder's cache, as the app read them
-    if recipe.derived:
-        model = precision.derive(recipe.derived, base).model
-    from . import fastlinear
-
-    fastlinear.install(model)  # as models.load does for the app's models (CPU float32 only)
-    return model.eval()
-
-
-def worker_main(conn: Any, recipe: Recipe, k: int, fan_out: FanOut, fallback: str, vocab: int, qbuf: torch.Tensor,
-                cores: tuple[int, ...] | None, threads: int | None, parent_pid: int, fault: str | None = None) -> None:
-    """The speculator process: load the draft, then serve requests until ``close`` or EOF."""
-    workers.die_with_parent()
-    if os.getppid() != parent_pid:
-        return
-    if not os.environ.get("SSD_CHAT_DEBUG"):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
-    try:
-        if cores is not None and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, cores)
-        if threads:
-            torch.set_num_threads(threads)
-        model = build_model(recipe)
-        spec = Speculator(model, k, fan_out, fallback, vocab)
-        conn.send(("ready", {"pid": os.getpid(), "threads": torch.get_num_threads()}))
-        _serve_loop(conn, spec, qbuf, _Fault.parse(fault))
-    except (EOFError, OSError, KeyboardInterrupt):
-        pass
-    except BaseException as e:  # noqa: BLE001 - reported to the verifier, which falls back
-        try:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-        except (OSError, EOFError):
-            pass
-        sys.exit(1)
-
-
-@dataclass
-class _Fault:
-    """Test hook (``SSDDecoder.fault``): ``raise:N``, ``sleep:N:S``, ``exit:N`` at the N-th request."""
-
-    kind: str
-    at: int
-    arg: float = 0.0
-
-    @staticmethod
-    def parse(s: str | None) -> "_Fault | None":
-        if not s:
-            return None
-        parts = s.split(":")
-        return _Fault(parts[0], int(parts[1]), float(parts[2]) if len(parts) > 2 else 0.0)
-
-    def fire(self, n: int) -> None:
-        if n != self.at:
-            return
-        if self.kind == "raise":
-            raise RuntimeError("injected fault")
-        if self.kind == "sleep":
-            time.sleep(self.arg)
-        if self.kind == "exit":
-            os._exit(3)
-
-
-def _serve_loop(conn: Any, spec: Speculator, qbuf: torch.Tensor, fault: _Fault | None) -> None:
-    pending: list[tuple] = []
-    num_requests = 0
-
-    def abort() -> bool:
-        # a message while building: a request for this tree or a ping (keep building), or a new reply / close
-        while conn.poll():
-            pending.append(conn.recv())
-        return any(m[0] in ("begin", "close") for m in pending)
-
-    while True:
-        msg = pending.pop(0) if pending else conn.recv()
-        cmd = msg[0]
-        if cmd == "close":
-            return
-        if cmd == "ping":
-            conn.send(("pong", msg[1]))
-        elif cmd == "begin":
-            spec.begin(msg[1], msg[2])
-        elif cmd == "spec":
-            _, req, k_prev, bonus, verify_s = msg
-            num_requests += 1
-            if fault is not None:
-                fault.fire(num_requests)
-            reply, q = spec.serve(req, k_prev, bonus, verify_s)
-            if q is not None:
-                qbuf[: q.shape[0]].copy_(q)
-            conn.send(reply)
-            spec.build(abort)

@@ -8,16 +8,14 @@ from typing import Annotated, Optional
 
 import typer
 
-
-from .demo import fail as _fail
+from .options import (Budget, Draft, DraftDevice, Dtype, Fallback, FanOut, K, MaxNew, Mode, SaguaroC, Seed, System, Target,
+                      TargetDevice, Temperature, TopK, TopP, TrustRemote, console, merge, settings, utf8_text)
+from .options import fail as _fail
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``demo``, ``config`` and ``chats`` to the ``ssd-chat`` app."""
-    from . import cli
+    """Add ``demo``, ``compare``, ``config`` and ``chats`` to the ``ssd-chat`` app."""
     from .demo import demo_prompts, run_headless
-    from .cli import (Budget, Draft, DraftDevice, Dtype, Fallback, FanOut, K, MaxNew, Mode, SaguaroC, Seed, System,
-                      Target, TargetDevice, Temperature, TopK, TopP, TrustRemote)
 
     @app.command()
     def demo(
@@ -40,7 +38,7 @@ def register(app: typer.Typer) -> None:
         if type_delay < 0:
             raise typer.BadParameter("must be >= 0", param_hint="--type-delay")
         local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "replay", "speed", "type_delay", "headless")}
-        merged = cli._merge(ctx, local)
+        merged = merge(ctx, local)
         from .tui_launch import launch
 
         if replay is not None:
@@ -59,7 +57,7 @@ def register(app: typer.Typer) -> None:
         from .config import ConfigError
 
         try:
-            values = cli.settings(merged)
+            values = settings(merged)
         except ConfigError as e:
             raise _fail(str(e)) from None
         if headless:
@@ -86,19 +84,22 @@ def register(app: typer.Typer) -> None:
         from .engine.errors import ParamError, SSDChatError
 
         local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "prompt", "json_out")}
-        merged = cli._merge(ctx, local)
+        merged = merge(ctx, local)
         given_n = merged.get("max_new_tokens")
-        prompt = cli.utf8_text(prompt, "the prompt")
+        prompt = utf8_text(prompt, "the prompt")
         if not prompt.strip():
             raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
         # loaded as SD: the draft loads, no speculator starts until the SSD run
-        values = cli.settings({**merged, "mode": "sd", "temperature": 0.0, "top_p": 1.0, "top_k": 0})
+        values = settings({**merged, "mode": "sd", "temperature": 0.0, "top_p": 1.0, "top_k": 0})
         values["max_new_tokens"] = given_n or cmp.DEFAULT_MAX_NEW_TOKENS
         if values.get("system"):
-            values["system"] = cli.utf8_text(values["system"], "--system")
+            values["system"] = utf8_text(values["system"], "--system")
+        from .config import sampling_params
+        from .loading import load_engine
+
         try:
-            params = cli.sampling_params(values)
-            engine = cli.load_engine(values)
+            params = sampling_params(values)
+            engine = load_engine(values)
         except ParamError as e:
             raise _fail(str(e), 2) from None
         except SSDChatError as e:
@@ -190,26 +191,27 @@ def register(app: typer.Typer) -> None:
             elif key in engine and v is None:
                 shown = f"{engine[key]} (engine default)"
             table.add_row(key, shown, config.describe_source(key, sources[key]))
-        cli.console().print(table)
+        console().print(table)
         if invalid is not None:
             raise _fail(str(invalid), 2 if invalid.usage else 1)
         if "mode_reason" in engine:
-            cli.console().print(f"mode: {engine['mode_reason']}", markup=False, highlight=False)
+            console().print(f"mode: {engine['mode_reason']}", markup=False, highlight=False)
             for w in engine["warnings"]:
-                cli.console().print(f"warning: {w}", markup=False, highlight=False)
+                console().print(f"warning: {w}", markup=False, highlight=False)
         else:
-            cli.console().print(f"these settings cannot start: {engine['mode_error']}", markup=False, highlight=False)
+            console().print(f"these settings cannot start: {engine['mode_error']}", markup=False, highlight=False)
 
     def engine_in_force(values: dict) -> dict:
         """What the engine will use for the settings left to it, and what mode ``auto`` resolves to here;
         ``{"mode_error": ...}`` when the settings cannot load (the same error a start would give)."""
+        from .config import engine_config
         from .engine.errors import SSDChatError
         from .engine.models import parse_placement
         from .engine.precision import planned
         from .engine.preflight import check, in_force
 
         try:
-            pre = check(cli.engine_config(values))
+            pre = check(engine_config(values))
         except (SSDChatError, ValueError) as e:
             return {"mode_error": str(e)}
         out = dict(in_force(pre.config))

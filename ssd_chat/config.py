@@ -21,6 +21,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from .engine.config import EngineConfig
+from .engine.params import SamplingParams
+
 DEFAULTS: dict[str, Any] = {
     "target": "smollm2-135m-gguf",
     "draft": None,
@@ -51,6 +54,23 @@ TYPES: dict[str, type] = {
     "temperature": float, "top_p": float, "saguaro_c": float,
     "trust_remote_code": bool, "colour_tokens": bool,
 }
+
+# the settings that are sampling parameters (stop strings and ignore_eos are SamplingParams fields, not settings)
+SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name in DEFAULTS)
+
+
+def sampling_settings(values: dict[str, Any]) -> dict[str, Any]:
+    """The sampling settings among ``values`` that are set."""
+    return {k: values[k] for k in SAMPLING_KEYS if values.get(k) is not None}
+
+
+def sampling_params(values: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**sampling_settings(values))
+
+
+def engine_config(values: dict[str, Any]) -> EngineConfig:
+    return EngineConfig.from_settings(values)
+
 
 ENV_PREFIX = "SSD_CHAT_"
 _TRUE = ("1", "true", "yes", "on")
@@ -155,14 +175,11 @@ def check(values: dict[str, Any], sources: dict[str, str], path: Path | None = N
     """ConfigError when resolved settings are out of range, naming where each value to blame came
     from.  The ranges are the engine's own (EngineConfig, SamplingParams): a value is to blame when
     putting its default back makes the error go away."""
-    from .engine.config import EngineConfig
-    from .engine.params import SamplingParams
     from .engine.errors import ParamError
 
     def build(vals: dict[str, Any]) -> None:
-        for cls in (EngineConfig, SamplingParams):
-            names = {f.name for f in dataclasses.fields(cls)}
-            cls(**{k: v for k, v in vals.items() if k in names and k in DEFAULTS and v is not None})
+        engine_config(vals)
+        sampling_params(vals)
 
     def passes(vals: dict[str, Any]) -> bool:
         try:

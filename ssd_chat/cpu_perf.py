@@ -14,7 +14,7 @@ Sections (docs/performance-cpu.md shows a run):
 * ``ar``: greedy decoding with the GGUF core (one token per forward): tok/s.
 * ``accuracy``: GGUF core against the float32 core: greedy agreement over 8 prompts x 32 tokens
   and the max abs difference of the logits of the steps fed the same tokens.
-* ``drafts``: acceptance and cost of each SSD draft candidate (see :mod:`ssd_chat.cpu_perf_drafts`).
+* ``drafts``: acceptance and cost of each SSD draft candidate (see :mod:`ssd_chat.cpu_perf_drafts`; helpers in :mod:`ssd_chat.cpu_perf_common`).
 * ``llama``: llama-bench's tg on the same GGUF, ``-t 1`` on core 0 and ``-t 2`` on cores 0,1.
 
 One-thread measurements are pinned to core 0 and report this thread's CPU time (fastest and
@@ -31,77 +31,15 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
+
+from .cpu_perf_common import Models, forward, greedy, load, log, pin, timed
 
 SECTIONS = ("bandwidth", "linears", "core", "ar", "accuracy", "drafts", "llama")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at",
            "List three primary colors:", "import numpy as np\n", "The quick brown fox", "In 1969, astronauts"]
-
-
-def log(s: str) -> None:
-    print(s, file=sys.stderr, flush=True)
-
-
-def pin(cores: tuple[int, ...], threads: int) -> None:
-    """Every thread of this process on ``cores``; torch (and so the GGUF kernels) on ``threads``."""
-    torch.set_num_threads(threads)
-    if hasattr(os, "sched_setaffinity"):
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(tid), cores)
-            except OSError:
-                pass
-
-
-def load() -> float:
-    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else -1.0
-
-
-def timed(f: Callable[[], Any], reps: int, threads: int) -> dict[str, float]:
-    """ms per call of ``f``: CPU time of this thread at one thread (fastest, median), wall otherwise."""
-    clock = time.thread_time if threads == 1 else time.perf_counter
-    f()
-    ts = []
-    for _ in range(reps):
-        t0 = clock()
-        f()
-        ts.append(clock() - t0)
-    return {"min_ms": round(min(ts) * 1e3, 2), "median_ms": round(statistics.median(ts) * 1e3, 2),
-            "clock": "thread CPU" if threads == 1 else "wall"}
-
-
-# --- the models -----------------------------------------------------------------------------------
-
-
-class Models:
-    """The packaged model as the app loads it (float32, fastlinear) and its GGUF linears."""
-
-    def __init__(self) -> None:
-        from ssd_chat.engine import fast_weights, models, quant
-
-        t0 = time.perf_counter()
-        self.lm = models.load(models.PACKAGED, models.parse_placement("cpu", "float32"))
-        self.load_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        self.gguf = fast_weights.gguf_target(self.lm)
-        self.gguf_s = time.perf_counter() - t0
-        self.path = models.packaged_gguf()
-        self._old: dict[str, Any] | None = None
-        self.quant = quant
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.lm.model
-
-    def swapped(self, on: bool) -> None:
-        """GGUF linears in the model (on) or its float32 ones (off)."""
-        if on and self._old is None:
-            self._old = self.quant.swap_modules(self.model, self.gguf)
-        elif not on and self._old is not None:
-            self.quant.swap_modules(self.model, self._old)
-            self._old = None
 
 
 def bandwidth(mb: int = 512) -> dict[str, Any]:
@@ -131,17 +69,6 @@ def linears(m: Models, rows_list: list[int], reps: int) -> list[dict[str, Any]]:
     return out
 
 
-def _forward(core: Any, rows: int, tree: bool) -> Callable[[], None]:
-    def run() -> None:
-        L = core.kv.length
-        if tree:  # an SSD tree step at depth 0: each row sees the prefix and itself
-            core.tree([(17 * b + 5) % 1000 + 10 for b in range(rows)], [L] * rows, [L + b for b in range(rows)], [[] for _ in range(rows)])
-        else:
-            core.append(list(range(10, 10 + rows)))
-            core.kv.truncate(L)
-    return run
-
-
 def cores_section(m: Models, rows_list: list[int], reps: int, threads: int, compile_on: bool) -> list[dict[str, Any]]:
     from ssd_chat.engine import fastlinear
     from ssd_chat.engine.core import Core
@@ -166,7 +93,7 @@ def cores_section(m: Models, rows_list: list[int], reps: int, threads: int, comp
             for name, c in paths.items():
                 m.swapped(c.name != "fp32")
                 t0 = time.perf_counter()
-                f = _forward(c, rows, rows >= 6)
+                f = forward(c, rows, rows >= 6)
                 f()
                 if c.compiler.active:
                     row[f"{name} first call s"] = round(time.perf_counter() - t0, 1)
@@ -176,20 +103,6 @@ def cores_section(m: Models, rows_list: list[int], reps: int, threads: int, comp
             out.append(row)
     m.swapped(True)
     return out
-
-
-def greedy(core: Any, prompt: list[int], n: int, clock: Callable[[], float] = time.thread_time) -> tuple[list[int], list[torch.Tensor], list[float]]:
-    """n greedy tokens through ``core`` (from a reset): tokens, logits of each step, seconds of each one-token step."""
-    core.reset()
-    logits = [core.append(prompt, logits="last").logits[0]]
-    toks: list[int] = []
-    times: list[float] = []
-    for _ in range(n):
-        toks.append(int(logits[-1].argmax()))
-        t0 = clock()
-        logits.append(core.append([toks[-1]], logits="last").logits[0])
-        times.append(clock() - t0)
-    return toks, logits, times
 
 
 def ar(m: Models, tokens: int, row_attention: bool) -> dict[str, Any]:
@@ -229,7 +142,7 @@ def accuracy(m: Models, tokens: int) -> dict[str, Any]:
 
 
 def llama(exe: str, gguf: str, tokens: int) -> dict[str, Any]:
-    from ssd_chat import llamacpp
+    from ssd_chat.bench import llamacpp
 
     out: dict[str, Any] = {}
     for threads, cores in ((1, (0,)), (2, (0, 1))):

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from .cpu_perf import Models, load, pin, timed
+from .cpu_perf_common import Models, forward, greedy, load, pin, timed
 
 TOKENS = 48
 
@@ -31,7 +31,7 @@ TOKENS = 48
 def _prompts(m: Models) -> list[list[int]]:
     from ssd_chat.engine.chat import messages_for, prompt_ids
 
-    from .bench import load_prompts
+    from .bench.prompts import load_prompts
 
     ps, _ = load_prompts("all", 3)
     return [prompt_ids(m.lm.tokenizer, messages_for(p.text))[0] for p in ps]
@@ -39,8 +39,6 @@ def _prompts(m: Models) -> list[list[int]]:
 
 def _continuations(m: Models, prompts: list[list[int]]) -> list[list[int]]:
     from ssd_chat.engine.core import Core
-
-    from .cpu_perf import greedy
 
     m.swapped(True)
     core = Core(m.model, "target", row_attention=True)
@@ -63,11 +61,9 @@ def acceptance(model: torch.nn.Module, prompts: list[list[int]], conts: list[lis
 def cost(model: torch.nn.Module, reps: int) -> dict[str, Any]:
     from ssd_chat.engine.core import Core
 
-    from .cpu_perf import _forward
-
     core = Core(model, "draft")
     core.append([(i * 37) % 5000 + 10 for i in range(200)], logits="none")
-    return {f"rows_{r}": timed(_forward(core, r, r >= 6), reps, 1)["min_ms"] for r in (1, 2, 3, 4, 5, 6)}
+    return {f"rows_{r}": timed(forward(core, r, r >= 6), reps, 1)["min_ms"] for r in (1, 2, 3, 4, 5, 6)}
 
 
 def estimates(a: float, d: dict[str, float], v: dict[int, float]) -> list[dict[str, Any]]:
@@ -89,9 +85,7 @@ def run(m: Models, reps: int, log: Callable[[str], None]) -> dict[str, Any]:
     conts = _continuations(m, prompts)
     verify = Core(m.model, "target", row_attention=True)
     verify.append([(i * 37) % 5000 + 10 for i in range(200)], logits="none")
-    from .cpu_perf import _forward
-
-    v = {r: timed(_forward(verify, r, False), reps, 1)["min_ms"] for r in (1, 2, 3, 4, 5)}
+    v = {r: timed(forward(verify, r, False), reps, 1)["min_ms"] for r in (1, 2, 3, 4, 5)}
     log(f"target verify ms by rows: {v}")
     m.swapped(False)  # derived on the float32 target, as the app derives them (the trained draft checks a hash)
     cands: dict[str, tuple[torch.nn.Module, bool]] = {"int8 (torch dynamic int8)": (drafts.derive("int8", m.lm).model, False),

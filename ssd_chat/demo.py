@@ -8,10 +8,7 @@ import sys
 
 import typer
 
-
-def fail(message: str, code: int = 1) -> typer.Exit:
-    typer.echo(f"ssd-chat: error: {message}", err=True)
-    return typer.Exit(code)
+from .options import fail
 
 
 def demo_prompts() -> list[str]:
@@ -27,18 +24,20 @@ def run_headless(values: dict, prompts: list[str]) -> int:
     """The scripted session on the real engine without the app; ``values["record"]`` gets the event log."""
     import threading
 
-    from . import cli
+    from .config import sampling_params
     from .engine.errors import SSDChatError
     from .engine.events import Done, Error, Notice, Round, Token
+    from .loading import load_engine
     from .recorder import Recorder, RecordingError
     from .session import Session
     from .tui.backend import EngineBackend
-    from .tui.widgets.settings_dialog import parse_settings
+    from .tui.figures import format_stats
+    from .tui.changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
 
     try:
-        params = cli.sampling_params(values)
+        params = sampling_params(values)
         backend = EngineBackend(values)
-        backend.engine = cli.load_engine(values)
+        backend.engine = load_engine(values)
     except SSDChatError as e:
         raise fail(str(e)) from None
     rec = None
@@ -50,11 +49,11 @@ def run_headless(values: dict, prompts: list[str]) -> int:
         for p in prompts:
             if p.startswith("/"):
                 name, _, arg = p[1:].partition(" ")
-                key = {"mode": "mode", "k": "k", "fan-out": "fan_out", "temp": "temperature", "max": "max_new_tokens"}.get(name)
+                key = SLASH_KEYS.get(name)
                 if key is None:
                     raise fail(f"unknown demo command {p!r}")
                 change = parse_settings({key: arg.strip()})
-                if key in ("mode", "k", "fan_out"):
+                if key in ENGINE_CHANGES:
                     backend.reconfigure(**change)
                 else:
                     from dataclasses import replace
@@ -79,7 +78,7 @@ def run_headless(values: dict, prompts: list[str]) -> int:
                     seen.update(c for _, cands in (ev.predicted or ()) for c in cands)
                 elif isinstance(ev, Done):
                     sys.stdout.write(ev.text[len(streamed):] + "\n")
-                    typer.echo(cli.format_stats(ev.stats), err=True)
+                    typer.echo(format_stats(ev.stats), err=True)
                 elif isinstance(ev, Error):
                     raise fail(ev.message)
         if rec is not None:

@@ -44,7 +44,7 @@ def _target_name(ctx: typer.Context, target: str | None) -> str:
 
 
 def _load_target(name: str, device: str, dtype: str) -> Any:
-    from .cli import quiet_libraries
+    from .loading import quiet_libraries
     from .engine import models
 
     quiet_libraries()
@@ -96,7 +96,7 @@ def train(
     target when loaded, never saved), adds trained layers and a head over a reduced
     vocabulary.  Use it with --draft OUT.  Rerunning the same command resumes.
     """
-    from .engine import distill
+    from . import train as training
     from .engine.errors import ParamError, SSDChatError
 
     if threads:
@@ -105,16 +105,16 @@ def train(
         torch.set_num_threads(threads)
     name = _target_name(ctx, target)
     try:
-        cfg = distill.TrainConfig(
+        cfg = training.TrainConfig(
             kind=kind, chain=chain, num_shared=layers, init_from=_init_from(init_from), num_vocab=vocab, steps=steps, batch_size=batch_size,
             lr=lr, max_new_tokens=max_new_tokens, gen_batch=gen_batch, temperature=temperature, samples=samples, self_prompts=self_prompts, eval_every=eval_every, seed=seed,
             fuse_layer=fuse_layer, feature_noise=feature_noise,
         )
-        train_prompts = distill.load_prompts(prompts)
-        held_prompts = distill.load_prompts(heldout, heldout=True)
+        train_prompts = training.load_prompts(prompts)
+        held_prompts = training.load_prompts(heldout, heldout=True)
         tgt = _load_target(name, device, dtype)
         with _Progress() as bar:
-            result, work_path = distill.run(tgt, out, cfg, train_prompts, held_prompts, work, fresh, bar.update)
+            result, work_path = training.run(tgt, out, cfg, train_prompts, held_prompts, work, fresh, bar.update)
     except ParamError as e:
         raise _fail(str(e), 2) from None
     except SSDChatError as e:
@@ -144,7 +144,8 @@ def evaluate(
 ) -> None:
     """Greedy agreement of DRAFT with the target in real (cached, token by token) decoding,
     and the cost of a draft step relative to a target step timed back to back."""
-    from .engine import distill, drafts
+    from . import train as training
+    from .engine import drafts
     from .engine.errors import ParamError, SSDChatError
 
     if threads:
@@ -153,12 +154,12 @@ def evaluate(
         torch.set_num_threads(threads)
     name = _target_name(ctx, target)
     try:
-        texts = distill.load_prompts(prompts, heldout=True)[:limit]
+        texts = training.load_prompts(prompts, heldout=True)[:limit]
         tgt = _load_target(name, "cpu", "float32")
         if not drafts.is_derived(draft):
             raise ParamError(f"'{draft}' is not a derived or trained draft (use copy, int8, layers:N or a draft folder)")
         d = drafts.derive(draft, tgt)
-        stats = distill.measure(tgt, d, texts, max_new_tokens)
+        stats = training.measure(tgt, d, texts, max_new_tokens)
     except ParamError as e:
         raise _fail(str(e), 2) from None
     except SSDChatError as e:

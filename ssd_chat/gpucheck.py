@@ -141,16 +141,16 @@ class HFPath:
 
 def echo_peer(conn: Any) -> None:
     """The far end of the channel round trip: answers pings and spec requests like the speculator."""
-    from ssd_chat.engine.channel import Reply
+    from ssd_chat.engine.channel import Close, Ping, Pong, Reply, Spec
 
     while True:
         msg = conn.recv()
-        if msg[0] == "close":
+        if isinstance(msg, Close):
             return
-        if msg[0] == "ping":
-            conn.send(("pong", msg[1]))
-        elif msg[0] == "spec":
-            conn.send(Reply(msg[1], (1, 2, 3, 4), False, True, None, 0.0, ((0, (5, 6)),), 0.0, 0.0))
+        if isinstance(msg, Ping):
+            conn.send(Pong(msg.req))
+        elif isinstance(msg, Spec):
+            conn.send(Reply(msg.req, (1, 2, 3, 4), False, True, None, 0.0, ((0, (5, 6)),), 0.0, 0.0))
 
 
 def channel_rtt(k: int, vocab: int, reps: int) -> dict[str, float]:
@@ -171,7 +171,9 @@ def channel_rtt(k: int, vocab: int, reps: int) -> dict[str, float]:
             reqs.append(time.perf_counter() - t0)
         return {"ping_us": round(statistics.median(pings) * 1e6, 1), "request_us": round(statistics.median(reqs) * 1e6, 1)}
     finally:
-        parent.send(("close",))
+        from ssd_chat.engine.channel import Close
+
+        parent.send(Close())
         proc.join(timeout=5)
         if proc.is_alive():
             proc.kill()

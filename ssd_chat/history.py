@@ -3,8 +3,8 @@
 The database is ``$SSD_CHAT_DATA_DIR/history.db`` (default ``$XDG_DATA_HOME/ssd-chat/history.db``,
 i.e. ``~/.local/share/ssd-chat/history.db``), or the path given with ``--db``.
 
-Schema changes are append-only ``m00N_*`` functions below, applied once each and tracked by
-``PRAGMA user_version``.  A database that cannot be opened (corrupt, locked, unwritable) never
+Schema changes are append-only ``m00N_*`` functions (:mod:`ssd_chat.history_schema`), applied once
+each and tracked by ``PRAGMA user_version``.  A database that cannot be opened (corrupt, locked, unwritable) never
 stops the chat: :class:`History` falls back to an in-memory database and sets ``warning`` to a
 sentence the app shows.  A write that fails later does the same, on an in-memory copy of the file
 when it can still be read, so the current chat goes on with the same ids.  A read that fails
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .history_schema import migrate
+
 
 def data_dir() -> Path:
     env = os.environ.get("SSD_CHAT_DATA_DIR")
@@ -32,67 +34,6 @@ def data_dir() -> Path:
 
 def default_db_path() -> Path:
     return data_dir() / "history.db"
-
-
-# --- migrations (append only; each runs once, in order) -----------------------------------------
-def m001_initial(db: sqlite3.Connection) -> None:
-    db.execute(
-        """CREATE TABLE conversations (
-            id INTEGER PRIMARY KEY,
-            title TEXT NOT NULL,
-            system TEXT,
-            created_at REAL NOT NULL,
-            updated_at REAL NOT NULL
-        )"""
-    )
-    db.execute(
-        """CREATE TABLE messages (
-            id INTEGER PRIMARY KEY,
-            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-            role TEXT NOT NULL,
-            content TEXT NOT NULL,
-            created_at REAL NOT NULL
-        )"""
-    )
-    db.execute("CREATE INDEX messages_by_conversation ON messages(conversation_id, id)")
-
-
-def m002_reply_status(db: sqlite3.Connection) -> None:
-    # streaming | done | stopped | error: a reply cut short keeps its text with its status
-    db.execute("ALTER TABLE messages ADD COLUMN status TEXT NOT NULL DEFAULT 'done'")
-
-
-def m003_turn_metrics(db: sqlite3.Connection) -> None:
-    db.execute(
-        """CREATE TABLE turn_metrics (
-            message_id INTEGER PRIMARY KEY REFERENCES messages(id) ON DELETE CASCADE,
-            mode TEXT,
-            target TEXT,
-            draft TEXT,
-            new_tokens INTEGER,
-            tok_per_s REAL,
-            ttft_s REAL,
-            mean_accepted_length REAL,
-            acceptance_rate REAL,
-            cache_hit_rate REAL,
-            stats_json TEXT NOT NULL
-        )"""
-    )
-
-
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [m001_initial, m002_reply_status, m003_turn_metrics]
-
-
-def migrate(db: sqlite3.Connection) -> int:
-    """Apply the migrations this database has not seen; returns the schema version."""
-    version = db.execute("PRAGMA user_version").fetchone()[0]
-    if version > len(MIGRATIONS):
-        raise sqlite3.DatabaseError(f"schema version {version} is newer than this ssd-chat understands ({len(MIGRATIONS)})")
-    for i, step in enumerate(MIGRATIONS[version:], start=version + 1):
-        with db:
-            step(db)
-            db.execute(f"PRAGMA user_version = {i}")
-    return len(MIGRATIONS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from .options import (Budget, Draft, DraftDevice, Dtype, Fallback, FanOut, K, MaxNew, Mode, SaguaroC, Seed, Target, TargetDevice,
+                      Temperature, TopK, TopP, TrustRemote, fail, merge, settings)
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -35,9 +38,6 @@ def _url(host: str, port: int) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    from . import cli
-    from .cli import (Budget, Draft, DraftDevice, Dtype, Fallback, FanOut, K, MaxNew, Mode, SaguaroC, Seed, Target,
-                      TargetDevice, Temperature, TopK, TopP, TrustRemote)
 
     @app.command()
     def serve(
@@ -55,35 +55,37 @@ def register(app: typer.Typer) -> None:
         """Serve the engine over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /metrics, /health); sampling options are the defaults for requests that leave them out.
 
         One request decodes at a time; the others wait in order. SIGTERM or Ctrl-C finishes the reply being decoded, refuses the waiting ones, and exits. See docs/serve.md."""
+        from .config import engine_config, sampling_params
         from .engine.errors import ParamError, SSDChatError
+        from .loading import load_engine
         from .server import create_app, serve as run_server
         from .server_client import remove_state, write_state
 
         local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "host", "port", "api_key", "max_queue")}
-        values = cli.settings(cli._merge(ctx, local))
+        values = settings(merge(ctx, local))
         try:
-            defaults = cli.sampling_params(values)
-            cli.engine_config(values)
+            defaults = sampling_params(values)
+            engine_config(values)
         except ParamError as e:
-            raise cli.fail(str(e), 2) from None
+            raise fail(str(e), 2) from None
         if api_key is not None and not api_key.strip():
             raise typer.BadParameter("must not be empty", param_hint="--api-key")
         try:
             sock = _bind(host, port)
         except OSError as e:
-            raise cli.fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+            raise fail(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         if host not in LOOPBACK and not host.startswith("127."):
             typer.echo(f"ssd-chat: warning: listening on {host}: anyone who can reach this machine can use the model"
                        + ("" if api_key else " (set --api-key to require a key)") + "; the default 127.0.0.1 keeps it local", err=True)
         try:
-            engine = cli.load_engine(values)
+            engine = load_engine(values)
             engine.decoder()  # SSD: the speculator starts loading its draft now, not at the first request
         except ParamError as e:
             sock.close()
-            raise cli.fail(str(e), 2) from None
+            raise fail(str(e), 2) from None
         except SSDChatError as e:
             sock.close()
-            raise cli.fail(str(e)) from None
+            raise fail(str(e)) from None
         except KeyboardInterrupt:
             sock.close()
             raise typer.Exit(130) from None

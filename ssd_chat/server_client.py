@@ -9,9 +9,9 @@ asked for per request (``ssd_mode``) when the server's draft allows it.  Anythin
 ``ask`` loads the models itself exactly as without a server.  ``--server URL`` names a server
 instead of looking; then a mismatch is an error rather than a reason to load locally.
 
-Requests go out with the standard library's HTTP client, and nothing here imports the engine:
-``ask`` through a server does not import torch.  The key for a server started with
-``--api-key`` comes from ``SSD_CHAT_API_KEY``.
+Requests go out with the standard library's HTTP client, and nothing here imports torch (of the
+engine, only its settings class): ``ask`` through a server does not import torch.  The key for a
+server started with ``--api-key`` comes from ``SSD_CHAT_API_KEY``.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-ENGINE_KEYS = ("target", "draft", "mode", "k", "target_device", "draft_device", "dtype", "fan_out", "budget", "saguaro_c",
-               "fallback", "trust_remote_code")
+from .engine.config import EngineConfig  # the engine's settings, without importing torch
+
 KEY_ENV = "SSD_CHAT_API_KEY"
 
 
@@ -133,7 +133,7 @@ def mismatch(card: dict[str, Any], values: dict[str, Any], explicit: set[str]) -
     cfg = ssd.get("config", {})
     if not _same_target(str(values.get("target")), str(cfg.get("target"))):
         return f"it serves '{cfg.get('target')}', not '{values.get('target')}'", None
-    for key in ENGINE_KEYS:
+    for key in (f.name for f in fields(EngineConfig)):
         if key in ("target", "mode") or key not in explicit or values.get(key) is None:
             continue
         if key == "draft" and values.get("mode", ssd.get("mode")) == "ar":

@@ -5,15 +5,16 @@ half-way still enters the history with the text that streamed, so nothing is los
 
 A chat that outgrows the model's context window goes on as chat apps do: :func:`fit_context`
 leaves the oldest turns out of the prompt (the system prompt stays) and the reply starts with
-a Notice saying how many.  The chat app (through its engine backend), ``ask`` and the demo
-all build their prompts here.
+a Notice saying how many.  The chat app, ``ask`` and the demo all keep their conversation in
+a :class:`Session`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from .engine import chat
@@ -72,24 +73,36 @@ def stream_messages(engine: Any, messages: list[dict[str, str]], params: Samplin
     yield from engine.stream(ids, params, stop)
 
 
+Reply = Callable[[list[dict[str, str]], SamplingParams, "threading.Event | None"], Iterator[Event]]
+
+
 class Session:
-    def __init__(self, engine: Any, system: str | None = None, params: SamplingParams | None = None,
-                 messages: list[dict[str, str]] | None = None) -> None:
+    """The conversation so far, and the reply to the next message.
+
+    ``engine`` answers through :func:`stream_messages` (fitted to its context window); the chat app passes
+    ``reply`` instead, its backend's ``stream`` (the engine through the same function, a recording, or in
+    tests a script)."""
+
+    def __init__(self, engine: Any = None, system: str | None = None, params: SamplingParams | None = None,
+                 messages: list[dict[str, str]] | None = None, *, reply: Reply | None = None) -> None:
+        if reply is None and engine is None:
+            raise ValueError("a Session needs an engine or a reply function")
         self.engine = engine
+        self.reply: Reply = reply or partial(stream_messages, engine)
         self.system = system
         self.params = params or SamplingParams()
         self.messages: list[dict[str, str]] = list(messages or [])
 
     def stream(self, user_text: str, params: SamplingParams | None = None,
                stop: threading.Event | None = None) -> Iterator[Event]:
-        """Stream the reply to ``user_text``; the history is updated when it ends."""
+        """Stream the reply to ``user_text``; the history is updated when it ends (stopped or failed too)."""
         if not user_text.strip():
             raise ValueError("the prompt is empty")
         params = params or self.params
         msgs = chat.messages_for(user_text, self.system, self.messages)
         reply = ""  # what streamed so far; Done/Error carry the authoritative text
         try:
-            for ev in stream_messages(self.engine, msgs, params, stop):
+            for ev in self.reply(msgs, params, stop):
                 if isinstance(ev, Token):
                     reply += ev.text
                 elif isinstance(ev, (Done, Error)):
@@ -98,6 +111,10 @@ class Session:
         finally:
             self.messages.append({"role": "user", "content": user_text})
             self.messages.append({"role": "assistant", "content": reply})
+
+    def last(self, role: str) -> str | None:
+        """The latest message of ``role`` ("user" or "assistant"), if any."""
+        return next((m["content"] for m in reversed(self.messages) if m["role"] == role), None)
 
     def new_chat(self) -> None:
         self.messages.clear()

@@ -25,8 +25,9 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
     options ``record`` (JSONL path), ``resume`` (chat id), ``db`` and ``baseline`` (a bench JSON report
     whose AR / SD tok/s make the panel's speedups *measured*).
     """
+    from .loading import quiet_libraries
     from .recorder import Recorder, RecordingError
-    from .tui.backend import EngineBackend, quiet_libraries
+    from .tui.backend import EngineBackend
 
     quiet_libraries()
     recorder = None

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import CharTokenizer, as_loaded, random_prompts, tiny_llama
-from ssd_chat.engine import distill, draft_model, drafts, kv
+from ssd_chat import train as distill
+from ssd_chat.engine import draft_folder, draft_model, drafts, kv
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.errors import ModelError, ParamError
 from ssd_chat.engine.events import Done, Round
@@ -89,7 +90,7 @@ def test_features_recorded_while_generating_equal_a_teacher_forced_pass():
     for i in (0, 5):
         ids = examples[i].ids
         for n in (1, 2):
-            trunk, final = draft_model.trunk_output(target.model, ids[None], n)
+            trunk, final = distill.trunk_output(target.model, ids[None], n)
             torch.testing.assert_close(feats[n].trunk[i], trunk[0, :-1].float(), rtol=0, atol=1e-6)
             torch.testing.assert_close(feats[n].final[i], final[0, :-1].float(), rtol=0, atol=1e-6)
 
@@ -105,8 +106,8 @@ def test_training_path_equals_the_cached_inference_path(trained):
     assert len(cache.layers) == 2  # one shared layer + one new layer
     torch.testing.assert_close(steps, full, rtol=0, atol=1e-9)
     assert torch.isinf(full).sum(-1).eq(64 - len(vocab)).all()  # -inf outside the reduced vocabulary
-    trunk, _ = draft_model.trunk_output(target.model, ids[None], 1)
-    tail = draft_model.tail(draft)
+    trunk, _ = distill.trunk_output(target.model, ids[None], 1)
+    tail = distill.tail(draft)
     with torch.no_grad():
         h = tail(inputs_embeds=trunk, position_ids=torch.arange(len(ids))[None], use_cache=False).last_hidden_state
         sub = draft.lm_head.sub_logits(h[0])
@@ -115,8 +116,8 @@ def test_training_path_equals_the_cached_inference_path(trained):
 
 def test_save_and_load_round_trip_gives_identical_logits(trained, tmp_path):
     target, result, _, held = trained
-    draft_model.save(result.draft, tmp_path / "d", target.name, target.model, dtype=torch.float64)
-    manifest = json.loads((tmp_path / "d" / draft_model.MANIFEST).read_text())
+    distill.save(result.draft, tmp_path / "d", target.name, target.model, dtype=torch.float64)
+    manifest = json.loads((tmp_path / "d" / draft_folder.MANIFEST).read_text())
     assert manifest["target"]["name"] == target.name and manifest["num_shared"] == 1 and manifest["init_from"] == [3]
     assert drafts.is_derived(str(tmp_path / "d"))
     loaded = drafts.derive(str(tmp_path / "d"), target)
@@ -130,10 +131,10 @@ def test_save_and_load_round_trip_gives_identical_logits(trained, tmp_path):
     # the folder holds only the draft's own tensors: no embedding, no shared layer
     from safetensors.torch import load_file
 
-    names = set(load_file(str(tmp_path / "d" / draft_model.WEIGHTS)))
+    names = set(load_file(str(tmp_path / "d" / draft_folder.WEIGHTS)))
     assert names == set(draft_model.trainable_state(result.draft)) | {"vocab_ids"}
     # the default half-precision save stays close
-    draft_model.save(result.draft, tmp_path / "h", target.name, target.model)
+    distill.save(result.draft, tmp_path / "h", target.name, target.model)
     half = drafts.derive(str(tmp_path / "h"), target)
     torch.testing.assert_close(kv.forward(half.model, ids, kv.new_cache(half.model))[:, result.draft.lm_head.ids],
                                want[:, result.draft.lm_head.ids], rtol=0, atol=0.05)
@@ -141,7 +142,7 @@ def test_save_and_load_round_trip_gives_identical_logits(trained, tmp_path):
 
 def test_a_draft_refuses_a_target_it_was_not_trained_for(trained, tmp_path):
     target, result, _, _ = trained
-    draft_model.save(result.draft, tmp_path / "d", target.name, target.model)
+    distill.save(result.draft, tmp_path / "d", target.name, target.model)
     other = _target(seed=1)
     with pytest.raises(ModelError, match="was trained for target 'tiny-0' and does not fit 'tiny-1'"):
         drafts.derive(str(tmp_path / "d"), other)
@@ -159,10 +160,10 @@ def test_a_draft_refuses_a_target_it_was_not_trained_for(trained, tmp_path):
 
 
 def test_a_broken_draft_folder_is_a_clear_error(tmp_path):
-    (tmp_path / draft_model.MANIFEST).write_text("{not json")
+    (tmp_path / draft_folder.MANIFEST).write_text("{not json")
     with pytest.raises(ModelError, match="not a readable ssd-chat draft"):
         drafts.derive(str(tmp_path), _target())
-    (tmp_path / draft_model.MANIFEST).write_text(json.dumps({"format": "something-else"}))
+    (tmp_path / draft_folder.MANIFEST).write_text(json.dumps({"format": "something-else"}))
     with pytest.raises(ModelError, match="not an ssd-chat draft manifest"):
         drafts.derive(str(tmp_path), _target())
 
@@ -170,7 +171,7 @@ def test_a_broken_draft_folder_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_sd_with_the_trained_draft_equals_ar(trained, tmp_path, k):
     target, result, _, _ = trained
-    draft_model.save(result.draft, tmp_path / "d", target.name, target.model)
+    distill.save(result.draft, tmp_path / "d", target.name, target.model)
     draft = drafts.derive(str(tmp_path / "d"), target)
     params = SamplingParams(max_new_tokens=40)
     for prompt in random_prompts(3, seed=9):
@@ -237,7 +238,7 @@ def test_shipped_draft_loads_on_the_packaged_target_and_decodes_exactly(smollm2)
     from importlib.resources import files
 
     folder = str(files("ssd_chat.assets") / "drafts" / SHIPPED)
-    assert draft_model.is_draft_dir(folder)
+    assert draft_folder.is_draft_dir(folder)
     draft = drafts.derive(folder, smollm2)
     assert draft.model.model.embed_tokens is smollm2.model.model.embed_tokens
     stats = distill.measure(smollm2, draft, distill.load_prompts(heldout=True)[:4], max_new_tokens=48)
@@ -258,7 +259,7 @@ def test_the_packaged_target_loads_its_trained_draft_by_default_and_ssd_stays_ex
 
     engine = Engine.load(EngineConfig(target=models.PACKAGED, mode="ssd", k=2, target_device="cpu", draft_device="cpu"))
     try:
-        assert engine.draft.name == SHIPPED and draft_model.is_draft_dir(engine.draft.folder)
+        assert engine.draft.name == SHIPPED and draft_folder.is_draft_dir(engine.draft.folder)
         prompt = distill.prompt_ids(engine.target, ["Name three moons of Jupiter."])[0]
         params = SamplingParams(max_new_tokens=32)
         ssd = [e for e in engine.stream(prompt, params) if isinstance(e, Done)][0]
@@ -271,7 +272,7 @@ def test_the_packaged_target_loads_its_trained_draft_by_default_and_ssd_stays_ex
 @pytest.mark.slow
 def test_shipped_feature_draft_is_found_by_alias_and_decodes_exactly(smollm2):
     """`--draft features`: the EAGLE-style draft shipped for the packaged target (SD only)."""
-    from ssd_chat.engine.draft_model import is_feature_draft
+    from ssd_chat.engine.feature_draft import is_feature_draft
 
     folder = drafts.shipped_draft("features", smollm2)
     assert folder.endswith("smollm2-135m-instruct-features")
@@ -318,7 +319,7 @@ def test_run_writes_a_loadable_draft_and_reuses_its_cache(tmp_path):
     # one greedy answer per prompt plus two sampled rounds, each round its own random stream
     assert [a.tolist() for a in rounds[0]["ids"]] != [a.tolist() for a in rounds[1]["ids"]]
     assert [a.tolist() for a in rounds[0]["ids"]] != [a.tolist() for a in greedy["train"]["ids"]]
-    manifest = json.loads((tmp_path / "d" / draft_model.MANIFEST).read_text())
+    manifest = json.loads((tmp_path / "d" / draft_folder.MANIFEST).read_text())
     assert manifest["training"]["num_prompts"] == 12 and manifest["heldout"]["num_prompts"] == 2
     assert manifest["training"]["num_answers"] == 36 and manifest["training"]["samples"] == 2
     loaded = drafts.derive(str(tmp_path / "d"), target)
@@ -386,7 +387,7 @@ def test_run_with_self_written_prompts_trains_on_them_and_caches_them(tmp_path, 
     answers = torch.load(work / "self-answers-1-6-s0.pt", weights_only=True)
     want = [distill.prompt_ids(target, [p])[0] for p in own]
     assert sorted(a[:s].tolist() for a, s in zip(answers["ids"], answers["start"])) == sorted(want)  # answers to exactly those
-    manifest = json.loads((tmp_path / "d" / draft_model.MANIFEST).read_text())
+    manifest = json.loads((tmp_path / "d" / draft_folder.MANIFEST).read_text())
     assert manifest["training"]["num_prompts"] == 18 and manifest["training"]["num_answers"] == 18
     assert manifest["training"]["self_prompts"] == 6
     stamps = {p.name: p.stat().st_mtime_ns for p in work.glob("self-*.pt")}

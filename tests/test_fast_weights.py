@@ -77,9 +77,9 @@ def test_trained_draft_gets_q8_blocks_for_its_own_layers_and_the_heads_own_rows(
     assert dmods["model.layers.0.self_attn.q_proj"] is mods["model.layers.0.self_attn.q_proj"]
     own = dmods["model.layers.1.mlp.gate_proj"]
     assert isinstance(own, GGUFLinear) and own.kind == "Q8_0" and own not in mods.values()
-    head = dmods["lm_head"]
-    assert isinstance(head, fast_weights.QuantReducedHead)
-    assert torch.equal(head.rows.dequantized(), mods["lm_head"].dequantized()[vocab])  # the file's own blocks
+    rows = dmods["lm_head.proj"]  # the reduced head keeps its trained bias and calls its rows as GGUF blocks
+    assert isinstance(rows, GGUFLinear) and "lm_head" not in dmods
+    assert torch.equal(rows.dequantized(), mods["lm_head"].dequantized()[vocab])  # the file's own blocks
     ref = _logits(draft, IDS)
     quant.swap_modules(target.model, mods)
     quant.swap_modules(draft, dmods)

@@ -10,11 +10,14 @@ import torch
 
 from conftest import CharTokenizer, as_loaded, random_prompts, tiny_llama
 from distribution import compare, exact_distribution, sample_outcomes
-from ssd_chat.engine import distill, draft_model, drafts
+from ssd_chat import train as distill
+from ssd_chat.engine import draft_folder, draft_model, drafts
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.errors import ModelError, ParamError
 from ssd_chat.engine.events import Done, Round
-from ssd_chat.engine.feature_draft import FeatureDraft, FeatureState, FeatureTap, is_feature_draft
+from ssd_chat.engine import kv
+from ssd_chat.engine.drafting import FeatureDrafter, target_features
+from ssd_chat.engine.feature_draft import FeatureDraft, is_feature_draft
 from ssd_chat.engine.params import SamplingParams
 
 
@@ -91,40 +94,37 @@ def test_training_is_deterministic_and_resumes_from_its_checkpoint(trained, tmp_
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-12)
 
 
-def test_the_tap_records_the_targets_final_hidden_states(trained):
+def test_the_runner_returns_the_targets_final_hidden_states(trained):
     target, _, _, held = trained
     ids = held[0][0].ids
-    with FeatureTap(target.model) as tap:
-        with torch.no_grad():
-            target.model(input_ids=ids[None])
-        got = tap.take()
-        with pytest.raises(RuntimeError):
-            tap.take()  # taken once
-    _, final = draft_model.trunk_output(target.model, ids[None], 0)
-    torch.testing.assert_close(got, final[0], rtol=0, atol=0)
+    runner = kv.Runner(target.model)
+    got = runner.append(ids[:5], hidden=True)
+    more = runner.append(ids[5:], logits="last", hidden=True)  # hidden states of every row, whatever the logits
+    assert got.mid is None and runner.append(ids[:1]).hidden is None  # only when asked for
+    _, final = distill.trunk_output(target.model, ids[None], 0)
+    torch.testing.assert_close(torch.cat([got.hidden, more.hidden]), final[0], rtol=0, atol=1e-12)
 
 
 def test_cached_drafting_equals_a_full_forward_with_the_same_features(trained):
-    """FeatureState's incremental path (catch-up in pieces, own features for drafted tokens,
+    """FeatureDrafter's incremental path (catch-up in pieces, own features for drafted tokens,
     rollback) computes exactly what one uncached forward over the same inputs computes."""
     target, result, _, held = trained
     draft = result.draft
     ids = held[0][0].ids
-    _, final = draft_model.trunk_output(target.model, ids[None], 0)
+    _, final = distill.trunk_output(target.model, ids[None], 0)
     final = final[0]
     n = len(ids)
     f_in = torch.cat([final.new_zeros(1, final.shape[-1]), final[:-1]])
     with torch.no_grad():
         full = draft(input_ids=ids[None], features=f_in[None], position_ids=torch.arange(n)[None], use_cache=False)
-    st = FeatureState(draft, torch.device("cpu"))
+    st = FeatureDrafter(draft, None, torch.device("cpu"))
     st.add_features(final[:4], 0)
     out = st.catch_up(ids[:5].tolist())  # positions 0..4 read features 0..3
     torch.testing.assert_close(out.hidden[-1], full.hidden[0, 4], rtol=0, atol=1e-9)
     # draft two tokens on the draft's own features, then roll back and catch up with the truth
     own = st.forward([int(ids[5])], feats=out.hidden[-1:])
     st.forward([int(ids[6])], feats=own.hidden[-1:])
-    st.rollback()
-    st.add_features(final[4:7], 4)
+    st.rollback(7, kv.Out(None, final[4:7]))  # the target kept positions 0..6: features 4..6 are new
     out = st.catch_up(ids[:8].tolist())
     torch.testing.assert_close(out.logits[-1], full.logits[0, 7], rtol=0, atol=1e-9)
     assert torch.isinf(full.logits[0]).sum(-1).eq(64 - CFG.num_vocab).all()  # -inf outside the reduced vocabulary
@@ -132,14 +132,14 @@ def test_cached_drafting_equals_a_full_forward_with_the_same_features(trained):
 
 def test_save_and_load_round_trip_gives_identical_logits(trained, tmp_path):
     target, result, _, held = trained
-    draft_model.save(result.draft, tmp_path / "d", target.name, target.model, dtype=torch.float64)
-    manifest = json.loads((tmp_path / "d" / draft_model.MANIFEST).read_text())
+    distill.save(result.draft, tmp_path / "d", target.name, target.model, dtype=torch.float64)
+    manifest = json.loads((tmp_path / "d" / draft_folder.MANIFEST).read_text())
     assert manifest["kind"] == "features" and manifest["num_shared"] == 0 and manifest["init_from"] == [1]
     loaded = drafts.derive(str(tmp_path / "d"), target)
     assert is_feature_draft(loaded.model)
     assert loaded.model.get_input_embeddings() is target.model.model.embed_tokens  # shared, not copied
     ids = held[0][1].ids
-    _, final = draft_model.trunk_output(target.model, ids[None], 0)
+    _, final = distill.trunk_output(target.model, ids[None], 0)
     f_in = torch.cat([final.new_zeros(1, 1, final.shape[-1]), final[:, :-1]], dim=1)
     pos = torch.arange(len(ids))[None]
     with torch.no_grad():
@@ -148,7 +148,7 @@ def test_save_and_load_round_trip_gives_identical_logits(trained, tmp_path):
     assert torch.equal(want, got)
     from safetensors.torch import load_file
 
-    names = set(load_file(str(tmp_path / "d" / draft_model.WEIGHTS)))
+    names = set(load_file(str(tmp_path / "d" / draft_folder.WEIGHTS)))
     assert names == set(draft_model.trainable_state(result.draft)) | {"vocab_ids"}
     assert not any(n.startswith("embed") for n in names)
 
@@ -157,7 +157,7 @@ def test_a_feature_draft_refuses_any_other_target(trained, tmp_path):
     """It reads the target's final hidden states, so every target weight counts (unlike a
     layers draft, which only depends on its shared trunk)."""
     target, result, _, _ = trained
-    draft_model.save(result.draft, tmp_path / "d", target.name, target.model)
+    distill.save(result.draft, tmp_path / "d", target.name, target.model)
     with pytest.raises(ModelError, match="was trained for target 'tiny-0' and does not fit 'tiny-1'"):
         drafts.derive(str(tmp_path / "d"), _target(seed=1))
     above = _target()
@@ -170,7 +170,7 @@ def test_a_feature_draft_refuses_any_other_target(trained, tmp_path):
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_sd_with_a_feature_draft_equals_ar(trained, tmp_path, k):
     target, result, _, _ = trained
-    draft_model.save(result.draft, tmp_path / "d", target.name, target.model)
+    distill.save(result.draft, tmp_path / "d", target.name, target.model)
     draft = drafts.derive(str(tmp_path / "d"), target)
     params = SamplingParams(max_new_tokens=40)
     accepted = 0
@@ -246,7 +246,7 @@ def test_sd_feeds_the_feature_draft_the_targets_true_features(trained, k):
     events = list(Engine(EngineConfig(mode="sd", k=k), target, as_loaded(draft, target.tokenizer, "f")).stream(
         prompt, SamplingParams(max_new_tokens=24)))
     seq = list(prompt) + list([e for e in events if isinstance(e, Done)][0].token_ids)
-    _, final = draft_model.trunk_output(target.model, torch.tensor([seq]), 0)
+    _, final = distill.trunk_output(target.model, torch.tensor([seq]), 0)
     f_in = torch.cat([final.new_zeros(1, 1, final.shape[-1]), final[:, :-1]], dim=1)
     with torch.no_grad():
         logits = draft(input_ids=torch.tensor([seq]), features=f_in, position_ids=torch.arange(len(seq))[None], use_cache=False).logits[0]
@@ -274,7 +274,7 @@ def fused():
 
 def _true_features(target, ids, fuse_layer):
     """[T, 2H]: [output of the first ``fuse_layer`` layers | final normed state], computed directly."""
-    mid, final = draft_model.trunk_output(target.model, ids[None], fuse_layer)
+    mid, final = distill.trunk_output(target.model, ids[None], fuse_layer)
     return torch.cat([mid[0], final[0]], dim=-1)
 
 
@@ -288,8 +288,8 @@ def test_a_fused_draft_starts_as_the_plain_one():
     true = _true_features(target, ids, 1)
     pos = torch.arange(len(ids))[None]
     with torch.no_grad():
-        a = plain(input_ids=ids[None], features=distill._shift_own(plain.true_features(true[None, :, 64:])), position_ids=pos)
-        b = fused_(input_ids=ids[None], features=distill._shift_own(fused_.true_features(true[None])), position_ids=pos)
+        a = plain(input_ids=ids[None], features=distill.shift_own(plain.true_features(true[None, :, 64:])), position_ids=pos)
+        b = fused_(input_ids=ids[None], features=distill.shift_own(fused_.true_features(true[None])), position_ids=pos)
     torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-6)
 
 
@@ -302,16 +302,11 @@ def test_training_a_fused_draft_raises_agreement_and_trains_the_fusion(fused):
     assert w[:, :64].abs().max() > 0  # the lower layer's half, zero at the start, was learned
 
 
-def test_the_tap_records_the_fused_layer_and_the_final_state(fused):
+def test_the_runner_returns_the_fused_layer_and_the_final_state(fused):
     target, _, _, held = fused
     ids = held[0][0].ids
-    with FeatureTap(target.model, fuse_layer=1) as tap:
-        with torch.no_grad():
-            target.model(input_ids=ids[None])
-        got = tap.take()
-        with pytest.raises(RuntimeError):
-            tap.take()
-    torch.testing.assert_close(got, _true_features(target, ids, 1), rtol=0, atol=0)
+    got = target_features(kv.Runner(target.model, mid_layer=1).append(ids, logits="none", hidden=True))
+    torch.testing.assert_close(got, _true_features(target, ids, 1), rtol=0, atol=1e-12)
 
 
 def test_cached_drafting_with_a_fused_draft_equals_a_full_forward(fused):
@@ -321,27 +316,26 @@ def test_cached_drafting_with_a_fused_draft_equals_a_full_forward(fused):
     true = _true_features(target, ids, 1)
     n = len(ids)
     with torch.no_grad():
-        f_in = distill._shift_own(draft.true_features(true[None]))
+        f_in = distill.shift_own(draft.true_features(true[None]))
         full = draft(input_ids=ids[None], features=f_in, position_ids=torch.arange(n)[None], use_cache=False)
-    st = FeatureState(draft, torch.device("cpu"))
+    st = FeatureDrafter(draft, None, torch.device("cpu"))
     st.add_features(true[:4], 0)
     out = st.catch_up(ids[:5].tolist())
     torch.testing.assert_close(out.hidden[-1], full.hidden[0, 4], rtol=0, atol=1e-6)
     st.forward([int(ids[5])], feats=out.hidden[-1:])
-    st.rollback()
-    st.add_features(true[4:7], 4)
+    st.rollback(7, kv.Out(None, true[4:7, 64:], true[4:7, :64]))
     out = st.catch_up(ids[:8].tolist())
     torch.testing.assert_close(out.logits[-1], full.logits[0, 7], rtol=0, atol=1e-6)
 
 
 def test_a_fused_draft_round_trips_and_sd_with_it_equals_ar(fused, tmp_path):
     target, result, _, _ = fused
-    draft_model.save(result.draft, tmp_path / "d", target.name, target.model)
-    manifest = json.loads((tmp_path / "d" / draft_model.MANIFEST).read_text())
+    distill.save(result.draft, tmp_path / "d", target.name, target.model)
+    manifest = json.loads((tmp_path / "d" / draft_folder.MANIFEST).read_text())
     assert manifest["fuse_layer"] == 1
     from safetensors.torch import load_file
 
-    assert {"fuse.weight", "fuse.bias", "mid_norm.weight"} <= set(load_file(str(tmp_path / "d" / draft_model.WEIGHTS)))
+    assert {"fuse.weight", "fuse.bias", "mid_norm.weight"} <= set(load_file(str(tmp_path / "d" / draft_folder.WEIGHTS)))
     draft = drafts.derive(str(tmp_path / "d"), target)
     assert draft.model.fuse_layer == 1
     params = SamplingParams(max_new_tokens=40)
@@ -382,8 +376,8 @@ def test_fuse_layer_is_validated(fused, tmp_path):
     with pytest.raises(ParamError, match="--fuse-layer must be between 0 and 1"):  # before any answer is generated
         distill.run(target, tmp_path / "out", distill.TrainConfig(kind="features", fuse_layer=7), ["a"], ["b"], work=tmp_path / "w")
     assert not list(tmp_path.rglob("*.pt"))
-    draft_model.save(result.draft, tmp_path / "d", target.name, target.model)
-    path = tmp_path / "d" / draft_model.MANIFEST
+    distill.save(result.draft, tmp_path / "d", target.name, target.model)
+    path = tmp_path / "d" / draft_folder.MANIFEST
     path.write_text(path.read_text().replace('"fuse_layer": 1', '"fuse_layer": 5'))
     with pytest.raises(ModelError, match="does not fit 'tiny-0'.*--fuse-layer must be between 0 and 1"):
         drafts.derive(str(tmp_path / "d"), target)

@@ -104,7 +104,7 @@ def test_greedy_ssd_equals_ar(target, draft_name):
 
 @pytest.mark.parametrize("draft_name", ["layers:2", "int8"])
 def test_the_speculator_process_rebuilds_the_same_gguf_draft(target, draft_name):
-    from ssd_chat.engine.speculator import build_model, recipe_for
+    from ssd_chat.engine.spec_worker import build_model, recipe_for
 
     draft = precision.derive(draft_name, target)
     recipe = recipe_for(draft, target, "cpu", torch.float32)

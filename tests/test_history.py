@@ -6,7 +6,8 @@ import json
 import sqlite3
 
 from ssd_chat.engine.events import Stats
-from ssd_chat.history import MIGRATIONS, History, data_dir, default_db_path, migrate
+from ssd_chat.history import History, data_dir, default_db_path
+from ssd_chat.history_schema import MIGRATIONS, migrate
 
 
 def stats(**kw) -> Stats:

@@ -101,3 +101,29 @@ def test_engine_backend_reports_the_reason_only_while_the_mode_is_unchanged(tiny
     assert b.info()["mode_reason"] == "AR: why"
     b.engine.reconfigure(mode="sd")
     assert b.info()["mode_reason"] is None
+
+
+def test_describe_says_where_ssd_runs_without_starting_the_speculator(tiny_target, tiny_draft, monkeypatch):
+    """The panel's setup rows come from Engine.describe(): SSD's placement from its plan, before any decoder exists."""
+    from ssd_chat.engine import Engine, EngineConfig, models, ssd_plan
+
+    monkeypatch.setattr(ssd_plan.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(models.os, "sched_getaffinity", lambda pid: {0, 1})
+    e = Engine(EngineConfig(mode="ssd", k=3, fan_out="uniform:2"), tiny_target, tiny_draft)
+    d = e.describe()
+    assert e._decoder is None  # describing starts nothing
+    assert (d["mode"], d["k"], d["fan_out"], d["target"], d["draft"]) == ("ssd", 3, "uniform:2", tiny_target.name, tiny_draft.name)
+    assert d["draft_device"] == "speculator on cpu (cores 1)" and d["target_device"].endswith("(cores 0)")
+    e.reconfigure(mode="ar")
+    d = e.describe()
+    assert (d["k"], d["fan_out"], d["draft"], d["draft_device"]) == (None, None, None, None)
+
+
+def test_engine_config_from_settings_takes_its_own_fields():
+    from ssd_chat.config import resolve
+    from ssd_chat.engine import EngineConfig
+
+    values, _ = resolve({"mode": "sd", "k": 4, "temperature": 0.7, "record": "x.jsonl"})
+    cfg = EngineConfig.from_settings(values)
+    assert (cfg.mode, cfg.k, cfg.fallback, cfg.saguaro_c) == ("sd", 4, "auto", 1.0)  # unset (None) settings: the engine's defaults
+    assert not hasattr(cfg, "temperature")

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ssd_chat import llamacpp
-from ssd_chat.bench import Hardware, make_plans
+from ssd_chat.bench import llamacpp
+from ssd_chat.bench.protocols import Hardware, make_plans
 from ssd_chat.cli import app
-from ssd_chat.llamacpp import LlamaCppError
+from ssd_chat.bench.llamacpp import LlamaCppError
 
 FAKE = """#!{python}
 # a stand-in for llama.cpp's llama-bench: records its arguments and CPU affinity, prints -o json

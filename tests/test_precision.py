@@ -8,9 +8,10 @@ import torch
 import pytest
 from torch import nn
 
-from ssd_chat.engine import draft_model, gguf_header, models, precision
+from ssd_chat.engine import draft_folder, draft_model, gguf_header, models, precision
 from ssd_chat.engine.models import LoadedModel, ModelSpec, Placement
 from ssd_chat.engine.quant import GGUFLinear
+from ssd_chat.train.folder import save
 
 from conftest import CharTokenizer
 from test_quant import load_gguf, write_tiny_gguf
@@ -114,8 +115,8 @@ def test_a_trained_draft_keeps_the_targets_blocks_and_q8_own_layers(target, tmp_
         for p in draft.model.layers[1].parameters():
             p.add_(0.01 * torch.randn_like(p))
     folder = tmp_path / "draft"
-    draft_model.save(draft, folder, target.name, target.model)
-    ref = _logits(draft_model.load(str(folder), target).model)
+    save(draft, folder, target.name, target.model)
+    ref = _logits(draft_folder.load(str(folder), target).model)
     precision.to_gguf(target)  # the hash of the shared float weights is checked on the float view
     d = precision.derive(str(folder), target)
     assert d.model.model.layers[0].self_attn.q_proj is target.gguf.modules["model.layers.0.self_attn.q_proj"]

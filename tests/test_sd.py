@@ -343,15 +343,15 @@ def test_a_failure_mid_reply_is_an_error_event_with_the_partial_reply(pair, monk
     target, draft = pair
     full = done(run(ARDecoder(target).stream, max_new_tokens=30))
     calls = {"n": 0}
-    real = sd.kv.forward
+    real = sd.kv.Runner.append
 
-    def flaky(model, ids, cache, last_only=False):
+    def flaky(self, ids, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] > 12:
             raise RuntimeError("device fell over")
-        return real(model, ids, cache, last_only)
+        return real(self, ids, *args, **kwargs)
 
-    monkeypatch.setattr(sd.kv, "forward", flaky)
+    monkeypatch.setattr(sd.kv.Runner, "append", flaky)
     events = list(sd_engine(target, draft, 3).stream(list(PROMPT), SamplingParams(max_new_tokens=30)))
     err = events[-1]
     assert isinstance(err, Error) and "device fell over" in err.message and err.kind == "runtime"

@@ -215,13 +215,10 @@ def test_tree_branches_equal_sequential_drafting(pair, temperature):
     sp.build()
     ids = prompt + [11, *first.tokens[:j], c, *reply.tokens]
     fresh = model(input_ids=torch.tensor([ids])).logits[0, -1]
-    from ssd_chat.engine import kv
-
-    # the main region holds exactly ids (the winning branch's tree KV was adopted, not recomputed);
-    # the new tree's scratch region follows it until the next forward drops it
-    assert sp.kv_ids == ids and kv.length(sp.cache) == len(ids) + k * len(sp.tree)
-    kv.truncate(sp.cache, len(ids))
-    probe = kv.forward(model, torch.tensor([ids[-1]]), sp.cache)[-1]  # the next step from the cached KV
+    # the committed sequence is exactly ids (the winning branch's tree KV was adopted, not recomputed);
+    # the new tree's scratch rows follow it until the next forward drops them
+    assert sp.kv_ids == ids and sp.runner.length == len(ids) and sp.runner.scratch == k * len(sp.tree)
+    probe = sp.runner.append([ids[-1]]).logits[-1]  # the next step from the cached KV
     refp = model(input_ids=torch.tensor([ids + [ids[-1]]])).logits[0, -1]
     assert torch.allclose(probe, refp, atol=1e-8) and fresh.shape == refp.shape
 
@@ -316,7 +313,7 @@ def test_smollm2_greedy_ssd_equals_ar(smollm2, draft_name, min_hit, max_hit):
     ({0}, "auto", (None, None, True)),
 ])
 def test_cpu_placement_gives_each_process_its_own_cores(monkeypatch, cores, draft_device, want):
-    from ssd_chat.engine import models, ssd as ssd_mod
+    from ssd_chat.engine import models, ssd_plan as ssd_mod
 
     monkeypatch.setattr(ssd_mod.os, "sched_getaffinity", lambda pid: set(cores))
     monkeypatch.setattr(models.os, "sched_getaffinity", lambda pid: set(cores))

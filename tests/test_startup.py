@@ -82,7 +82,6 @@ def test_a_real_conversion_reports_fractions_and_a_second_path_reuses_it(tmp_pat
 
 def test_timing_matrix_products_reports_its_fraction(tmp_path, monkeypatch):
     monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(fastlinear, "_choices", {})
 
     def linear(i, o):
         m = nn.Linear(i, o, bias=False)
@@ -90,7 +89,7 @@ def test_timing_matrix_products_reports_its_fraction(tmp_path, monkeypatch):
 
     model = nn.Sequential(linear(16, 40), linear(40, 16), linear(16, 24))
     fracs: list[float] = []
-    fastlinear.install(model, tuned=fracs.append)
+    fastlinear.FastPath().install(model, tuned=fracs.append)
     assert fracs == [0.0, 1 / 3, 2 / 3, 1.0]
 
 

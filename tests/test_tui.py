@@ -142,9 +142,9 @@ class TestSend:
     @pytest.mark.asyncio
     async def test_a_frame_and_the_final_event_apply_one_at_a_time(self, tmp_path, monkeypatch):
         """The frame timer runs in its own task: a frame still writing tokens must not resave a finished reply."""
-        import ssd_chat.tui.app as app_module
+        import ssd_chat.tui.replies as replies_module
 
-        monkeypatch.setattr(app_module, "SAVE_EVERY_S", 0.0)  # every frame saves
+        monkeypatch.setattr(replies_module, "SAVE_EVERY_S", 0.0)  # every frame saves
         history = History(tmp_path / "h.db")
         app = ChatApp(FakeBackend([[]]), history=history)  # an empty stream: the events are applied by hand
         async with app.run_test(size=(140, 45)) as pilot:
@@ -257,6 +257,31 @@ class TestSend:
             assert "Traceback" not in app.load_error
             await app.submit("hello")  # refused politely
             assert not app.query(AssistantMessage)
+
+
+class TestSession:
+    @pytest.mark.asyncio
+    async def test_the_app_keeps_its_conversation_in_a_session(self):
+        """As in `ask` and the demo: the Session builds what the backend is asked and keeps each turn."""
+        from ssd_chat.engine.chat import messages_for
+        from ssd_chat.session import Session
+
+        backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"])])
+        app = ChatApp(backend, settings={"system": "be brief"})
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await app.submit("first")
+            await wait_until(pilot, lambda: app.current.finished)
+            first = app.session
+            assert isinstance(first, Session) and first.system == "be brief"
+            turn = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "one"}]
+            assert first.messages == turn and app.messages is first.messages
+            await app.submit("second")
+            await wait_until(pilot, lambda: app.current.finished)
+            assert backend.calls[1] == messages_for("second", "be brief", turn)
+            await pilot.press("ctrl+n")
+            await wait_until(pilot, lambda: app.session is not first)
+            assert app.session.messages == [] and app.session.system == "be brief" and len(first.messages) == 4
 
 
 class TestStop:

@@ -13,15 +13,14 @@ from typing import Any
 from textual.app import SystemCommand
 from textual.screen import Screen
 
+from ..config import SAMPLING_KEYS
 from ..history import HistoryError, data_dir, metrics_line
 from .backend import readable
+from .changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
 from .widgets.chats_dialog import ChatsDialog
-from .widgets.settings_dialog import SettingsDialog, parse_settings
+from .widgets.settings_dialog import SettingsDialog
 from .widgets.system_prompt import SystemPromptDialog
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")
-SLASH_KEYS = {"mode": "mode", "k": "k", "fan-out": "fan_out", "fanout": "fan_out", "temp": "temperature",
-              "temperature": "temperature", "max": "max_new_tokens", "max-new-tokens": "max_new_tokens"}
 
 HELP = """Keys: Enter send · Shift+Enter / Ctrl+J new line · ↑/↓ prompt history · Esc stop the reply ·
 Ctrl+N new chat · Ctrl+Y copy last reply · Ctrl+S system prompt · Ctrl+O settings (mode, k, fan-out, temperature) ·
@@ -39,7 +38,7 @@ class ChatActions:
             self.notify("stop the reply first (Esc)", severity="warning")
             return
         await self.chat.clear()
-        self.messages = []
+        self.session = self.new_session(self.system)
         self.conversation_id = None
         self.current = None
         self.panel.reset()
@@ -48,7 +47,7 @@ class ChatActions:
         await self.chat.add_notice("new chat")
 
     def last_reply(self) -> str | None:
-        return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), None)
+        return self.session.last("assistant")
 
     def action_copy_reply(self) -> None:
         text = self.last_reply()
@@ -86,7 +85,7 @@ class ChatActions:
         if self.current is not None and not self.current.finished:
             await self.chat.add_notice("settings change between replies: stop this one first (Esc)", "warning")
             return False
-        engine_changes = {k: v for k, v in changes.items() if k in ("mode", "k", "fan_out")}
+        engine_changes = {k: v for k, v in changes.items() if k in ENGINE_CHANGES}
         sampling = {k: v for k, v in changes.items() if k in SAMPLING_KEYS}
         if engine_changes:
             if self.switching is not None:
@@ -132,7 +131,7 @@ class ChatActions:
         self.panel.reset()
         self.panel.forget_replies()
         self.cache.clear()
-        self.conversation_id, self.system, self.messages = conv.id, conv.system, []
+        self.conversation_id, self.session = conv.id, self.new_session(conv.system)
         await self.chat.add_notice(f"resumed chat {conv.id}: {conv.title}")
         for m in saved:
             if m.role == "user":

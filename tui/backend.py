@@ -49,39 +49,12 @@ class Backend:
         """Release models and worker processes (called once, on quit)."""
 
 
-def quiet_libraries() -> None:
-    """No tqdm bars or library warnings over the full-screen app."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except Exception:  # noqa: BLE001 - cosmetic only
-        pass
-    try:
-        from huggingface_hub.utils import disable_progress_bars
-
-        disable_progress_bars()
-    except Exception:  # noqa: BLE001
-        pass
-
-
 def readable(e: BaseException) -> str:
     from ..engine.errors import SSDChatError
 
     if isinstance(e, (SSDChatError, ValueError, FileNotFoundError)):
         return str(e) or type(e).__name__
     return f"{type(e).__name__}: {e}"
-
-
-ENGINE_KEYS = ("target", "draft", "mode", "k", "target_device", "draft_device", "dtype", "fan_out", "budget",
-               "saguaro_c", "fallback", "trust_remote_code")
 
 
 class EngineBackend(Backend):
@@ -92,40 +65,25 @@ class EngineBackend(Backend):
         self.engine: Any = None
 
     def load(self, progress: Progress) -> None:
-        quiet_libraries()
-        from ..engine import Engine, EngineConfig
+        from ..config import engine_config
+        from ..engine import Engine
+        from ..loading import quiet_libraries
 
-        cfg = EngineConfig(**{k: self.values[k] for k in ENGINE_KEYS if self.values.get(k) is not None})
-        self.engine = Engine.load(cfg, progress=progress, tqdm_class=_tqdm_to(progress), warn=self.warn)
+        quiet_libraries()
+        self.engine = Engine.load(engine_config(self.values), progress=progress, tqdm_class=_tqdm_to(progress), warn=self.warn)
+        self._start_decoder()
+
+    def _start_decoder(self) -> None:
+        """SSD: the speculator starts loading its draft now, while the user reads the panel, not at the first reply."""
+        try:
+            self.engine.decoder()
+        except Exception:  # noqa: BLE001 - the first reply reports a decoder that cannot start, as an Error event
+            pass
 
     def info(self) -> dict[str, Any]:
-        from ..engine.precision import of, where
-
-        e = self.engine
-        if e is None:
+        if self.engine is None:
             return {"mode": self.values.get("mode"), "target": self.values.get("target")}
-        c = e.config
-        uses_draft = c.mode != "ar" and e.draft is not None
-        info = {
-            "mode": c.mode, "k": c.k if c.mode != "ar" else None, "fan_out": c.fan_out if c.mode == "ssd" else None,
-            # why auto chose this mode, while it is still the mode (a switch in the app is its own reason)
-            "mode_reason": e.mode_reason if c.mode == e.loaded_mode else None,
-            "target": e.target.name, "target_device": where(e.target),
-            "draft": e.draft.name if uses_draft else None,
-            "draft_device": where(e.draft) if uses_draft else None,
-        }
-        if c.mode == "ssd":  # the speculator runs where the decoder's plan puts it, not where the draft was loaded
-            try:
-                p = getattr(e.decoder(), "plan", None)
-            except Exception:  # noqa: BLE001 - the first reply reports a failing decoder
-                p = None
-            if p is not None:
-                cores = f" (cores {','.join(map(str, p.draft_cores))})" if p.draft_cores else ""
-                info["draft_device"] = (f"speculator on {p.draft_device}{cores}, {of(e.draft)}"
-                                        + (", shared with the target" if p.shared else ""))
-                if p.target_cores:
-                    info["target_device"] = f"{e.target.placement.device} (cores {','.join(map(str, p.target_cores))}) {of(e.target)}"
-        return info
+        return self.engine.describe()
 
     def stream(self, messages: list[dict[str, str]], params: SamplingParams, stop: threading.Event) -> Iterator[Event]:
         from ..session import stream_messages  # a chat longer than the context leaves out its oldest turns
@@ -134,6 +92,7 @@ class EngineBackend(Backend):
 
     def reconfigure(self, **changes: Any) -> None:
         self.engine.reconfigure(**changes)
+        self._start_decoder()
 
     def token_text(self, token_id: int) -> str | None:
         try:

@@ -16,6 +16,7 @@ from textual import work
 from textual.message import Message
 
 from .. import compare as cmp
+from ..engine.chat import messages_for
 from ..engine.params import SamplingParams
 from .backend import readable
 from .figures import Baseline, baseline_from_reply
@@ -44,7 +45,7 @@ class CompareActions:
         typed = self.prompt.text.strip()
         if typed and not typed.startswith("/"):
             return typed
-        return next((m["content"] for m in reversed(self.messages) if m["role"] == "user"), None)
+        return self.session.last("user")
 
     async def action_compare(self) -> None:
         if not self.ready:
@@ -70,7 +71,7 @@ class CompareActions:
         short = text if len(text) <= 60 else text[:57] + "…"
         await self.chat.add_notice(f"compare: “{short}” in AR, SD and SSD, greedy, up to {limit} tokens each, "
                                    "after a short warm-up run in each mode (Esc stops)")
-        msgs = ([{"role": "system", "content": self.system}] if self.system else []) + [{"role": "user", "content": text}]
+        msgs = messages_for(text, self.system)  # not part of the conversation: no earlier turns, nothing kept
         self._compare_worker = self.run_compare(msgs, params, current, self._compare_stop)
 
     @work(thread=True, group="compare", exit_on_error=False)

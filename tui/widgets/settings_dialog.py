@@ -11,45 +11,10 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select
 
 from ...terminal import printable
+from ..changes import parse_settings
 
 FIELDS = [("k", "k (draft tokens per round)"), ("fan_out", "fan-out (geometric, uniform:F, 3,2,1)"),
           ("temperature", "temperature (0 = greedy)"), ("max_new_tokens", "max new tokens")]
-
-
-def parse_settings(raw: dict[str, str]) -> dict[str, Any]:
-    """Validate the dialog's text fields; raises ValueError with a readable message."""
-    out: dict[str, Any] = {}
-    if raw.get("mode"):
-        if raw["mode"] not in ("ar", "sd", "ssd"):
-            raise ValueError(f"unknown mode '{raw['mode']}' (ar, sd or ssd)")
-        out["mode"] = raw["mode"]
-    if raw.get("k", "").strip():
-        try:
-            k = int(raw["k"])
-        except ValueError:
-            raise ValueError(f"k must be a whole number, got '{raw['k']}'") from None
-        if not 1 <= k <= 32:
-            raise ValueError(f"k must be between 1 and 32, got {k}")
-        out["k"] = k
-    if "fan_out" in raw:
-        out["fan_out"] = raw["fan_out"].strip() or None
-    if raw.get("temperature", "").strip():
-        try:
-            t = float(raw["temperature"])
-        except ValueError:
-            raise ValueError(f"temperature must be a number, got '{raw['temperature']}'") from None
-        if not t >= 0:
-            raise ValueError(f"temperature must be >= 0, got {t}")
-        out["temperature"] = t
-    if raw.get("max_new_tokens", "").strip():
-        try:
-            n = int(raw["max_new_tokens"])
-        except ValueError:
-            raise ValueError(f"max new tokens must be a whole number, got '{raw['max_new_tokens']}'") from None
-        if n < 1:
-            raise ValueError(f"max new tokens must be at least 1, got {n}")
-        out["max_new_tokens"] = n
-    return out
 
 
 class SettingsDialog(ModalScreen[dict | None]):

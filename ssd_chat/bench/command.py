@@ -1,0 +1,163 @@
+"""The ``ssd-chat bench`` command: options, the plan, the race, and the report in the forms asked for."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..options import (Budget, Draft, DraftDevice, Dtype, Fallback, FanOut, K, SaguaroC, Seed, Target, TargetDevice,
+                       Temperature, TopK, TopP, TrustRemote, fail, merge, settings)
+from . import BenchError
+from .machine import busy_note, machine_info
+from .prompts import load_prompts
+from .protocols import PROTOCOLS, Hardware, gpu_preset, make_plans
+from .report import build_report, write_json
+from .runner import DEFAULT_MAX_NEW, BenchSettings, ModelPool, run_bench
+
+
+def _parse_list(value: str, allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
+    items = tuple(dict.fromkeys(s.strip().lower() for s in value.split(",") if s.strip()))
+    bad = [s for s in items if s not in allowed]
+    if bad or not items:
+        raise typer.BadParameter(f"unknown {what} {', '.join(bad) or repr(value)} (use a comma list of {', '.join(allowed)})")
+    return items
+
+
+def bench_command(
+    ctx: typer.Context,
+    modes: Annotated[str, typer.Option("--modes", help="Comma list of modes to race: ar, sd, ssd.")] = "ar,sd,ssd",
+    prompts: Annotated[str, typer.Option("--prompts", help="Prompt set: all, or families (code,instructions,math,chat), or a .jsonl ({\"prompt\": ...} per line) / .txt (one per line) file.")] = "all",
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="At most N prompts per family (of a file: its first N).", show_default=False)] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", "-n", min=1, help=f"New tokens per reply (default {DEFAULT_MAX_NEW}).", show_default=False)] = None,
+    json_file: Annotated[Optional[Path], typer.Option("--json", help="Write the full report (summaries, ratios, every run) as JSON.", show_default=False, dir_okay=False)] = None,
+    plot_file: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG plot of the results.", show_default=False, dir_okay=False)] = None,
+    markdown_file: Annotated[Optional[Path], typer.Option("--markdown", help="Write the summary as Markdown tables (for a document).", show_default=False, dir_okay=False)] = None,
+    protocol: Annotated[str, typer.Option("--protocol", help="paper (SSD adds a device for the draft), equal (every mode gets the same hardware) or both.")] = "both",
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs per prompt and configuration.")] = 1,
+    stop_at_eos: Annotated[bool, typer.Option("--stop-at-eos", help="End replies at EOS (default: ignore EOS and generate exactly --max-new-tokens, as the paper does).")] = False,
+    preset: Annotated[Optional[str], typer.Option("--preset", help="gpu: a target/draft pair from the local HF cache, bf16, the draft on its own GPU.", show_default=False)] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan (models, placements, prompts) and exit without loading anything.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No per-run progress lines on stderr.")] = False,
+    against: Annotated[Optional[tuple[str, str]], typer.Option("--against", metavar="llama.cpp PATH", help="Also time llama.cpp's llama-bench (PATH: the binary or its build folder) on the same GGUF, cores and token count, and report the ratios.", show_default=False)] = None,
+    target: Target = None, draft: Draft = None, k: K = None,
+    temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
+    target_device: TargetDevice = None, draft_device: DraftDevice = None, dtype: Dtype = None,
+    fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None, fallback: Fallback = None,
+    trust_remote_code: TrustRemote = None,
+) -> None:
+    """Race AR, SD and SSD on the same prompts, models and hardware; report tok/s, TTFT, acceptance and ratios.
+
+    Exit status: 0 on success, 2 on bad usage, 1 on a failure, 3 when a greedy SD/SSD reply differs from AR's.
+    """
+    from rich.console import Console
+
+    from . import llamacpp
+    from ..engine.errors import ModelError
+    from ..engine.models import resolve
+
+    local = {"target": target, "draft": draft, "k": k, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+             "seed": seed, "target_device": target_device, "draft_device": draft_device, "dtype": dtype,
+             "fan_out": fan_out, "budget": budget, "saguaro_c": saguaro_c, "fallback": fallback,
+             "trust_remote_code": trust_remote_code}
+    merged = merge(ctx, local)
+    given = {k_ for k_, v in merged.items() if v is not None}
+    mode_list = _parse_list(modes, ("ar", "sd", "ssd"), "mode")
+    protos = PROTOCOLS if protocol.strip().lower() == "both" else _parse_list(protocol, PROTOCOLS, "protocol")
+    if preset is not None and preset.strip().lower() != "gpu":
+        raise typer.BadParameter(f"unknown preset '{preset}' (the only preset is gpu)", param_hint="--preset")
+    max_new = max_new_tokens or merged.get("max_new_tokens") or DEFAULT_MAX_NEW
+    console = Console() if sys.stdout.isatty() else Console(width=120)  # a log or a pipe: room for the tables
+    err = Console(stderr=True)
+    try:
+        prompt_list, prompt_source = load_prompts(prompts, limit)
+        from ..config import ConfigError
+
+        try:
+            values = settings(merged)
+        except ConfigError as e:
+            raise BenchError(str(e)) from None
+        hw = Hardware.detect()
+        notes: list[str] = []
+        if preset is not None:
+            values, notes = gpu_preset(values, given, hw)
+        plans, more = make_plans(protos, mode_list, values.get("target_device") or "auto", values.get("draft_device") or "auto", hw)
+        notes += more
+        if against is not None:
+            llama_exe = llamacpp.check_against(against[0], against[1], resolve(values["target"]))
+    except (BenchError, llamacpp.LlamaCppError, ModelError) as e:
+        raise fail(str(e)) from None
+    race = BenchSettings(
+        modes=mode_list, protocols=protos, max_new_tokens=max_new, repeats=repeats,
+        temperature=float(values.get("temperature") or 0.0), top_p=float(values.get("top_p") or 1.0),
+        top_k=int(values.get("top_k") or 0), seed=values.get("seed"), ignore_eos=not stop_at_eos,
+    )
+    if dry_run:
+        console.print(f"target {values['target']}, draft {values.get('draft') or '(default for the target)'}, dtype {values.get('dtype') or 'auto'}, "
+                      f"{len(prompt_list)} prompts from {prompt_source}, {max_new} new tokens, {repeats} repeat(s)")
+        for proto in protos:
+            console.print(f"protocol {proto}: " + "; ".join(f"{p.mode.upper()}: {p.describe()}" for p in plans if p.protocol == proto))
+        for n in notes:
+            console.print(f"note: {n}")
+        raise typer.Exit(0)
+    from ..engine.errors import SSDChatError
+    from ..loading import quiet_libraries
+
+    pool = None
+    try:
+        quiet_libraries()
+        machine = machine_info(hw)  # before the run: its load average says how quiet the machine was
+        busy = busy_note(machine, hw)
+        if busy:
+            notes.append(busy)
+            err.print(f"[yellow]note[/]: {busy}")
+        pool = ModelPool(values, plans, progress=None if quiet else (lambda s: err.print(f"[dim]{s}…[/]")))
+        base_cfg = pool.base_config
+        result = run_bench(base_cfg, pool.models_for, prompt_list, plans, race,
+                           progress=(lambda s: None) if quiet else (lambda s: err.print(s, highlight=False)))
+    except (BenchError, SSDChatError) as e:
+        raise fail(str(e)) from None
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        raise typer.Exit(130) from None
+    models = pool.describe()
+    report = build_report(result, plans, race, prompt_list, prompt_source, models,
+                          {"k": base_cfg.k, "fan_out": base_cfg.fan_out, "budget": base_cfg.budget, "saguaro_c": base_cfg.saguaro_c,
+                           "fallback": base_cfg.fallback}, machine, notes, pool.decode)
+    from .render import markdown, render
+
+    versus, versus_error = [], None
+    if against is not None:  # after ssd-chat's runs, on the cores each protocol gave AR
+        try:
+            versus = llamacpp.against(llama_exe, resolve(values["target"]).source, plans, report, max_new,
+                                      None if quiet else (lambda s: err.print(f"[dim]{s}…[/]")))
+        except llamacpp.LlamaCppError as e:  # ssd-chat's own results are still reported
+            versus_error = str(e)
+    render(report, console)
+    for line in versus:
+        console.print(line, highlight=False)
+    for n in notes:
+        console.print(f"note: {n}")
+    if json_file is not None:
+        write_json(report, json_file)
+        console.print(f"JSON written to {json_file}")
+    if plot_file is not None:
+        from .plot import plot
+
+        plot(report, plot_file)
+        console.print(f"plot written to {plot_file}")
+    if markdown_file is not None:
+        markdown_file.parent.mkdir(parents=True, exist_ok=True)
+        markdown_file.write_text(markdown(report))
+        console.print(f"Markdown written to {markdown_file}")
+    failed = sum(m["failed"] for p in report["protocols"].values() for m in p["modes"].values())
+    mismatched = any(p["exactness"]["checked"] and not p["exactness"].get("all_identical", True) for p in report["protocols"].values())
+    if mismatched:
+        err.print("[bold red]ssd-chat: error: greedy SD/SSD output differs from AR (see GREEDY MISMATCH above)[/]")
+    if failed:
+        err.print(f"[bold red]ssd-chat: error: {failed} run(s) failed (see the JSON for the messages)[/]")
+    if versus_error:
+        err.print(f"ssd-chat: error: {versus_error}", markup=False, highlight=False)
+    raise typer.Exit(1 if failed or versus_error else 3 if mismatched else 0)

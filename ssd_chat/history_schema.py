@@ -1,0 +1,68 @@
+"""The chat history's SQLite schema: append-only migrations, each run once, in order, tracked by
+``PRAGMA user_version``.  A new column or table is a new ``m00N_*`` function at the end of
+:data:`MIGRATIONS`; an existing one never changes (databases in the field have run it)."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+
+
+def m001_initial(db: sqlite3.Connection) -> None:
+    db.execute(
+        """CREATE TABLE conversations (
+            id INTEGER PRIMARY KEY,
+            title TEXT NOT NULL,
+            system TEXT,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        )"""
+    )
+    db.execute(
+        """CREATE TABLE messages (
+            id INTEGER PRIMARY KEY,
+            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            role TEXT NOT NULL,
+            content TEXT NOT NULL,
+            created_at REAL NOT NULL
+        )"""
+    )
+    db.execute("CREATE INDEX messages_by_conversation ON messages(conversation_id, id)")
+
+
+def m002_reply_status(db: sqlite3.Connection) -> None:
+    # streaming | done | stopped | error: a reply cut short keeps its text with its status
+    db.execute("ALTER TABLE messages ADD COLUMN status TEXT NOT NULL DEFAULT 'done'")
+
+
+def m003_turn_metrics(db: sqlite3.Connection) -> None:
+    db.execute(
+        """CREATE TABLE turn_metrics (
+            message_id INTEGER PRIMARY KEY REFERENCES messages(id) ON DELETE CASCADE,
+            mode TEXT,
+            target TEXT,
+            draft TEXT,
+            new_tokens INTEGER,
+            tok_per_s REAL,
+            ttft_s REAL,
+            mean_accepted_length REAL,
+            acceptance_rate REAL,
+            cache_hit_rate REAL,
+            stats_json TEXT NOT NULL
+        )"""
+    )
+
+
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [m001_initial, m002_reply_status, m003_turn_metrics]
+
+
+def migrate(db: sqlite3.Connection) -> int:
+    """Apply the migrations this database has not seen; returns the schema version."""
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version > len(MIGRATIONS):
+        raise sqlite3.DatabaseError(f"schema version {version} is newer than this ssd-chat understands ({len(MIGRATIONS)})")
+    for i, step in enumerate(MIGRATIONS[version:], start=version + 1):
+        with db:
+            step(db)
+            db.execute(f"PRAGMA user_version = {i}")
+    return len(MIGRATIONS)

@@ -1,0 +1,34 @@
+"""What the wheel ships: the code, the demo script, the prompt sets, the shipped drafts and the recorded
+session; not measurements (bench reports and plots live in docs/results/)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+
+SOURCES = ("pyproject.toml", "README.md", "ssd_chat", "engine", "tui", "assets")
+
+
+def test_the_wheel_ships_code_and_assets_not_measurements(repo_root, tmp_path):
+    src = tmp_path / "src"
+    for name in SOURCES:  # a copy: building writes build/ and *.egg-info next to the sources
+        path = repo_root / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+        else:
+            src.mkdir(exist_ok=True)
+            shutil.copy(path, src / name)
+    out = tmp_path / "wheel"
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src), "-w", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    names = zipfile.ZipFile(next(out.glob("*.whl"))).namelist()
+    for want in ("ssd_chat/cli.py", "ssd_chat/bench/runner.py", "ssd_chat/engine/engine.py", "ssd_chat/tui/app.py",
+                 "ssd_chat/tui/app.tcss", "ssd_chat/assets/demo/01_hello.txt", "ssd_chat/assets/prompts/chat.jsonl",
+                 "ssd_chat/assets/drafts/smollm2-135m-instruct/draft.safetensors",
+                 "ssd_chat/assets/recordings/ssd_smollm2_cpu.jsonl", "ssd_chat/assets/distill_prompts.jsonl"):
+        assert want in names, want
+    data = [n for n in names if n.startswith("ssd_chat/assets/")]
+    assert not [n for n in data if n.endswith((".json", ".png", ".md")) and "/drafts/" not in n], data

@@ -1,0 +1,273 @@
+"""Sending a prompt and showing its reply: the mixin of :class:`ssd_chat.tui.app.ChatApp` that owns a turn.
+
+The reply runs in a thread worker over the app's :class:`~ssd_chat.session.Session`, which keeps the
+conversation; the worker only posts events.  Token text is coalesced and written to the screen by a
+20 Hz timer, so hundreds of tokens per second cost ~20 Markdown appends per second.  The turn's end
+(Done or Error) is posted after the session has taken the turn into its history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from textual import work
+
+from ..engine.events import Done, Error, Event, Notice, Round, Token
+from ..engine.metrics import Metrics
+from ..engine.params import SamplingParams
+from ..history import metrics_line
+from ..session import Session
+from .backend import readable
+from .figures import baseline_from_reply, ran_as
+from .widgets.chat_log import AssistantMessage
+
+SAVE_EVERY_S = 1.0  # a streaming reply is saved this often (a crash keeps what streamed)
+
+
+@dataclass
+class Turn:
+    """One prompt and its streaming reply."""
+
+    index: int
+    prompt: str
+    stop: threading.Event
+    widget: AssistantMessage
+    message_id: int | None
+    metrics: Metrics
+    pending: list[Event] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    status: str = "streaming"
+    last_save: float = 0.0
+    last_t_s: float = 0.0
+
+
+class ReplyActions:
+    """``self`` is the ChatApp."""
+
+    # -- sending -------------------------------------------------------------------------
+    async def submit(self, text: str) -> None:
+        text = text.strip("\n")
+        if text.startswith("/"):
+            self.prompt.remember(text)
+            self.prompt.set_text("")
+            await self.command(text)
+            return
+        if not self.ready:
+            await self.chat.add_notice(self.load_error or "the model is still loading; your prompt stays in the box", "warning")
+            return
+        if self.current is not None and not self.current.finished:
+            self.notify("a reply is still streaming — Esc stops it", severity="warning")
+            return
+        if self.switching is not None:
+            await self.chat.add_notice(f"still switching to {self.switching}; your prompt stays in the box", "warning")
+            return
+        if self._reply_worker is not None and self._reply_worker.is_running:
+            try:  # the engine checks the stop flag every step: this is short
+                await asyncio.wait_for(self._reply_worker.wait(), 10)
+            except Exception:  # noqa: BLE001
+                if self._reply_worker.is_running:
+                    await self.chat.add_notice("the previous reply has not stopped yet; try again in a moment", "warning")
+                    return
+        try:
+            params = SamplingParams(**self.params)
+        except ValueError as e:
+            await self.chat.add_notice(str(e), "error")
+            return
+        self.prompt.remember(text)
+        self.prompt.set_text("")
+        await self.chat.add_user(text)
+        widget = await self.chat.add_assistant(colour=self.colour)
+        self.chat.anchor()
+        if self.conversation_id is None:
+            self.conversation_id = self.history.new_conversation(text, self.system)
+        self.history.add_message(self.conversation_id, "user", text)
+        mid = self.history.add_message(self.conversation_id, "assistant", "", status="streaming")
+        await self._check_history()
+        info = self.backend.info()
+        turn = Turn(self.turn_count, text, threading.Event(), widget, mid, Metrics(info.get("mode") or "?"))
+        self.turn_count += 1
+        self.current = turn
+        self.prompt.add_class("-busy")
+        self._frames.resume()
+        self._update_info()
+        self.panel.show(None, live=True)
+        self.cache.new_reply()
+        if self.recorder is not None:
+            self.recorder.turn(text, self.system, {**info, **self.params})
+        self._reply_worker = self.run_reply(turn.index, self.session, text, params, turn.stop)
+
+    @work(thread=True, group="reply", exit_on_error=False)
+    def run_reply(self, turn: int, session: Session, text: str, params: SamplingParams, stop: threading.Event) -> None:
+        """The engine loop: iterate the session's reply and post each event to the UI.  The end (Done or Error)
+        is posted once the stream is over, so the session already holds the turn when the app shows its end."""
+        end: Done | Error | None = None
+        try:
+            for ev in session.stream(text, params, stop):
+                if isinstance(ev, (Done, Error)):
+                    end = ev
+                else:
+                    self._emit(turn, ev)
+        except BaseException as e:  # noqa: BLE001 - becomes an Error event, with the partial text kept
+            end = end or Error(readable(e), "runtime")
+        if end is not None:
+            self._emit(turn, end)
+
+    def _emit(self, turn: int, ev: Event) -> None:
+        if self.recorder is not None:
+            self.recorder.event(ev)
+        self.post_message(self.ReplyEvent(turn, ev))
+
+    # -- receiving -----------------------------------------------------------------------
+    async def on_chat_app_reply_event(self, msg: Any) -> None:
+        t = self.current
+        ev = msg.event
+        if msg.turn == -1 and isinstance(ev, Notice):  # not part of a reply
+            await self._warn(ev.message)
+            return
+        if t is None or msg.turn != t.index:
+            return
+        if self._quitting:
+            return
+        if t.status != "streaming":  # stopped with Esc: only the final text matters (Done.text is authoritative)
+            if isinstance(ev, (Done, Error)) and ev.text.startswith(t.text) and len(ev.text) > len(t.text):
+                t.text = ev.text
+                await t.widget.finish(ev.text, t.status, t.widget._meta_text)
+                self.history.update_message(t.message_id, ev.text, t.status)
+            return
+        t.pending.append(ev)
+        if isinstance(ev, (Done, Error)):
+            await self._flush_pending()
+
+    async def _flush_pending(self) -> None:
+        """Apply pending events to the screen (called 20 times a second and at the end of a reply).
+
+        Textual runs an interval's callback in the timer's own task, so the frame timer and the handler
+        of the final event could otherwise interleave at an await: a frame still writing its tokens
+        while the reply is finished, then saving the message back as "streaming".  One at a time.
+        """
+        async with self._flush_lock:
+            await self._apply_pending()
+
+    async def _apply_pending(self) -> None:
+        t = self.current
+        if t is None or t.status != "streaming" or not t.pending:
+            return
+        await self._check_recorder()
+        events, t.pending = t.pending, []
+        pieces: list[tuple[str, str]] = []
+        rounds: list[tuple[Round, str | None]] = []
+        notices: list[Notice] = []
+        end: Done | Error | None = None
+        for ev in events:
+            if isinstance(ev, Token):
+                t.metrics.add(ev)
+                pieces.append((ev.text, ev.source))
+                if ev.text:
+                    self._token_text[ev.id] = ev.text
+                t.last_t_s = ev.t_s
+            elif isinstance(ev, Round):
+                t.metrics.add(ev)
+                rounds.append((ev, self._token_text.get(ev.bonus_id) if ev.bonus_id is not None else None))
+                self._seen_ids.update(c for _, cands in (ev.predicted or ()) for c in cands)
+                if ev.bonus_id is not None:
+                    self._seen_ids.add(ev.bonus_id)
+                t.last_t_s = max(t.last_t_s, ev.t_s)
+            elif isinstance(ev, Notice):
+                t.metrics.add(ev)  # a switch of mode (SSD without its speculator) is part of the reply's stats
+                notices.append(ev)
+            elif isinstance(ev, (Done, Error)):
+                end = ev
+        # The panel and the cache view are updated before the first await, so no other task ever sees
+        # metrics that already hold this batch next to a panel that does not.
+        if rounds:
+            self.panel.add_rounds([r for r, _ in rounds])
+            self.cache.add_rounds(rounds)
+        if end is None:
+            self.panel.show(t.metrics.stats(t.last_t_s), live=True)
+        for ev in notices:
+            if ev.mode is not None:
+                self._show_mode(t.metrics.label)
+            await self.chat.add_notice(ev.message, ev.level)
+        if pieces:
+            await t.widget.append(pieces)
+            t.text = t.widget.text
+        if end is None:
+            now = time.monotonic()
+            if now - t.last_save >= SAVE_EVERY_S:
+                t.last_save = now
+                self.history.update_message(t.message_id, t.text, "streaming")
+        elif isinstance(end, Done):
+            status = "done" if end.reason in ("eos", "stop", "length") else "stopped"
+            self.panel.show(end.stats, live=False)
+            if status == "done" and (b := baseline_from_reply(end.stats, f"{ran_as(end.stats).upper()} reply {t.index + 1} in this chat")):
+                self.panel.set_measured(b)  # later replies in another mode are measured against it
+            info = self.backend.info()
+            self.history.save_metrics(t.message_id, end.stats, info.get("target"), info.get("draft"))
+            meta = metrics_line(dataclasses.asdict(end.stats)) + ("" if status == "done" else f" · {status}")
+            await self._finish(t, end.text, status, meta)
+        else:
+            self.panel.show(t.metrics.stats(t.last_t_s), live=False)
+            await self.chat.add_notice(f"the reply failed: {end.message} (what streamed is kept)", "error")
+            await self._finish(t, end.text or t.text, "error", f"error: {end.message}")
+
+    async def _finish(self, t: Turn, text: str, status: str, meta: str) -> None:
+        """The reply is over (done, stopped or failed): keep it everywhere.  ``finished`` is set last."""
+        t.status, t.text = status, text
+        self.history.update_message(t.message_id, text, status)
+        await t.widget.finish(text, status, meta)
+        self.prompt.remove_class("-busy")
+        self._frames.pause()
+        await self._check_history()
+        await self._check_recorder()
+        t.finished = True
+        if self.script and not self._quitting:
+            self.type_next_prompt()
+
+    async def action_stop(self) -> None:
+        """Esc: stop the reply (or the comparison) now; keep what streamed, and put the prompt back in the box."""
+        if self._compare_stop is not None:
+            self._compare_stop.set()
+        t = self.current
+        if t is None or t.status != "streaming":
+            return
+        t.stop.set()
+        self.script.clear()
+        pending = [e for e in t.pending if not isinstance(e, (Done, Error))]
+        done = next((e for e in t.pending if isinstance(e, (Done, Error))), None)
+        t.pending = pending
+        await self._flush_pending()
+        if done is not None:  # it had already finished: let it end normally
+            t.pending = [done]
+            await self._flush_pending()
+            return
+        stats = t.metrics.stats(t.last_t_s)
+        self.panel.show(stats, live=False)
+        await self._finish(t, t.text, "stopped", metrics_line(dataclasses.asdict(stats)) + " · stopped (Esc)")
+        if not self.prompt.text.strip():
+            self.prompt.set_text(t.prompt)
+
+    # -- the demo: prompts that type themselves ------------------------------------------
+    @work(group="typing", exclusive=True)
+    async def type_next_prompt(self) -> None:
+        if not self.script or self._quitting:
+            return
+        text = self.script.pop(0)
+        await asyncio.sleep(0.4)
+        typed = ""
+        for ch in text:
+            if self._quitting or (self.current is not None and not self.current.finished):
+                return
+            typed += ch
+            self.prompt.set_text(typed)
+            await asyncio.sleep(self.type_delay_s)
+        await asyncio.sleep(0.2)
+        await self.submit(text)
+        if text.startswith("/") and self.script:  # commands produce no reply: go on
+            self.type_next_prompt()
+
