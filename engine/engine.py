@@ -71,7 +71,7 @@ class Engine:
                 ttok = models.load_tokenizer(models.tokenizer_folder(tspec, tqdm_class), config.trust_remote_code)
                 dtok = models.load_tokenizer(models.tokenizer_folder(dspec, tqdm_class), config.trust_remote_code)
                 models.check_same_vocab(config.target, ttok, draft_name, dtok)
-        target = precision.load(config.target, tplace, config.trust_remote_code, progress, tqdm_class)
+        target = precision.load(config.target, tplace, config.dtype, config.trust_remote_code, progress, tqdm_class)
         draft = None
         if draft_name is not None:
             progress(f"preparing draft {draft_name}", None)
@@ -79,7 +79,7 @@ class Engine:
                 draft = precision.derive(draft_name, target)  # in the target's precision
             else:
                 assert dplace is not None
-                draft = precision.load(draft_name, dplace, config.trust_remote_code, progress, tqdm_class)
+                draft = precision.load(draft_name, dplace, config.dtype, config.trust_remote_code, progress, tqdm_class)
         return cls(config, target, draft, pre.reason if pre.auto else None)
 
     # -- use ----------------------------------------------------------------------------

@@ -176,7 +176,6 @@ class Placement:
     dtype: torch.dtype
     cores: tuple[int, ...] | None = None
     device_map: tuple[str, ...] | None = None  # several GPUs for one model
-    dtype_auto: bool = False  # no dtype asked for: a GGUF on the CPU then computes in its own precision
 
     @property
     def label(self) -> str:
@@ -250,7 +249,7 @@ def parse_placement(device: str = "auto", dtype: str = "auto", option: str = "--
     else:
         raise DeviceError(f"unknown dtype '{dtype}' (use auto, float32, bfloat16, float16)")
     device_map = tuple(str(d) for d in parsed) if len(parsed) > 1 else None
-    return Placement(first, torch_dtype, cores, device_map, dt == "auto")
+    return Placement(first, torch_dtype, cores, device_map)
 
 
 # --- loading -------------------------------------------------------------------------------
@@ -266,7 +265,6 @@ class LoadedModel:
     load_s: float = 0.0
     folder: Path | None = None
     eos_ids: frozenset[int] = field(default_factory=frozenset)
-    gguf: Any = None  # precision.GGUFWeights when its linears compute from GGUF blocks
 
     @property
     def device(self) -> torch.device:
@@ -274,11 +272,7 @@ class LoadedModel:
 
     @property
     def num_params(self) -> int:
-        params = {p.data_ptr(): p.numel() for p in self.model.parameters()}
-        # a GGUF linear's weights are blocks, not parameters (a tied head's are the embedding's)
-        blocks = sum(m.block_weights for m in self.model.modules() if hasattr(m, "block_weights")
-                     and (m.dense is None or m.dense.data_ptr() not in params))
-        return sum(params.values()) + blocks
+        return sum(p.numel() for p in self.model.parameters())
 
 
 def load_tokenizer(folder: Path, trust_remote_code: bool = False) -> Any:
@@ -313,8 +307,7 @@ def load(
     progress: ProgressFn = _no_progress,
     tqdm_class: Any = None,
 ) -> LoadedModel:
-    """Resolve, fetch and load a model and its tokenizer (in float: :func:`precision.load` gives a
-    GGUF its own precision)."""
+    """Resolve, fetch and load a model and its tokenizer."""
     from transformers import AutoModelForCausalLM
 
     t0 = time.perf_counter()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,23 +28,35 @@ from torch import nn
 GGUF = "gguf"
 
 
-def wanted(spec_kind: str, device_type: str, dtype_auto: bool) -> bool:
-    """Whether a model loads in its GGUF precision: a GGUF, on the CPU, and no dtype asked for."""
-    return spec_kind == "gguf" and device_type == "cpu" and dtype_auto
+def wanted(spec_kind: str, device_type: str, dtype: str | None) -> bool:
+    """Whether a model loads in its GGUF precision: a GGUF, on the CPU, and no dtype asked for
+    (``--dtype`` unset or ``auto``; ``float32`` is the float32-dequantized reference)."""
+    return spec_kind == "gguf" and device_type == "cpu" and (dtype or "auto").strip().lower() == "auto"
 
 
-def load(name: str, placement: Any, trust_remote_code: bool = False, progress: Any = None, tqdm_class: Any = None) -> Any:
-    """:func:`models.load`, then a GGUF on the CPU without a dtype asked for computes in its own precision."""
+def load(name: str, placement: Any, dtype: str | None, trust_remote_code: bool = False, progress: Any = None,
+         tqdm_class: Any = None) -> Any:
+    """:func:`models.load`, then a GGUF on the CPU without a dtype asked for (``dtype``: the option as
+    given) computes in its own precision."""
     from . import models
 
     progress = progress or models._no_progress
     lm = models.load(name, placement, trust_remote_code, progress, tqdm_class)
-    if wanted(lm.spec.kind, placement.device.type, placement.dtype_auto) and not placement.device_map:
+    if wanted(lm.spec.kind, placement.device.type, dtype) and not placement.device_map:
         progress(f"reading {name}'s GGUF blocks", None)
         t0 = time.perf_counter()
         to_gguf(lm)
         lm.load_s += time.perf_counter() - t0
     return lm
+
+
+def num_params(lm: Any) -> int:
+    """A loaded model's weights, each once: its parameters and its GGUF linears' blocks (a head tied
+    to the embedding counted once)."""
+    params = {p.data_ptr(): p.numel() for p in lm.model.parameters()}
+    blocks = sum(m.block_weights for m in lm.model.modules() if hasattr(m, "block_weights")
+                 and (m.dense is None or m.dense.data_ptr() not in params))
+    return sum(params.values()) + blocks
 
 
 def gguf_label(path: str | Path | None, kinds: Counter | None = None) -> str:
@@ -63,21 +76,30 @@ def planned(target: str, device: str | None, dtype: str | None) -> str | None:
 
     spec = models.resolve(target)
     place = models.parse_placement(device or "auto", dtype or "auto")
-    if not wanted(spec.kind, place.device.type, place.dtype_auto):
+    if not wanted(spec.kind, place.device.type, dtype):
         return None
     return gguf_label(spec.source)
 
 
+# model -> its GGUFWeights; kept beside the model (not on it), so copies of a model do not carry it
+_states: "weakref.WeakKeyDictionary[nn.Module, GGUFWeights]" = weakref.WeakKeyDictionary()
+
+
+def state(lm: Any) -> "GGUFWeights | None":
+    """A loaded model's GGUF-precision state (None: it computes in its dtype)."""
+    return _states.get(lm.model)
+
+
 def of(lm: Any) -> str:
     """What a loaded model's linears compute in: ``gguf Q4_1`` (the file's blocks) or its dtype (``float32``)."""
-    g = getattr(lm, "gguf", None)
+    g = state(lm)
     return g.label if g is not None else str(lm.placement.dtype).removeprefix("torch.")
 
 
 def where(lm: Any) -> str:
     """Device and precision as the app shows them: ``cpu gguf Q4_1``, ``cpu float32``, ``cuda:0 bfloat16``."""
     label = lm.placement.label
-    return label if getattr(lm, "gguf", None) is None else f"{label.rsplit(' ', 1)[0]} {of(lm)}"
+    return label if state(lm) is None else f"{label.rsplit(' ', 1)[0]} {of(lm)}"
 
 
 @dataclass
@@ -96,7 +118,7 @@ def to_gguf(target: Any) -> None:
 
     mods = fast_weights.gguf_target(target)
     replaced = quant.swap_modules(target.model, mods)
-    target.gguf = GGUFWeights(mods, replaced, gguf_label(target.spec.source, _kinds(mods.values())))
+    _states[target.model] = GGUFWeights(mods, replaced, gguf_label(target.spec.source, _kinds(mods.values())))
 
 
 def _kinds(modules: Any) -> Counter:
@@ -115,7 +137,7 @@ def float_view(target: Any) -> Iterator[None]:
     """The target's float32 modules in place for the duration (for deriving a draft from them)."""
     from . import quant
 
-    g = getattr(target, "gguf", None)
+    g = state(target)
     if g is None:
         yield
         return
@@ -132,7 +154,7 @@ def derive(name: str, target: Any) -> Any:
     from .layout import shallow
     from .models import LoadedModel, ModelSpec
 
-    g = getattr(target, "gguf", None)
+    g = state(target)
     if g is None:
         return drafts.derive(name, target)
     if name in ("int8", "copy"):
@@ -148,5 +170,5 @@ def derive(name: str, target: Any) -> Any:
         mods = fast_weights.fast_draft(draft.model, g.modules)
         quant.swap_modules(draft.model, mods)
     kinds = _kinds(draft.model.modules())
-    draft.gguf = GGUFWeights({}, {}, f"{GGUF} {kinds.most_common(1)[0][0]}" if kinds else of(target))
+    _states[draft.model] = GGUFWeights({}, {}, f"{GGUF} {kinds.most_common(1)[0][0]}" if kinds else of(target))
     return draft

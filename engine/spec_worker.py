@@ -43,7 +43,7 @@ def recipe_for(draft: Any, target: Any, device: str, dtype: torch.dtype) -> Reci
 
     derived = draft.spec.source if draft.spec.kind == "derived" else None
     src = target if derived else draft
-    gguf = src.spec.source if getattr(src, "gguf", None) is not None else None
+    gguf = src.spec.source if precision.state(src) is not None else None
     if src.folder is not None and (src.folder / "config.json").is_file():
         return Recipe(dtype, device, folder=str(src.folder), derived=derived, gguf=gguf)
     with precision.float_view(src):  # the float weights (GGUF linears hold no state_dict entries)

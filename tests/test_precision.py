@@ -8,7 +8,7 @@ import torch
 import pytest
 from torch import nn
 
-from ssd_chat.engine import draft_folder, draft_model, gguf_header, models, precision
+from ssd_chat.engine import draft_folder, draft_model, gguf_header, precision
 from ssd_chat.engine.models import LoadedModel, ModelSpec, Placement
 from ssd_chat.engine.quant import GGUFLinear
 from ssd_chat.train.folder import save
@@ -50,22 +50,24 @@ def test_header_file_type(gguf_path, tmp_path):
 
 
 @pytest.mark.parametrize(("kind", "device", "dtype", "want"), [
-    ("gguf", "cpu", "auto", True), ("gguf", "cpu", " AUTO", True), ("gguf", "cpu", "float32", False),
-    ("gguf", "cpu", "bfloat16", False), ("folder", "cpu", "auto", False), ("hub", "cpu", "auto", False),
+    ("gguf", "cpu", None, True), ("gguf", "cpu", "auto", True), ("gguf", "cpu", " AUTO", True),
+    ("gguf", "cpu", "float32", False), ("gguf", "cpu", "bfloat16", False), ("gguf", "cuda", None, False),
+    ("folder", "cpu", None, False), ("hub", "cpu", "auto", False),
 ])
 def test_only_a_gguf_on_cpu_without_a_dtype(kind, device, dtype, want):
-    place = models.parse_placement(device, dtype)
-    assert place.dtype_auto == (dtype.strip().lower() == "auto")
-    assert precision.wanted(kind, place.device.type, place.dtype_auto) is want
-    assert not precision.wanted(kind, "cuda", True)
+    assert precision.wanted(kind, device, dtype) is want
 
 
 def test_the_target_computes_from_its_blocks_and_says_so(target):
     ref = _logits(target.model)
     assert precision.of(target) == "float32" and precision.where(target) == "cpu float32"
-    params = target.num_params
+    from ssd_chat.bench.machine import weight_bytes
+
+    params, streamed = precision.num_params(target), weight_bytes(target.model)
     precision.to_gguf(target)
-    assert target.num_params == params  # the blocks' weights count
+    blocks = sum(m.nbytes for m in set(precision.state(target).modules.values()))
+    assert blocks <= weight_bytes(target.model) < blocks + 0.02 * streamed  # the bench's memory bound: blocks, not floats
+    assert precision.num_params(target) == params  # the blocks' weights count, the tied head once
     lins = {n: m for n, m in target.model.named_modules() if isinstance(m, (nn.Linear, GGUFLinear))}
     assert len(lins) == 3 * 7 + 1 and all(isinstance(m, GGUFLinear) for m in lins.values())
     assert precision.of(target) == "gguf Q4_1" and precision.where(target) == "cpu gguf Q4_1"
@@ -87,7 +89,7 @@ def test_the_label_falls_back_to_the_kind_most_weights_have(gguf_path, tmp_path)
 
 def test_layers_and_copy_drafts_share_the_targets_gguf_linears(target):
     precision.to_gguf(target)
-    mods = target.gguf.modules
+    mods = precision.state(target).modules
     for name in ("layers:2", "copy"):
         d = precision.derive(name, target)
         assert d.model.lm_head is mods["lm_head"], name
@@ -102,7 +104,7 @@ def test_int8_is_a_q8_copy_on_the_same_kernels(target):
     d = precision.derive("int8", target)
     lins = [m for m in d.model.modules() if isinstance(m, (nn.Linear, GGUFLinear))]
     assert len(lins) == 3 * 7 + 1 and all(isinstance(m, GGUFLinear) and m.kind == "Q8_0" for m in lins)
-    assert d.model.lm_head is target.gguf.modules["lm_head"]  # the head is Q8_0 in the file already
+    assert d.model.lm_head is precision.state(target).modules["lm_head"]  # the head is Q8_0 in the file already
     assert d.model.model.embed_tokens.weight is target.model.model.embed_tokens.weight  # shared, not copied
     assert precision.of(d) == "gguf Q8_0"
     assert _close(_logits(d.model), ref, 0.05)  # a re-quantized copy: close, not equal
@@ -119,7 +121,7 @@ def test_a_trained_draft_keeps_the_targets_blocks_and_q8_own_layers(target, tmp_
     ref = _logits(draft_folder.load(str(folder), target).model)
     precision.to_gguf(target)  # the hash of the shared float weights is checked on the float view
     d = precision.derive(str(folder), target)
-    assert d.model.model.layers[0].self_attn.q_proj is target.gguf.modules["model.layers.0.self_attn.q_proj"]
+    assert d.model.model.layers[0].self_attn.q_proj is precision.state(target).modules["model.layers.0.self_attn.q_proj"]
     own = d.model.model.layers[1].mlp.gate_proj
     assert isinstance(own, GGUFLinear) and own.kind == "Q8_0"
     assert isinstance(target.model.model.layers[0].self_attn.q_proj, GGUFLinear)  # the float view was undone
