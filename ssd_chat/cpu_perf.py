@@ -1,7 +1,7 @@
 """CPU decoding in the GGUF's own precision against llama.cpp, on the packaged model, in one command.
 
     python -m ssd_chat.cpu_perf [--llama-bench PATH] [--tokens 64] [--compile] [--json out.json]
-                                [--sections bandwidth,linears,core,ar,accuracy,drafts,llama]
+                                [--sections bandwidth,linears,core,ar,app,accuracy,drafts,llama]
 
 Sections (docs/performance-cpu.md shows a run):
 
@@ -12,6 +12,8 @@ Sections (docs/performance-cpu.md shows a run):
   steps of 6 and 8 rows after 200 tokens: float32 core (fastlinear, as the app loads it), GGUF
   core, GGUF core with row-independent attention, and with ``--compile`` the compiled GGUF core.
 * ``ar``: greedy decoding with the GGUF core (one token per forward): tok/s.
+* ``app``: the app's AR decoder (transformers' forward), GGUF precision and ``--dtype float32``:
+  CPU ms per token, and whether both gave the same greedy tokens.
 * ``accuracy``: GGUF core against the float32 core: greedy agreement over 8 prompts x 32 tokens
   and the max abs difference of the logits of the steps fed the same tokens.
 * ``drafts``: acceptance and cost of each SSD draft candidate (see :mod:`ssd_chat.cpu_perf_drafts`; helpers in :mod:`ssd_chat.cpu_perf_common`).
@@ -37,7 +39,7 @@ import torch
 
 from .cpu_perf_common import Models, forward, greedy, load, log, pin, timed
 
-SECTIONS = ("bandwidth", "linears", "core", "ar", "accuracy", "drafts", "llama")
+SECTIONS = ("bandwidth", "linears", "core", "ar", "app", "accuracy", "drafts", "llama")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at",
            "List three primary colors:", "import numpy as np\n", "The quick brown fox", "In 1969, astronauts"]
 
@@ -122,6 +124,32 @@ def ar(m: Models, tokens: int, row_attention: bool) -> dict[str, Any]:
             "row_attention": row_attention, "load": load()}
 
 
+def app_ar(m: Models, gguf: bool, n_lo: int = 16, n_hi: int = 80) -> dict[str, Any]:
+    """The app's AR decoder (transformers' forward over the KV cache, what ``ask --mode ar`` and the
+    bench run), one thread: CPU ms per token from the difference of a long and a short greedy reply."""
+    from ssd_chat.engine.ar import ARDecoder
+    from ssd_chat.engine.chat import prompt_ids
+    from ssd_chat.engine.params import SamplingParams
+
+    pin((0,), 1)
+    m.swapped(gguf)
+    ids, _ = prompt_ids(m.lm.tokenizer, [{"role": "user", "content": "Write a short poem about the sea."}])
+    dec = ARDecoder(m.lm)
+
+    def cpu_of(n: int) -> tuple[float, tuple[int, ...]]:
+        t0 = time.thread_time()
+        done = list(dec.stream(ids, SamplingParams(max_new_tokens=n, ignore_eos=True)))[-1]
+        return time.thread_time() - t0, done.token_ids
+
+    cpu_of(4)
+    lo = min(cpu_of(n_lo)[0] for _ in range(2))
+    hi, toks = min(cpu_of(n_hi) for _ in range(2))
+    ms = (hi - lo) / (n_hi - n_lo) * 1e3
+    m.swapped(True)
+    return {"precision": "gguf Q4_1" if gguf else "float32", "cpu_ms_per_token": round(ms, 2), "tok_per_s_cpu": round(1e3 / ms, 1),
+            "tokens": list(toks), "load": load()}
+
+
 def accuracy(m: Models, tokens: int) -> dict[str, Any]:
     from ssd_chat.engine.core import Core
 
@@ -186,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     if "ar" in want:
         res["ar"] = [ar(m, a.tokens, ra) for ra in (False, True)]
         log(f"ar {res['ar']}")
+    if "app" in want:
+        res["app"] = [app_ar(m, g) for g in (True, False)]
+        res["app_same_tokens"] = res["app"][0]["tokens"] == res["app"][1]["tokens"]
+        log(f"app AR: {[(r['precision'], r['cpu_ms_per_token']) for r in res['app']]}, same tokens {res['app_same_tokens']}")
     if "accuracy" in want:
         res["accuracy"] = accuracy(m, 32)
         log(f"accuracy {res['accuracy']}")
@@ -231,6 +263,11 @@ def summary(res: dict[str, Any]) -> list[str]:
                 f"({r['tok_per_s_wall']} wall, load {r['load']})")
         if t1:
             line += f"; llama.cpp -t 1: {t1['tok_per_s_by_cpu']} tok/s by CPU time ({t1['tok_per_s']:.1f} wall): {r['tok_per_s_cpu'] / t1['tok_per_s_by_cpu']:.2f}x"
+        out.append(line)
+    for r in res.get("app", []):
+        line = f"app AR ({r['precision']}), 1 thread: {r['tok_per_s_cpu']} tok/s by CPU time ({r['cpu_ms_per_token']} ms per token, load {r['load']})"
+        if t1:
+            line += f"; {r['tok_per_s_cpu'] / t1['tok_per_s_by_cpu']:.2f}x llama.cpp -t 1"
         out.append(line)
     if "accuracy" in res:
         acc = res["accuracy"]

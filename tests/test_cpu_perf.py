@@ -30,6 +30,7 @@ def test_summary_states_load_ratio_and_bound():
     res = {"machine": {"cpu": "X", "cores": [0, 1]}, "load_start": 0.1, "load_end": 0.2,
            "start": {"gguf_MB": 96.4}, "bandwidth": {"GB_per_s": 24.1},
            "ar": [{"row_attention": True, "tok_per_s_cpu": 40.0, "tok_per_s_wall": 39.0, "load": 0.1}],
+           "app": [{"precision": "gguf Q4_1", "tok_per_s_cpu": 32.0, "cpu_ms_per_token": 31.25, "load": 0.2}],
            "llama": {"t1": {"tok_per_s_by_cpu": 64.0, "tok_per_s": 60.0}, "t2": {"tok_per_s": 100.0, "load": 0.3}},
            "accuracy": {"greedy_agreement": "256/256", "logits_max_abs_diff": 1.8e-4},
            "drafts": {"best_ssd": {"draft": "trained", "k": 2, "ssd_tok_per_s": 80.0}}}
@@ -38,6 +39,7 @@ def test_summary_states_load_ratio_and_bound():
     assert "load average 0.1 -> 0.2" in text and "96.4 MB per forward / 24.1 GB/s = 4.00 ms" in text
     assert "40.0 tok/s by CPU time (39.0 wall, load 0.1); llama.cpp -t 1: 64.0 tok/s by CPU time (60.0 wall): 0.62x" in text
     assert "greedy agreement 256/256, logits max abs diff 1.80e-04" in text
+    assert "app AR (gguf Q4_1), 1 thread: 32.0 tok/s by CPU time (31.25 ms per token, load 0.2); 0.50x llama.cpp -t 1" in text
     assert "draft trained, k=2): 80.0 tok/s; llama.cpp -t 2 on cores 0,1: 100.0 tok/s wall (load 0.3): 0.80x" in text
 
 
@@ -53,12 +55,13 @@ def test_a_short_run_on_the_packaged_model(smollm2, tmp_path, capsys):
     fake.write_text(FAKE.format(python=sys.executable))
     fake.chmod(0o755)
     out = tmp_path / "r.json"
-    assert cpu_perf.main(["--sections", "bandwidth,ar,accuracy,llama", "--tokens", "4", "--reps", "2",
+    assert cpu_perf.main(["--sections", "bandwidth,ar,app,accuracy,llama", "--tokens", "4", "--reps", "2",
                           "--llama-bench", str(fake), "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["start"]["gguf_MB"] < 100 and res["bandwidth"]["GB_per_s"] > 0
     assert [r["row_attention"] for r in res["ar"]] == [False, True] and all(r["tok_per_s_cpu"] > 0 for r in res["ar"])
     assert res["accuracy"]["greedy_agreement"].endswith("/256")
+    assert [r["precision"] for r in res["app"]] == ["gguf Q4_1", "float32"] and res["app_same_tokens"] is True
     assert res["llama"]["t1"]["tok_per_s"] == 50.0 and res["llama"]["t2"]["cores"] == [0, 1]
     printed = capsys.readouterr().out
     assert "llama.cpp -t 1" in printed and "bound:" in printed
