@@ -38,15 +38,18 @@ def load(name: str, placement: Any, dtype: str | None, trust_remote_code: bool =
          tqdm_class: Any = None) -> Any:
     """:func:`models.load`, then a GGUF on the CPU without a dtype asked for (``dtype``: the option as
     given) computes in its own precision."""
-    from . import models
+    from . import fastlinear, models
 
     progress = progress or models._no_progress
-    lm = models.load(name, placement, trust_remote_code, progress, tqdm_class)
-    if wanted(lm.spec.kind, placement.device.type, dtype) and not placement.device_map:
-        progress(f"reading {name}'s GGUF blocks", None)
-        t0 = time.perf_counter()
-        to_gguf(lm)
-        lm.load_s += time.perf_counter() - t0
+    if not (wanted(models.resolve(name).kind, placement.device.type, dtype) and not placement.device_map):
+        return models.load(name, placement, trust_remote_code, progress, tqdm_class)
+    with fastlinear.suspended():  # the linears it would time and wrap are replaced next
+        lm = models.load(name, placement, trust_remote_code, progress, tqdm_class)
+    progress(f"reading {name}'s GGUF blocks", None)
+    t0 = time.perf_counter()
+    to_gguf(lm)
+    fastlinear.install(lm.model)  # any plain float32 linear left (one the file keeps in F32/F16)
+    lm.load_s += time.perf_counter() - t0
     return lm
 
 
@@ -91,15 +94,19 @@ def state(lm: Any) -> "GGUFWeights | None":
 
 
 def of(lm: Any) -> str:
-    """What a loaded model's linears compute in: ``gguf Q4_1`` (the file's blocks) or its dtype (``float32``)."""
+    """What a loaded model's linears compute in: ``gguf Q4_1`` (the file's blocks), ``int8 dynamic`` or its dtype (``float32``)."""
     g = state(lm)
-    return g.label if g is not None else str(lm.placement.dtype).removeprefix("torch.")
+    if g is not None:
+        return g.label
+    if any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in lm.model.modules()):
+        return "int8 dynamic"  # the float path's int8 draft: torch's dynamic quantization
+    return str(lm.placement.dtype).removeprefix("torch.")
 
 
 def where(lm: Any) -> str:
     """Device and precision as the app shows them: ``cpu gguf Q4_1``, ``cpu float32``, ``cuda:0 bfloat16``."""
     label = lm.placement.label
-    return label if state(lm) is None else f"{label.rsplit(' ', 1)[0]} {of(lm)}"
+    return f"{label.rsplit(' ', 1)[0]} {of(lm)}"
 
 
 @dataclass
@@ -150,7 +157,7 @@ def float_view(target: Any) -> Iterator[None]:
 
 def derive(name: str, target: Any) -> Any:
     """The derived draft ``name`` (drafts.derive) in the target's precision."""
-    from . import drafts, fast_weights, quant
+    from . import drafts, fast_weights, fastlinear, quant
     from .layout import shallow
     from .models import LoadedModel, ModelSpec
 
@@ -165,10 +172,10 @@ def derive(name: str, target: Any) -> Any:
         draft = LoadedModel(name=name, spec=ModelSpec(name, "derived", name), model=model.eval(), tokenizer=target.tokenizer,
                             placement=target.placement, folder=target.folder, eos_ids=target.eos_ids)
     else:
-        with float_view(target):
+        with float_view(target), fastlinear.suspended():  # its linears are replaced next
             draft = drafts.derive(name, target)
-        mods = fast_weights.fast_draft(draft.model, g.modules)
-        quant.swap_modules(draft.model, mods)
+        quant.swap_modules(draft.model, fast_weights.fast_draft(draft.model, g.modules))
+        fastlinear.install(draft.model)
     kinds = _kinds(draft.model.modules())
     _states[draft.model] = GGUFWeights({}, {}, f"{GGUF} {kinds.most_common(1)[0][0]}" if kinds else of(target))
     return draft

@@ -98,6 +98,18 @@ def test_layers_and_copy_drafts_share_the_targets_gguf_linears(target):
     assert torch.equal(_logits(precision.derive("copy", target).model), _logits(target.model))
 
 
+def test_the_float_paths_int8_draft_is_labelled_as_such():
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = quantize_dynamic(nn.Sequential(nn.Linear(32, 32)), {nn.Linear}, dtype=torch.qint8)
+    lm = LoadedModel("int8", ModelSpec("int8", "derived", "int8"), model, None, Placement(torch.device("cpu"), torch.float32))
+    assert precision.of(lm) == "int8 dynamic" and precision.where(lm) == "cpu int8 dynamic"
+
+
 def test_int8_is_a_q8_copy_on_the_same_kernels(target):
     ref = _logits(target.model)
     precision.to_gguf(target)
@@ -128,3 +140,23 @@ def test_a_trained_draft_keeps_the_targets_blocks_and_q8_own_layers(target, tmp_
     got = _logits(d.model)
     keep = torch.isfinite(ref)
     assert torch.equal(keep, torch.isfinite(got)) and _close(got[keep], ref[keep], 0.05)
+
+
+def test_precision_load_does_not_time_the_float_linears_it_replaces(gguf_path, monkeypatch):
+    """models.load installs the CPU fast path on every float32 linear (0.75 s of a warm start on the
+    packaged model); a GGUF target in its own precision replaces them, so its load skips that."""
+    from ssd_chat.engine import fastlinear, models
+
+    seen = []
+
+    def fake_load(name, placement, *a, **k):
+        lm = LoadedModel(name="tiny-gguf", spec=ModelSpec("tiny-gguf", "gguf", str(gguf_path)), model=load_gguf(gguf_path),
+                         tokenizer=CharTokenizer(96), placement=placement)
+        seen.append(fastlinear.FastPath(timed=False).install(lm.model))  # what models.load's install does
+        return lm
+
+    monkeypatch.setattr(models, "load", fake_load)
+    lm = precision.load(str(gguf_path), models.parse_placement("cpu", "auto"), None)
+    assert seen == [0] and precision.of(lm) == "gguf Q4_1"
+    lm = precision.load(str(gguf_path), models.parse_placement("cpu", "float32"), "float32")
+    assert seen[1] == 3 * 7 + 1 and precision.of(lm) == "float32"
