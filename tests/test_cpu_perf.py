@@ -49,7 +49,26 @@ def test_unknown_section_is_a_usage_error(capsys):
     assert e.value.code == 2 and "unknown section(s) nope" in capsys.readouterr().err
 
 
+@pytest.fixture
+def restored_pinning():
+    """cpu_perf pins every thread of its process to core 0 at one torch thread (it is a command of its
+    own); in the test process that would leave later tests, SSD's placement among them, on one core."""
+    import os
+
+    import torch
+
+    cores, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:
+            pass
+
+
 @pytest.mark.slow
+@pytest.mark.usefixtures("restored_pinning")
 def test_a_short_run_on_the_packaged_model(smollm2, tmp_path, capsys):
     fake = tmp_path / "llama-bench"
     fake.write_text(FAKE.format(python=sys.executable))
