@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import rowattn
 from .errors import ModelError
 from .static_kv import StaticKV
 
@@ -140,11 +141,16 @@ class Core:
     model's context for scratch rows.  ``linear(module) -> callable``: how to call a projection
     (default: the module itself); ``compile``: ``off`` | ``on`` | ``auto`` (see core_compile).
     ``notify(text)`` gets one line when compiling fails and the core runs uncompiled;
-    ``progress(text)`` gets "compiling <name> for <T> rows (once)" before each first compile."""
+    ``progress(text)`` gets "compiling <name> for <T> rows (once)" before each first compile.
+    ``row_attention``: eager float32 CPU forwards of up to 16 rows attend with :mod:`rowattn`, where
+    a row's result does not depend on the other rows; with row-independent projections (GGUF
+    linears) a verify of k + 1 rows then equals k + 1 one-row steps bit for bit.  It costs up to
+    2-3x SDPA's time for several rows over long contexts, hence off by default."""
 
     def __init__(self, model: nn.Module, name: str = "model", compile: str = "off", rows: tuple[int, ...] = (),
                  mid_layer: int | None = None, lookahead: int = 0, linear: Callable[[nn.Module], Linear] | None = None,
-                 notify: Callable[[str], None] | None = None, progress: Callable[[str], None] | None = None) -> None:
+                 notify: Callable[[str], None] | None = None, progress: Callable[[str], None] | None = None,
+                 row_attention: bool = False) -> None:
         ok, why = supports(model)
         if not ok:
             raise ModelError(f"'{name}' cannot run on the compact core: {why}")
@@ -171,6 +177,7 @@ class Core:
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads)
         self.mid_layer = mid_layer
+        self.row_attention = row_attention
         if mid_layer is not None and not 0 <= mid_layer < len(self.layers):
             raise ValueError(f"mid_layer must be in [0, {len(self.layers)}), got {mid_layer}")
         w = self.embed.weight
@@ -285,6 +292,7 @@ class Core:
         # query head h reads KV head h // groups: fold the groups into rows instead of copying K/V
         fmask = mask[None].expand(groups, T, W).reshape(1, 1, groups * T, W)  # 4D: what every SDPA backend takes
         mid = x if self.mid_layer == 0 else None
+        rowwise = self.row_attention
         for i, L in enumerate(self.layers):
             p = projs[i]
             a = L.ln1(x)
@@ -298,9 +306,12 @@ class Core:
             kc, vc = ks[i], vs[i]  # [hkv, C+1, D]
             kc[:, slots] = k.transpose(0, 1)
             vc[:, slots] = v.transpose(0, 1)
-            qf = q.transpose(0, 1).reshape(1, hkv, groups * T, d)
-            o = F.scaled_dot_product_attention(qf, kc[None, :, :W], vc[None, :, :W], attn_mask=fmask, scale=L.scaling)
-            o = o.reshape(hq, T, d).transpose(0, 1).reshape(T, hq * d)
+            if rowwise and rowattn.usable(q, kc):  # each row computed as if alone (see rowattn)
+                o = rowattn.attend(q, kc, vc, mask, L.scaling).reshape(T, hq * d)
+            else:
+                qf = q.transpose(0, 1).reshape(1, hkv, groups * T, d)
+                o = F.scaled_dot_product_attention(qf, kc[None, :, :W], vc[None, :, :W], attn_mask=fmask, scale=L.scaling)
+                o = o.reshape(hq, T, d).transpose(0, 1).reshape(T, hq * d)
             x = x + p["o"](o)
             m = L.ln2(x)
             x = x + p["down"](F.silu(p["gate"](m)) * p["up"](m))

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from . import chat, drafts, forward, models
+from . import chat, drafts, forward, models, precision
 from .ar import ARDecoder
 from .config import CONFIG_MODES, MODES, EngineConfig
 from .drafts import check_draft_for_mode, default_draft
@@ -71,15 +71,15 @@ class Engine:
                 ttok = models.load_tokenizer(models.tokenizer_folder(tspec, tqdm_class), config.trust_remote_code)
                 dtok = models.load_tokenizer(models.tokenizer_folder(dspec, tqdm_class), config.trust_remote_code)
                 models.check_same_vocab(config.target, ttok, draft_name, dtok)
-        target = models.load(config.target, tplace, config.trust_remote_code, progress, tqdm_class)
+        target = precision.load(config.target, tplace, config.dtype, config.trust_remote_code, progress, tqdm_class)
         draft = None
         if draft_name is not None:
             progress(f"preparing draft {draft_name}", None)
             if drafts.is_derived(draft_name):
-                draft = drafts.derive(draft_name, target)
+                draft = precision.derive(draft_name, target)  # in the target's precision
             else:
                 assert dplace is not None
-                draft = models.load(draft_name, dplace, config.trust_remote_code, progress, tqdm_class)
+                draft = precision.load(draft_name, dplace, config.dtype, config.trust_remote_code, progress, tqdm_class)
         return cls(config, target, draft, pre.reason if pre.auto else None)
 
     # -- use ----------------------------------------------------------------------------
@@ -99,21 +99,24 @@ class Engine:
         out: dict[str, Any] = {
             "mode": c.mode, "k": c.k if c.mode != "ar" else None, "fan_out": c.fan_out if c.mode == "ssd" else None,
             "mode_reason": self.mode_reason if c.mode == self.loaded_mode else None,
-            "target": self.target.name, "target_device": self.target.placement.label,
+            "target": self.target.name, "target_device": precision.where(self.target),
             "draft": self.draft.name if uses_draft else None,
-            "draft_device": self.draft.placement.label if uses_draft else None,
+            "draft_device": precision.where(self.draft) if uses_draft else None,
             # what forwards each model (forward.LABELS): what ran last, else what will run
             "forward": forward.label(self.target.model, "target", c.compile),
             "draft_forward": self._draft_forward() if uses_draft else None,
+            # what the linears compute in: "gguf Q4_1" (the GGUF's blocks) or the dtype ("float32")
+            "precision": precision.of(self.target), "draft_precision": precision.of(self.draft) if uses_draft else None,
         }
         if c.mode == "ssd":  # the speculator runs where the SSD decoder's plan puts it, not where the draft was loaded
             from .ssd import plan
 
             p = plan(c, self.target.device, self.target.placement.cores)
             cores = f" (cores {','.join(map(str, p.draft_cores))})" if p.draft_cores else ""
-            out["draft_device"] = f"speculator on {p.draft_device}{cores}" + (", shared with the target" if p.shared else "")
+            out["draft_device"] = (f"speculator on {p.draft_device}{cores}, {out['draft_precision']}"
+                                   + (", shared with the target" if p.shared else ""))
             if p.target_cores:
-                out["target_device"] = f"{self.target.placement.device} (cores {','.join(map(str, p.target_cores))})"
+                out["target_device"] = f"{self.target.placement.device} (cores {','.join(map(str, p.target_cores))}) {out['precision']}"
         return out
 
     def _draft_forward(self) -> str:
@@ -133,7 +136,7 @@ class Engine:
             name = new.draft or default_draft(new.target)
             if not drafts.is_derived(name):
                 raise ParamError(f"mode '{new.mode}' needs the draft '{name}' loaded; restart with --mode {new.mode} --draft {name}")
-            draft = drafts.derive(name, self.target)
+            draft = precision.derive(name, self.target)
         check_draft_for_mode(new.mode, draft)
         self.draft = draft
         self.config = new

@@ -135,7 +135,7 @@ class FastPath:
         then :meth:`prepare` the current thread count (``announce`` is called once before any timing,
         the first load on a machine; ``tuned(fraction)`` hears how far it is).  Returns how many
         modules were replaced (0 when disabled, on GPU, or for other dtypes)."""
-        if not enabled():
+        if not enabled() or _suspended[0]:
             return 0
         for m in model.modules():  # copies of installed layers (a draft built from the target's) are served too
             if isinstance(m, FastLinear) and m.path is self:
@@ -252,6 +252,18 @@ def restore(model: nn.Module) -> None:
 
 
 _shared: FastPath | None = None
+_suspended = [0]
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """No :meth:`FastPath.install` inside: for a caller that replaces the linears right after (a GGUF
+    target's by GGUF linears), whose float ones would be timed and wrapped for nothing."""
+    _suspended[0] += 1
+    try:
+        yield
+    finally:
+        _suspended[0] -= 1
 
 
 def shared() -> FastPath:

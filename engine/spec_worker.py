@@ -25,28 +25,39 @@ from .speculator import Speculator
 @dataclass(frozen=True)
 class Recipe:
     """How the worker gets its draft without pickling a big model: load a folder (and derive
-    ``derived`` from it), or for models that exist only in memory (tests), a config + state_dict."""
+    ``derived`` from it), or for models that exist only in memory (tests), a config + state_dict.
+    ``gguf``: the GGUF whose blocks the model computes from (:mod:`precision`), as in the app."""
 
     dtype: torch.dtype
     device: str
     folder: str | None = None
     config: Any = None
     state_dict: dict | None = None
-    derived: str | None = None  # copy | int8 | layers:N, applied to what folder/state_dict holds
+    derived: str | None = None  # copy | int8 | layers:N | a trained draft's folder, applied to what folder/state_dict holds
+    gguf: str | None = None
 
 
 def recipe_for(draft: Any, target: Any, device: str, dtype: torch.dtype) -> Recipe:
     """The recipe that rebuilds ``draft`` (a LoadedModel) in another process."""
+    from . import precision
+
     derived = draft.spec.source if draft.spec.kind == "derived" else None
     src = target if derived else draft
+    gguf = src.spec.source if precision.state(src) is not None else None
     if src.folder is not None and (src.folder / "config.json").is_file():
-        return Recipe(dtype, device, folder=str(src.folder), derived=derived)
-    return Recipe(dtype, device, config=src.model.config, state_dict={n: t.detach().cpu() for n, t in src.model.state_dict().items()},
-                  derived=derived)
+        return Recipe(dtype, device, folder=str(src.folder), derived=derived, gguf=gguf)
+    with precision.float_view(src):  # the float weights (GGUF linears hold no state_dict entries)
+        state = {n: t.detach().cpu() for n, t in src.model.state_dict().items()}
+    return Recipe(dtype, device, config=src.model.config, state_dict=state, derived=derived, gguf=gguf)
 
 
 def build_model(recipe: Recipe) -> torch.nn.Module:
+    from pathlib import Path
+
     from transformers import AutoModelForCausalLM
+
+    from . import precision
+    from .models import LoadedModel, ModelSpec, Placement
 
     dev = torch.device(recipe.device)
     if recipe.folder is not None:
@@ -55,13 +66,12 @@ def build_model(recipe: Recipe) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_config(recipe.config).to(recipe.dtype)
         model.load_state_dict(recipe.state_dict)
     model = model.to(dev).eval()
+    spec = ModelSpec("target", "gguf", recipe.gguf) if recipe.gguf else ModelSpec("target", "folder", recipe.folder or "memory")
+    base = LoadedModel("target", spec, model, None, Placement(dev, recipe.dtype), folder=Path(recipe.folder) if recipe.folder else None)
+    if recipe.gguf:
+        precision.to_gguf(base)  # the tiles from the converted folder's cache, as the app read them
     if recipe.derived:
-        from . import drafts
-        from .models import LoadedModel, ModelSpec, Placement
-
-        base = LoadedModel("target", ModelSpec("target", "folder", recipe.folder or "memory"), model, None,
-                           Placement(dev, recipe.dtype))
-        model = drafts.derive(recipe.derived, base).model
+        model = precision.derive(recipe.derived, base).model
     from . import fastlinear
 
     fastlinear.install(model)  # as models.load does for the app's models (CPU float32 only)

@@ -151,6 +151,13 @@ def ask(
     raise typer.Exit(code)
 
 
+def precision_of(engine) -> dict[str, str | None]:
+    from .engine.precision import of
+
+    uses_draft = engine.draft is not None and engine.config.mode != "ar"
+    return {"target": of(engine.target), "draft": of(engine.draft) if uses_draft else None}
+
+
 def _answer(engine, prompt: str, values: dict[str, Any], params, json_out: bool, stats: bool) -> int:
     from .engine.events import Done, Error, Notice, Token
     from .session import Session
@@ -184,6 +191,7 @@ def _answer(engine, prompt: str, values: dict[str, Any], params, json_out: bool,
                     "draft": engine.draft.name if engine.draft is not None and engine.config.mode != "ar" else None,
                     # what forwarded the models: core eager / core compiled / transformers
                     **{key: info[key] for key in ("forward", "draft_forward") for info in [engine.describe()]},
+                    "precision": precision_of(engine),  # what the linears computed in: "gguf Q4_1", "float32"
                     "finish_reason": ev.reason,
                     "stats": {
                         "new_tokens": s.new_tokens, "rounds": s.rounds, "tok_per_s": s.tok_per_s, "ttft_s": s.ttft_s,

@@ -170,6 +170,7 @@ def register(app: typer.Typer) -> None:
                     out[k_]["in_force"] = v
             out["mode"].update({"resolved": engine.get("mode"), "reason": engine.get("mode_reason"),
                                 "warnings": engine.get("warnings", []), "error": engine.get("mode_error")})
+            out["dtype"]["precision"] = engine.get("precision")  # what the linears will compute in
             typer.echo(json.dumps(out, indent=2))
             if invalid is not None:
                 raise _fail(str(invalid), 2 if invalid.usage else 1)
@@ -185,6 +186,8 @@ def register(app: typer.Typer) -> None:
             shown = "—" if v is None else str(v)
             if key == "mode" and v == "auto" and "mode" in engine:
                 shown = f"auto → {engine['mode']}"
+            elif key == "dtype" and engine.get("precision") not in (None, v):
+                shown = f"{v} → {engine['precision']}"
             elif key in engine and v is None:
                 shown = f"{engine[key]} (engine default)"
             table.add_row(key, shown, config.describe_source(key, sources[key]))
@@ -203,6 +206,8 @@ def register(app: typer.Typer) -> None:
         ``{"mode_error": ...}`` when the settings cannot load (the same error a start would give)."""
         from .config import engine_config
         from .engine.errors import SSDChatError
+        from .engine.models import parse_placement
+        from .engine.precision import planned
         from .engine.preflight import check, in_force
 
         try:
@@ -211,6 +216,8 @@ def register(app: typer.Typer) -> None:
             return {"mode_error": str(e)}
         out = dict(in_force(pre.config))
         out.update(mode=pre.config.mode, mode_reason=pre.reason, warnings=list(pre.warnings))
+        c = pre.config
+        out["precision"] = planned(c.target, c.target_device, c.dtype) or str(parse_placement(c.target_device, c.dtype).dtype).removeprefix("torch.")
         return out
 
     @config_app.command("path")

@@ -113,7 +113,9 @@ def test_describe_says_where_ssd_runs_without_starting_the_speculator(tiny_targe
     d = e.describe()
     assert e._decoder is None  # describing starts nothing
     assert (d["mode"], d["k"], d["fan_out"], d["target"], d["draft"]) == ("ssd", 3, "uniform:2", tiny_target.name, tiny_draft.name)
-    assert d["draft_device"] == "speculator on cpu (cores 1)" and d["target_device"].endswith("(cores 0)")
+    # with what each computes in: the tiny models' dtype (a GGUF target on the CPU says "gguf Q4_1")
+    assert d["draft_device"] == "speculator on cpu (cores 1), float64" and d["target_device"].endswith("(cores 0) float64")
+    assert (d["precision"], d["draft_precision"]) == ("float64", "float64")
     e.reconfigure(mode="ar")
     d = e.describe()
     assert (d["k"], d["fan_out"], d["draft"], d["draft_device"]) == (None, None, None, None)

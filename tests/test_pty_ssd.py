@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import sys
 import time
@@ -116,6 +117,23 @@ def test_the_demo_runs_ssd_with_a_speculator_process(tmp_path):
     assert ssd_turns and seen
     assert all(s.get("ran_as") is None and s["cache_hit_rate"] > 0 for s in ssd_turns), ssd_turns
     assert "unavailable" not in screen and "Traceback" not in screen
+    assert status == 0
+    _, alive = psutil.wait_procs(helpers, timeout=10)
+    assert not alive
+
+
+def test_the_app_decodes_the_gguf_in_its_own_precision(tmp_path):
+    """The default load of the packaged GGUF: the panel says the target computes in GGUF Q4_1 and the
+    int8 draft, rebuilt in the speculator process, in Q8_0 blocks; SSD runs there with cache hits."""
+    screen, saved, seen, helpers, status = run_app(
+        tmp_path, ["--mode", "ssd", "--draft", "int8", "--max-new-tokens", "24", "--temperature", "0"], 1,
+        "List three facts about the moon.")
+    assert saved, screen[-3000:]
+    stats = saved[0][1]
+    assert seen and stats["mode"] == "ssd" and stats.get("ran_as") is None, stats
+    assert stats["cache_hit_rate"] and stats["cache_hit_rate"] > 0, stats
+    assert re.search(r"target +smollm2-135m-gguf @ cpu.* gguf Q4_1", screen), screen[-3000:]
+    assert re.search(r"draft +int8 @ speculator on cpu.*, gguf Q8_0", screen), screen[-3000:]
     assert status == 0
     _, alive = psutil.wait_procs(helpers, timeout=10)
     assert not alive

@@ -41,6 +41,7 @@ def bench_command(
     preset: Annotated[Optional[str], typer.Option("--preset", help="gpu: a target/draft pair from the local HF cache, bf16, the draft on its own GPU.", show_default=False)] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan (models, placements, prompts) and exit without loading anything.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No per-run progress lines on stderr.")] = False,
+    against: Annotated[Optional[tuple[str, str]], typer.Option("--against", metavar="llama.cpp PATH", help="Also time llama.cpp's llama-bench (PATH: the binary or its build folder) on the same GGUF, cores and token count, and report the ratios.", show_default=False)] = None,
     target: Target = None, draft: Draft = None, k: K = None,
     temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
     target_device: TargetDevice = None, draft_device: DraftDevice = None, dtype: Dtype = None,
@@ -52,6 +53,10 @@ def bench_command(
     Exit status: 0 on success, 2 on bad usage, 1 on a failure, 3 when a greedy SD/SSD reply differs from AR's.
     """
     from rich.console import Console
+
+    from . import llamacpp
+    from ..engine.errors import ModelError
+    from ..engine.models import resolve
 
     local = {"target": target, "draft": draft, "k": k, "temperature": temperature, "top_p": top_p, "top_k": top_k,
              "seed": seed, "target_device": target_device, "draft_device": draft_device, "dtype": dtype,
@@ -80,7 +85,9 @@ def bench_command(
             values, notes = gpu_preset(values, given, hw)
         plans, more = make_plans(protos, mode_list, values.get("target_device") or "auto", values.get("draft_device") or "auto", hw)
         notes += more
-    except BenchError as e:
+        if against is not None:
+            llama_exe = llamacpp.check_against(against[0], against[1], resolve(values["target"]))
+    except (BenchError, llamacpp.LlamaCppError, ModelError) as e:
         raise fail(str(e)) from None
     race = BenchSettings(
         modes=mode_list, protocols=protos, max_new_tokens=max_new, repeats=repeats,
@@ -121,7 +128,16 @@ def bench_command(
                            "fallback": base_cfg.fallback, "compile": base_cfg.compile}, machine, notes, pool.decode)
     from .render import markdown, render
 
+    versus, versus_error = [], None
+    if against is not None:  # after ssd-chat's runs, on the cores each protocol gave AR
+        try:
+            versus = llamacpp.against(llama_exe, resolve(values["target"]).source, plans, report, max_new,
+                                      None if quiet else (lambda s: err.print(f"[dim]{s}…[/]")))
+        except llamacpp.LlamaCppError as e:  # ssd-chat's own results are still reported
+            versus_error = str(e)
     render(report, console)
+    for line in versus:
+        console.print(line, highlight=False)
     for n in notes:
         console.print(f"note: {n}")
     if json_file is not None:
@@ -142,4 +158,6 @@ def bench_command(
         err.print("[bold red]ssd-chat: error: greedy SD/SSD output differs from AR (see GREEDY MISMATCH above)[/]")
     if failed:
         err.print(f"[bold red]ssd-chat: error: {failed} run(s) failed (see the JSON for the messages)[/]")
-    raise typer.Exit(1 if failed else 3 if mismatched else 0)
+    if versus_error:
+        err.print(f"ssd-chat: error: {versus_error}", markup=False, highlight=False)
+    raise typer.Exit(1 if failed or versus_error else 3 if mismatched else 0)

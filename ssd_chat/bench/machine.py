@@ -103,11 +103,17 @@ def busy_note(machine: dict[str, Any], hw: Hardware) -> str | None:
 
 
 def weight_bytes(model: Any) -> int:
-    """Bytes of a model's weights, each shared tensor once (a tied head is the embedding): what a
-    batch-1 forward streams from memory, since every weight is read once per forward."""
+    """Bytes a batch-1 forward streams from memory: every weight once (a shared tensor once), a GGUF
+    linear as its blocks (its buffers).  An embedding table is not streamed (a forward reads one row
+    per token) unless it is also the head, whose linear then counts it."""
+    from torch import nn
+
     seen: dict[int, int] = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        seen.setdefault(t.data_ptr(), t.numel() * t.element_size())
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            continue
+        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+            seen.setdefault(t.data_ptr(), t.numel() * t.element_size())
     return sum(seen.values())
 
 

@@ -225,35 +225,40 @@ class ModelPool:
         return "cpu" if d.startswith("cpu") or d == "auto" and not _cuda() else d
 
     def models_for(self, plan: Plan) -> tuple[Any, Any]:
-        from ..engine import drafts, models
+        from ..engine import drafts, models, precision
 
         tk = self._key(plan.target_device)
         if tk not in self._targets:
             self._progress(f"loading {self.values['target']} on {plan.target_device}")
-            self._targets[tk] = models.load(self.values["target"], models.parse_placement(plan.target_device, self.values.get("dtype") or "auto"),
-                                            bool(self.values.get("trust_remote_code")))
+            dtype = self.values.get("dtype")
+            self._targets[tk] = precision.load(self.values["target"], models.parse_placement(plan.target_device, dtype or "auto"), dtype,
+                                               bool(self.values.get("trust_remote_code")))
         target = self._targets[tk]
         if plan.mode == "ar" or self.draft_name is None:
             return target, None
         dk = (tk, self._key(plan.draft_device))
         if dk not in self._drafts:
             if drafts.is_derived(self.draft_name):
-                self._drafts[dk] = drafts.derive(self.draft_name, target)
+                self._drafts[dk] = precision.derive(self.draft_name, target)  # in the target's precision
             else:
                 self._progress(f"loading {self.draft_name} on {plan.draft_device}")
-                self._drafts[dk] = models.load(self.draft_name, models.parse_placement(plan.draft_device, self.values.get("dtype") or "auto"),
-                                               bool(self.values.get("trust_remote_code")))
+                dtype = self.values.get("dtype")
+                self._drafts[dk] = precision.load(self.draft_name, models.parse_placement(plan.draft_device, dtype or "auto"), dtype,
+                                                  bool(self.values.get("trust_remote_code")))
         return target, self._drafts[dk]
 
     def decode(self, ids: list[int]) -> str:
         return self._first.target.tokenizer.decode(ids, skip_special_tokens=False)
 
     def describe(self) -> dict[str, Any]:
+        from ..engine import precision
+
         t = self._first.target
-        out: dict[str, Any] = {"target": {"name": t.name, "params": t.num_params, "dtype": str(t.placement.dtype).removeprefix("torch.")}}
+        out: dict[str, Any] = {"target": {"name": t.name, "params": precision.num_params(t), "dtype": str(t.placement.dtype).removeprefix("torch."),
+                                          "precision": precision.of(t)}}
         d = self._first.draft
         if d is not None:
-            out["draft"] = {"name": d.name, "params": d.num_params}
+            out["draft"] = {"name": d.name, "params": precision.num_params(d), "precision": precision.of(d)}
         return out
 
 
