@@ -21,7 +21,7 @@ from . import catalog, models
 from .errors import ModelError, ParamError
 
 if TYPE_CHECKING:
-    from .engine import EngineConfig
+    from .config import EngineConfig
 
 
 @dataclass(frozen=True, slots=True)
