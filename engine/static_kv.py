@@ -122,18 +122,7 @@ class StaticKV:
 
     def tree_mask(self, slots: torch.Tensor, ancestors: list[list[int]] | torch.Tensor, prefix: int, width: int) -> torch.Tensor:
         """bool [rows, width]: row r sees slots [0, prefix), its ``ancestors`` (slot lists, or a bool
-        [rows, <=width] of extra visible slots) and its own slot."""
-        rows = int(slots.numel())
-        mask = torch.zeros(rows, width, dtype=torch.bool, device=self.device)
-        mask[:, :prefix] = True
-        if isinstance(ancestors, torch.Tensor):
-            mask[:, : ancestors.shape[1]] |= ancestors.to(self.device, torch.bool)
-        else:
-            if len(ancestors) != rows:
-                raise ValueError(f"{len(ancestors)} ancestor lists for {rows} rows")
-            r = [i for i, a in enumerate(ancestors) for _ in a]
-            c = [s for a in ancestors for s in a]
-            if c:
-                mask[torch.tensor(r, device=self.device), torch.tensor(c, device=self.device)] = True
-        mask[torch.arange(rows, device=self.device), slots] = True
-        return mask
+        [rows, <=width] of extra visible slots) and its own slot (:func:`kv.tree_mask`, on this cache's device)."""
+        from .kv import tree_mask
+
+        return tree_mask(slots.to(self.device), ancestors, prefix, width)
