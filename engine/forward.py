@@ -32,7 +32,8 @@ LABELS = ("core eager", "core compiled", "transformers")
 class _State:
     """What this process keeps per model: its cores, its last runner per role, notices."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: int = 0) -> None:
+        self.owner = owner  # id() of the model this belongs to: a shallow copy (copy.copy) shares the __dict__ entry
         self.cores: dict[tuple, Core] = {}
         self.runners: dict[tuple[str, str], Any] = {}  # (role, compile) -> the last runner made
         self.said: set[str] = set()
@@ -50,10 +51,15 @@ class _State:
 _ATTR = "_ssd_chat_forward"  # kept on the model itself: a weak mapping would keep it alive (core -> model)
 
 
+def _own(model: torch.nn.Module) -> _State | None:
+    st = model.__dict__.get(_ATTR)
+    return st if st is not None and st.owner == id(model) else None
+
+
 def _state(model: torch.nn.Module) -> _State:
     st = model.__dict__.get(_ATTR)
-    if st is None:
-        st = model.__dict__[_ATTR] = _State()
+    if st is None or st.owner != id(model):  # none yet, or inherited by a shallow copy (a derived draft)
+        st = model.__dict__[_ATTR] = _State(id(model))
     return st
 
 
@@ -90,7 +96,7 @@ def predict(model: torch.nn.Module, compile: str) -> str:
 
 def label(model: torch.nn.Module, name: str, compile: str) -> str:
     """What forwards ``model`` in the role ``name``: its last runner's label, else :func:`predict`."""
-    got = model.__dict__.get(_ATTR)
+    got = _own(model)
     r = got.runners.get((name, compile)) if got is not None else None
     return r.label if r is not None else predict(model, compile)
 
@@ -99,7 +105,7 @@ def take_notices(*models: torch.nn.Module | None) -> list[str]:
     """The notices queued for these models since the last call (each said once per process)."""
     out: list[str] = []
     for m in models:
-        st = m.__dict__.get(_ATTR) if m is not None else None
+        st = _own(m) if m is not None else None
         if st is not None and st.pending:
             out += st.pending
             st.pending.clear()

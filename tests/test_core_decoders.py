@@ -140,3 +140,19 @@ def test_packaged_model_on_the_core_equals_the_transformers_path(smollm2):
             got = reply(core, prompt, 32)[0]
             assert got == reply(ref, prompt, 32)[0], mode
             assert core.describe()["forward"] == "core eager" and ref.describe()["forward"] == "transformers"
+
+
+def test_a_shallow_copy_of_a_model_gets_cores_of_its_own(pair):
+    """Derived drafts are shallow copies of the target module (its __dict__ copied): a draft must not
+    run on the core cached for the target or for an earlier draft made the same way."""
+    import copy
+
+    target, _ = pair
+    first = copy.copy(target.model)
+    first.model = copy.copy(target.model.model)
+    first.model.layers = torch.nn.ModuleList(list(target.model.model.layers)[:1])
+    r1 = forward.runner(target.model, "draft", "off")
+    r2 = forward.runner(first, "draft", "off")
+    assert r2.core is not r1.core and r2.core.model is first
+    second = copy.copy(first)
+    assert forward.runner(second, "draft", "off").core.model is second
