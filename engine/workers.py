@@ -10,7 +10,9 @@ app, Textual's) is unsafe.  Two things make spawn fail or leak unless handled he
   takes the terminal), and :func:`start` puts the interpreter's own streams back for the
   moment a process starts, in case a worker is started later from inside the app.
 * A worker must not outlive the app, even when the app is killed: :func:`die_with_parent`
-  (Linux ``PR_SET_PDEATHSIG``) is the first thing a worker runs.
+  (Linux ``PR_SET_PDEATHSIG``) is the first thing a worker runs.  That signal comes when the
+  *thread* that started the worker ends, so :func:`start` starts every worker from one thread
+  that lives as long as the process (the app loads models in short-lived threads).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 _lock = threading.Lock()
@@ -71,8 +74,19 @@ def prepare() -> None:
         resource_tracker.ensure_running()
 
 
+_spawner: ThreadPoolExecutor | None = None
+
+
 def start(proc: multiprocessing.process.BaseProcess) -> None:
-    """``proc.start()`` with real stdio (see the module docstring)."""
+    """``proc.start()`` with real stdio, from the process's spawner thread (see the module docstring)."""
+    global _spawner
+    with _lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(1, thread_name_prefix="ssd-spawner")  # its thread stays until exit
+    _spawner.submit(_start, proc).result()
+
+
+def _start(proc: multiprocessing.process.BaseProcess) -> None:
     from multiprocessing import resource_tracker
 
     with real_stdio():

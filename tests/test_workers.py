@@ -75,3 +75,37 @@ def test_real_stdio_restores_the_replaced_streams(monkeypatch):
     with workers.real_stdio():
         assert sys.stderr.fileno() >= 0
     assert sys.stderr is fake
+
+
+def _wait_then_sleep(conn) -> None:  # a worker: die with the parent, say so, live on
+    import time
+
+    workers.die_with_parent()
+    conn.send("armed")
+    time.sleep(60)
+
+
+def test_a_worker_outlives_the_thread_that_started_it():
+    """PR_SET_PDEATHSIG fires when the *thread* that started a worker ends.  The app loads models (and starts
+    tensor-parallel ranks) in a thread that ends after the load, so workers must start from a thread that lives
+    as long as the process: a worker started from a short thread, which outlives the worker's prctl, still runs."""
+    import threading
+    import time
+
+    ctx = workers.context()
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_wait_then_sleep, args=(child,), daemon=True)
+
+    def short_thread() -> None:
+        workers.start(proc)
+        assert parent.poll(60) and parent.recv() == "armed"  # the signal is armed while this thread still runs
+
+    t = threading.Thread(target=short_thread)
+    t.start()
+    t.join()
+    time.sleep(1.0)
+    try:
+        assert proc.is_alive(), f"the worker {workers.exit_words(proc)} when the thread that started it ended"
+    finally:
+        proc.kill()
+        proc.join(10)
