@@ -18,7 +18,7 @@ from .metrics import Metrics
 from .models import LoadedModel
 from .params import SamplingParams
 from .sampling import make_generator, sample_next
-from .errors import ModelError, ParamError
+from .errors import ModelError, ParamError, TPError
 
 
 def context_budget(model: LoadedModel, num_prompt: int, params: SamplingParams, lookahead: int = 0) -> int:
@@ -40,6 +40,8 @@ def error_event(exc: BaseException, builder: ReplyBuilder) -> Error:
         msg, kind = "out of GPU memory during generation; try a shorter chat, fewer new tokens or a smaller model", "oom"
     elif isinstance(exc, ModelError):  # e.g. no memory for a KV cache: its message names the model and the size
         msg, kind = str(exc), "oom" if "out of memory" in str(exc) else "runtime"
+    elif isinstance(exc, TPError):  # a rank died or hung: all were closed, and the next reply starts them (tp_load)
+        msg, kind = f"{exc}; they start again with the next message", "runtime"
     else:
         msg, kind = f"{type(exc).__name__}: {exc}", "runtime"
     return Error(msg, kind, builder.text + builder.flush(), tuple(builder.token_ids))

@@ -15,18 +15,27 @@ from .errors import DeviceError
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where a model runs.  ``cores`` is set for ``cpu:N`` style pinning (SSD workers)."""
+    """Where a model runs.  ``cores`` is set for ``cpu:N`` style pinning (SSD workers; for CPU ranks,
+    all their cores).  ``ranks``: tensor parallelism, one rank per device (rank 0 is ``device``, in
+    this process), each CPU rank on its ``rank_cores``; ``device_map``: a transformers pipeline."""
 
     device: torch.device
     dtype: torch.dtype
     cores: tuple[int, ...] | None = None
-    device_map: tuple[str, ...] | None = None  # several GPUs for one model
+    device_map: tuple[str, ...] | None = None  # pipeline: several GPUs for one model, one at work at a time
+    ranks: tuple[str, ...] | None = None
+    rank_cores: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def label(self) -> str:
-        where = ",".join(self.device_map) if self.device_map else str(self.device)
-        if self.cores is not None:
-            where += f" (cores {','.join(map(str, self.cores))})"
+        if self.ranks:
+            from .placement import TargetPlan
+
+            where = TargetPlan("tp", self.ranks, self.rank_cores).label
+        else:
+            where = ",".join(self.device_map) if self.device_map else str(self.device)
+            if self.cores is not None:
+                where += f" (cores {','.join(map(str, self.cores))})"
         return f"{where} {str(self.dtype).removeprefix('torch.')}"
 
 
@@ -43,6 +52,10 @@ def parse_placement(device: str = "auto", dtype: str = "auto", option: str = "--
     ``mps``; for the target also ``cuda:0-3``, ``cuda:0,cuda:1``, ``pipeline:cuda:0,cuda:1``: see :mod:`placement`)
     against the hardware present; errors name ``option``, the one the user gave."""
     spec = (device or "auto").strip().lower()
+    if spec == "auto" and option == "--target-device" and torch.cuda.is_available() and torch.cuda.device_count() >= 3:
+        from .placement import plan_target
+
+        spec = ",".join(plan_target("auto", gpus=torch.cuda.device_count()).devices)  # TP over all GPUs but the last
     if "," in spec or spec.startswith("pipeline:") or re.fullmatch(r"cuda:\d+-\d+", spec):
         return _several(spec, device, dtype, option)
     cores = None
@@ -85,19 +98,20 @@ def parse_placement(device: str = "auto", dtype: str = "auto", option: str = "--
 
 
 def _several(spec: str, given: str, dtype: str, option: str) -> Placement:
-    """A device list or range (see :mod:`placement`).  GPUs load as a device_map pipeline for now:
-    the decoders do not run on the tensor-parallel core yet (preflight says so); CPU ranks are refused."""
-    from .placement import CPU_TP_NOT_IN_CHAT, parse_devices
+    """A device list or range (see :mod:`placement`): tensor parallelism (one rank per GPU or per
+    listed CPU core set), or with ``pipeline:`` transformers' device_map over the GPUs."""
+    from .placement import parse_devices
 
     plan = parse_devices(spec, given, option)
-    if plan.kind == "single":  # cuda:1-1
+    if plan.kind == "single":  # cuda:1-1, cpu:0-3
         return parse_placement(plan.devices[0], dtype, option)
     if option != "--target-device":
         raise DeviceError(f"{option} {given}: the draft runs on one device (list several for the target only)")
-    if plan.backend == "gloo":
-        raise DeviceError(f"{option} {given}: {CPU_TP_NOT_IN_CHAT}")
     first = torch.device(plan.devices[0])
-    return Placement(first, _dtype(dtype, first), None, plan.devices)
+    if plan.kind == "pipeline":
+        return Placement(first, _dtype(dtype, first), None, plan.devices)
+    cores = tuple(c for rank in plan.cores for c in rank) if plan.cores else None
+    return Placement(first, _dtype(dtype, first), cores, ranks=plan.devices, rank_cores=plan.cores)
 
 
 def _dtype(dtype: str, first: torch.device) -> torch.dtype:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from . import chat, drafts, forward, models, precision
+from . import chat, drafts, forward, models, precision, tp_load
 from .ar import ARDecoder
 from .config import CONFIG_MODES, MODES, EngineConfig
 from .drafts import check_draft_for_mode, default_draft
@@ -71,15 +71,23 @@ class Engine:
                 ttok = models.load_tokenizer(models.tokenizer_folder(tspec, tqdm_class), config.trust_remote_code)
                 dtok = models.load_tokenizer(models.tokenizer_folder(dspec, tqdm_class), config.trust_remote_code)
                 models.check_same_vocab(config.target, ttok, draft_name, dtok)
-        target = precision.load(config.target, tplace, config.dtype, config.trust_remote_code, progress, tqdm_class)
+        if tplace.ranks:  # tensor parallelism: the weights load in the rank processes
+            rows = (1, config.k + 1)
+            target = tp_load.load(config.target, tplace, config.compile, rows, config.trust_remote_code, progress, tqdm_class)
+        else:
+            target = precision.load(config.target, tplace, config.dtype, config.trust_remote_code, progress, tqdm_class)
         draft = None
-        if draft_name is not None:
-            progress(f"preparing draft {draft_name}", None)
-            if drafts.is_derived(draft_name):
-                draft = precision.derive(draft_name, target)  # in the target's precision
-            else:
-                assert dplace is not None
-                draft = precision.load(draft_name, dplace, config.dtype, config.trust_remote_code, progress, tqdm_class)
+        try:
+            if draft_name is not None:
+                progress(f"preparing draft {draft_name}", None)
+                if drafts.is_derived(draft_name):  # in the target's precision
+                    draft = precision.derive(draft_name, tp_load.draft_base(target, config.draft_device, progress))
+                else:
+                    assert dplace is not None
+                    draft = precision.load(draft_name, dplace, config.dtype, config.trust_remote_code, progress, tqdm_class)
+        except BaseException:
+            forward.close(target.model)  # no rank outlives a load that failed
+            raise
         return cls(config, target, draft, pre.reason if pre.auto else None)
 
     # -- use ----------------------------------------------------------------------------
@@ -115,7 +123,7 @@ class Engine:
             cores = f" (cores {','.join(map(str, p.draft_cores))})" if p.draft_cores else ""
             out["draft_device"] = (f"speculator on {p.draft_device}{cores}, {out['draft_precision']}"
                                    + (", shared with the target" if p.shared else ""))
-            if p.target_cores:
+            if p.target_cores and not self.target.placement.ranks:
                 out["target_device"] = f"{self.target.placement.device} (cores {','.join(map(str, p.target_cores))}) {out['precision']}"
         return out
 
@@ -136,7 +144,7 @@ class Engine:
             name = new.draft or default_draft(new.target)
             if not drafts.is_derived(name):
                 raise ParamError(f"mode '{new.mode}' needs the draft '{name}' loaded; restart with --mode {new.mode} --draft {name}")
-            draft = precision.derive(name, self.target)
+            draft = precision.derive(name, tp_load.draft_base(self.target, new.draft_device))
         check_draft_for_mode(new.mode, draft)
         self.draft = draft
         self.config = new
@@ -156,9 +164,11 @@ class Engine:
         return self.decoder().stream(prompt_ids, params, stop)
 
     def close(self) -> None:
+        """Stop the speculator and any tensor-parallel ranks (a later reply starts them again)."""
         if self._decoder is not None and hasattr(self._decoder, "close"):
             self._decoder.close()
         self._decoder = None
+        forward.close(self.target.model)
 
     def __enter__(self) -> "Engine":
         return self

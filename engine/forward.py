@@ -8,7 +8,9 @@
 * ``transformers``: the transformers modules on a ``DynamicCache`` (the reference path).
 
 A model the core does not run (:func:`core.supports`: another architecture, a feature draft, a
-model split over devices) keeps the transformers path, with one notice saying why.
+model split over devices) keeps the transformers path, with one notice saying why.  A
+tensor-parallel target (:mod:`tp_load`) has a :class:`tp_load.Sharded` attached (:func:`attach`):
+its runner is always the core, over its ranks.
 
 Cores are kept with their model, one per role (``name``: target, draft) and row shapes, so each
 reply reuses the cache buffer and the compiled graphs of the one before (a reply starts with
@@ -24,6 +26,7 @@ import torch
 
 from . import kv
 from .config import COMPILE
+from .errors import ParamError
 from .core import Core, supports
 
 LABELS = ("core eager", "core compiled", "transformers")
@@ -38,6 +41,7 @@ class _State:
         self.runners: dict[tuple[str, str], Any] = {}  # (role, compile) -> the last runner made
         self.said: set[str] = set()
         self.pending: list[str] = []
+        self.sharded: Any = None  # tp_load.Sharded: the ranks that hold this (weightless) model's weights
 
     def __deepcopy__(self, memo: dict) -> "_State":
         return _State()  # a copied model (the ``copy`` draft) gets cores of its own
@@ -71,6 +75,13 @@ def runner(model: torch.nn.Module, name: str, compile: str = "off", rows: tuple[
     if compile not in COMPILE:
         raise ValueError(f"compile must be one of {', '.join(COMPILE)}, got '{compile}'")
     st = _state(model)
+    if st.sharded is not None:
+        if mid_layer is not None:
+            raise ParamError("a feature draft reads the target's hidden states, which a tensor-parallel target does not return")
+        core = st.sharded.core(st.say)  # started again if a rank was lost
+        core.reset()
+        st.runners[name, compile] = kv.CoreRunner(core)
+        return st.runners[name, compile]
     if compile != "transformers":
         ok, why = supports(model)
         if ok:
@@ -87,8 +98,30 @@ def runner(model: torch.nn.Module, name: str, compile: str = "off", rows: tuple[
     return st.runners[name, compile]
 
 
+def attach(model: torch.nn.Module, sharded: Any) -> None:
+    """Run ``model`` (weightless) on the ranks of ``sharded`` from now on (see :mod:`tp_load`)."""
+    _state(model).sharded = sharded
+
+
+def attached(model: torch.nn.Module) -> Any:
+    """The :class:`tp_load.Sharded` that runs ``model``, if any."""
+    got = _own(model)
+    return got.sharded if got is not None else None
+
+
+def close(model: torch.nn.Module | None) -> None:
+    """Stop the ranks that run ``model``, if it has any (idempotent)."""
+    sharded = attached(model) if model is not None else None
+    if sharded is not None:
+        sharded.close()
+
+
 def predict(model: torch.nn.Module, compile: str) -> str:
     """The label a runner for ``model`` will have, before one exists (``auto``: "core auto")."""
+    sharded = attached(model)
+    if sharded is not None:
+        mode = sharded.compile if sharded.compile != "auto" else "on" if sharded.placement.device.type == "cuda" else "off"
+        return kv.tp_label("core compiled" if mode == "on" else "core eager", sharded.world)
     if compile == "transformers" or not supports(model)[0]:
         return "transformers"
     return {"off": "core eager", "on": "core compiled"}.get(compile, "core auto")

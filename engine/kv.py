@@ -215,7 +215,7 @@ class CoreRunner:
         """What forwards this runner: "core compiled" while any row shape runs compiled, else "core eager"."""
         c = self.core.compiler
         compiled = c.active and any(c.verdicts.get(r) != "eager" for r in c.rows)
-        return "core compiled" if compiled else "core eager"
+        return tp_label("core compiled" if compiled else "core eager", getattr(self.core, "world", 1))
 
     def reset(self) -> None:
         self.core.reset()
@@ -244,6 +244,11 @@ class CoreRunner:
             return False
         kv.adopt(keep, slots)
         return True
+
+
+def tp_label(label: str, world: int) -> str:
+    """A forward's label with its tensor-parallel ranks: "core eager, 2 tensor-parallel ranks"."""
+    return f"{label}, {world} tensor-parallel ranks" if world > 1 else label
 
 
 def _first_weight(model: torch.nn.Module) -> torch.Tensor:

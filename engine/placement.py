@@ -27,8 +27,6 @@ from typing import Any
 
 from .errors import DeviceError
 
-CPU_TP_NOT_IN_CHAT = ("tensor parallelism over CPU cores is not wired into the chat's decoders yet "
-                      "(python: ssd_chat.engine.tp.TPCore); use cpu or cpu:N-M")
 CPU_TP_NOTE = ("tensor parallelism on CPU (gloo, one rank per core) is for testing the multi-GPU code path, not for "
                "speed: it is slower than one process")
 _ENTRY = re.compile(r"(cpu|cuda)(?::(\d+)(?:-(\d+))?)?|mps")
@@ -124,8 +122,6 @@ def check_forms(target_device: str | None, draft_device: str | None = None) -> N
         plan = _parse(spec, value or spec, None, None, option)
         if plan.kind != "single" and option == "--draft-device":
             raise DeviceError(f"--draft-device {value}: the draft runs on one device (list several for the target only)")
-        if plan.backend == "gloo":
-            raise DeviceError(f"{option} {value}: {CPU_TP_NOT_IN_CHAT}")
 
 
 def _parse(spec: str, given: str, gpus: int | None, avail: list[int] | None, option: str = "--target-device") -> TargetPlan:

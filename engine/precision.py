@@ -56,6 +56,8 @@ def load(name: str, placement: Any, dtype: str | None, trust_remote_code: bool =
 def num_params(lm: Any) -> int:
     """A loaded model's weights, each once: its parameters and its GGUF linears' blocks (a head tied
     to the embedding counted once)."""
+    if lm.placement.ranks:  # tensor-parallel: a weightless (meta) copy here, each parameter once
+        return sum(p.numel() for p in lm.model.parameters())
     params = {p.data_ptr(): p.numel() for p in lm.model.parameters()}
     blocks = sum(m.block_weights for m in lm.model.modules() if hasattr(m, "block_weights")
                  and (m.dense is None or m.dense.data_ptr() not in params))

@@ -89,14 +89,15 @@ def check(config: "EngineConfig") -> Preflight:
     named = config.draft
     kind = draft_kind(named, config.target) if named else None
     warnings = _memory_warnings(tspec, tplace)
-    if tplace.device_map and not config.target_device.strip().lower().startswith("pipeline:"):
-        warnings.append(f"--target-device {config.target_device}: tensor parallelism over these GPUs is built, but the decoders do "
-                        "not run on it yet, so the target loads as a device_map pipeline (one GPU at work at a time)")
+    if tplace.ranks and tplace.device.type == "cpu":
+        from .placement import CPU_TP_NOTE
+
+        warnings.append(CPU_TP_NOTE)
     if config.mode == "auto":
         if named is None and not _shipped_trained(config.target):
             mode, reason = "ar", (f"AR: no draft for {config.target}; SSD needs one: --draft MODEL (a small model with the "
                                   "same tokenizer) or a draft trained with `ssd-chat draft train`")
-        elif kind == "features":
+        elif kind == "features" and not tplace.ranks:
             mode, reason = "sd", f"SD: draft '{named}' reads the target's hidden states, which only SD provides"
         else:
             ok, where = _speculator_place(replace(config, mode="ssd"), tplace)
@@ -110,6 +111,9 @@ def check(config: "EngineConfig") -> Preflight:
     draft = (named or default_draft(config.target)) if config.needs_draft else None
     if draft is not None:
         kind = draft_kind(draft, config.target)
+        if kind == "features" and tplace.ranks:
+            raise ParamError(f"draft '{draft}' is a feature draft: it reads the target's hidden states, which a tensor-parallel "
+                             "target does not return; use a model draft (e.g. --draft int8) or one device for the target")
         if config.mode == "ssd" and kind == "features":
             raise ParamError(
                 f"draft '{draft}' is a feature draft: it reads the target's hidden states, which SSD's speculator does "
@@ -126,7 +130,7 @@ def check(config: "EngineConfig") -> Preflight:
 def _memory_warnings(spec: models.ModelSpec, place: models.Placement) -> list[str]:
     if spec.kind != "hub":
         return []
-    w = catalog.memory_warning(spec.name, spec.source, place.device, place.dtype, len(place.device_map or ()) or 1)
+    w = catalog.memory_warning(spec.name, spec.source, place.device, place.dtype, len(place.device_map or place.ranks or ()) or 1)
     return [w] if w else []
 
 

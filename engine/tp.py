@@ -94,6 +94,7 @@ class TPCore:
             self._finalizer()
             raise
         self.kv = _TPKV(self)
+        self.mid_layer = mid_layer
 
     # -- starting ----------------------------------------------------------------------------------
     def _start(self, source: Any, devs: list[torch.device], core_kw: dict[str, Any], timeout_s: float,
@@ -282,8 +283,7 @@ class TPCore:
             raise exc
         if isinstance(exc, tp_worker.CompileFailed):
             why.append("tensor-parallel ranks must all run compiled or all eager: use compile off")
-        raise TPError(f"tensor-parallel '{self.name}': {'; '.join(why)} during a forward; every rank was closed, "
-                      "start the model again") from exc
+        raise TPError(f"tensor-parallel '{self.name}': {'; '.join(why)} during a forward; every rank was closed") from exc
 
     @contextlib.contextmanager
     def _pinned(self) -> Iterator[None]:

@@ -80,7 +80,7 @@ def test_ask_json_reports_the_mode_auto_ran(cores):
         (["ask", "--target", "/nonexistent/dir", "hi"], 1, "does not exist"),
         (["ask", "--target-device", "cuda:7", "hi"], 1, "cuda:7"),
         (["ask", "--target-device", "cpu:64", "hi"], 1, "cores"),
-        (["ask", "--target-device", "cpu:0,cpu:1", "hi"], 2, "not wired into the chat's decoders yet"),
+        (["ask", "--target-device", "cpu:0,cpu:1,cpu:99", "hi"], 1, "no core 99"),
         (["ask", "--target-device", "cuda:0-3", "hi"], 1, "no CUDA GPU is available"),
         (["ask", "--temperature", "-1", "hi"], 2, "temperature"),
         (["ask", "--top-p", "0", "hi"], 2, "top-p"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ssd_chat.engine.errors import DeviceError, ModelError
+from ssd_chat.engine.errors import DeviceError, ModelError, ParamError
 from ssd_chat.engine.placement import CPU_TP_NOTE, check_target, plan_target
 
 CORES = [0, 1, 2, 3]
@@ -101,29 +101,34 @@ def test_the_model_is_checked_against_the_plan_before_its_weights_load():
     check_target(plan("pipeline:cuda:0,cuda:1", gpus=2), GPT2Config(), "gpt2")  # the fallback takes any model
 
 
-def test_the_chat_accepts_the_syntax_and_says_what_runs_today(monkeypatch):
-    """models.parse_placement (what Engine.load calls) reads GPU lists and ranges with the same rules; CPU ranks
-    are refused in one line, and preflight says a GPU list loads as a device_map pipeline for now."""
+def test_the_chat_reads_device_lists_as_tensor_parallel_ranks(monkeypatch):
+    """models.parse_placement (what Engine.load calls) reads CPU and GPU lists and ranges with the same rules as
+    plan_target: tensor-parallel ranks, ``pipeline:`` a device_map; ``auto`` with 3+ GPUs is TP over all but the last."""
     import torch
 
     from ssd_chat.engine import models, placement, preflight
     from ssd_chat.engine.config import EngineConfig
 
-    with pytest.raises(DeviceError, match="tensor parallelism over CPU cores is not wired into the chat's decoders yet"):
-        models.parse_placement("cpu:0,cpu:1")
+    cpu = models.parse_placement("cpu:0,cpu:1")
+    assert cpu.ranks == ("cpu", "cpu") and cpu.rank_cores == ((0,), (1,)) and cpu.cores == (0, 1) and not cpu.device_map
+    assert cpu.label == "tensor-parallel over 2 ranks (cpu core 0, cpu core 1) float32"
+    assert any("for testing" in w for w in preflight.check(EngineConfig(mode="ar", target_device="cpu:0,cpu:1")).warnings)
     with pytest.raises(DeviceError, match="no CUDA GPU is available"):
         models.parse_placement("cuda:0-3")
     monkeypatch.setattr(placement, "_gpu_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     p = models.parse_placement("cuda:0-2", "bf16")
-    assert p.device_map == ("cuda:0", "cuda:1", "cuda:2") and p.device == torch.device("cuda", 0) and p.dtype == torch.bfloat16
+    assert p.ranks == ("cuda:0", "cuda:1", "cuda:2") and not p.device_map and p.device == torch.device("cuda", 0)
+    assert p.dtype == torch.bfloat16
+    assert models.parse_placement("auto").ranks == ("cuda:0", "cuda:1", "cuda:2")  # the draft gets cuda:3
+    assert models.parse_placement("auto", option="--draft-device").ranks is None
     assert models.parse_placement("pipeline:cuda:1,cuda:3").device_map == ("cuda:1", "cuda:3")
     with pytest.raises(DeviceError, match="--draft-device cuda:2,cuda:3: the draft runs on one device"):
         models.parse_placement("cuda:2,cuda:3", option="--draft-device")
-    pre = preflight.check(EngineConfig(mode="ar", target_device="cuda:0-3"))
-    assert any("tensor parallelism over these GPUs is built, but the decoders do not run on it yet" in w for w in pre.warnings)
-    assert not preflight.check(EngineConfig(mode="ar", target_device="pipeline:cuda:0,cuda:1")).warnings
+    assert not preflight.check(EngineConfig(mode="ar", target_device="cuda:0-3")).warnings
+    with pytest.raises(ParamError, match="a tensor-parallel target does not return"):
+        preflight.check(EngineConfig(mode="sd", target_device="cpu:0,cpu:1", draft="features"))
 
 
 # -- the command line checks the spelling before anything loads or the app opens --------------------
@@ -139,7 +144,6 @@ FORMS = [
     ("--target-device", "pipeline:cpu:0,cpu:1", "pipeline: spreads a model over GPUs only"),
     ("--target-device", "pipeline:cuda:0", "pipeline: needs at least two GPUs"),
     ("--target-device", "mps,cpu", "mps is one device"),
-    ("--target-device", "cpu:0,cpu:1", "--target-device cpu:0,cpu:1: tensor parallelism over CPU cores is not wired into the chat's decoders yet"),
     ("--draft-device", "cuda:0,cuda:1", "--draft-device cuda:0,cuda:1: the draft runs on one device"),
     ("--draft-device", "cpu:0-1,cpu:2", "--draft-device cpu:0-1,cpu:2: the draft runs on one device"),
 ]
@@ -184,17 +188,17 @@ def test_the_spelling_check_leaves_the_hardware_to_the_load(value):
     check_forms(value, "cpu:5" if value.startswith("cpu") else "cuda:9")
 
 
-def test_the_app_in_a_terminal_refuses_cpu_ranks_before_it_opens(tmp_path):
+def test_the_app_in_a_terminal_refuses_a_misspelt_rank_list_before_it_opens(tmp_path):
     """The real entry point in a pty: one error line, exit 2, and no full-screen app drawn (no alternate screen)."""
     import os
     import sys
 
     pexpect = pytest.importorskip("pexpect")
     env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"), XDG_DATA_HOME=str(tmp_path / "d"))
-    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--target-device", "cpu:0,cpu:1"], env=env,
+    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--target-device", "cpu:0,cpu:0"], env=env,
                           dimensions=(45, 200), encoding="utf-8", timeout=60)
     out = child.read()
     child.close()
     assert child.exitstatus == 2, out
-    assert out.strip().startswith("ssd-chat: error: --target-device cpu:0,cpu:1: tensor parallelism over CPU cores")
+    assert out.strip().startswith("ssd-chat: error: --target-device cpu:0,cpu:0: a core is listed for two ranks")
     assert out.strip().count("\n") == 0 and "\x1b[?1049h" not in out and "Traceback" not in out
