@@ -51,6 +51,21 @@ def fit_vocab(logits: torch.Tensor, size: int | None) -> torch.Tensor:
     return torch.cat([logits, pad], dim=-1)
 
 
+def draft_k(logits: torch.Tensor, k: int, choose: Choose, vocab: int | None,
+            step: Callable[[int], torch.Tensor]) -> tuple[list[int], list[torch.Tensor | None]]:
+    """Draw k tokens: ``logits`` are the draft's for the first; ``step(token)`` feeds a drawn token
+    and gives the logits for the next (not called after the last, which the draft never sees)."""
+    tokens: list[int] = []
+    qs: list[torch.Tensor | None] = []
+    for i in range(k):
+        tok, q = choose(fit_vocab(logits, vocab), i)
+        tokens.append(tok)
+        qs.append(q)
+        if i < k - 1:
+            logits = step(tok)
+    return tokens, qs
+
+
 class ModelDrafter:
     """A causal LM as a draft: its own KV cache over a prefix of the sequence."""
 
@@ -68,15 +83,7 @@ class ModelDrafter:
 
     def propose(self, seq: list[int], k: int, choose: Choose) -> tuple[list[int], list[torch.Tensor | None]]:
         logits = self.runner.append(seq[self.runner.length:], logits="last").logits[-1]
-        tokens: list[int] = []
-        qs: list[torch.Tensor | None] = []
-        for i in range(k):
-            tok, q = choose(fit_vocab(logits, self.vocab), i)
-            tokens.append(tok)
-            qs.append(q)
-            if i < k - 1:
-                logits = self.runner.append([tok]).logits[-1]
-        return tokens, qs
+        return draft_k(logits, k, choose, self.vocab, lambda tok: self.runner.append([tok]).logits[-1])
 
     def rollback(self, keep: int, target_out: Any = None) -> None:
         # the draft never saw the last drafted token, so it may hold less than `keep`
@@ -137,17 +144,15 @@ class FeatureDrafter:
 
     def propose(self, seq: list[int], k: int, choose: Choose) -> tuple[list[int], list[torch.Tensor | None]]:
         out = self.catch_up(seq)
-        logits, hidden = out.logits[-1], out.hidden[-1:]
-        tokens: list[int] = []
-        qs: list[torch.Tensor | None] = []
-        for i in range(k):
-            tok, q = choose(fit_vocab(logits, self.vocab), i)
-            tokens.append(tok)
-            qs.append(q)
-            if i < k - 1:  # a drafted position's feature is the draft's own hidden state
-                out = self.forward([tok], feats=hidden)
-                logits, hidden = out.logits[-1], out.hidden[-1:]
-        return tokens, qs
+        hidden = out.hidden[-1:]
+
+        def step(tok: int) -> torch.Tensor:  # a drafted position's feature is the draft's own hidden state
+            nonlocal hidden
+            nxt = self.forward([tok], feats=hidden)
+            hidden = nxt.hidden[-1:]
+            return nxt.logits[-1]
+
+        return draft_k(out.logits[-1], k, choose, self.vocab, step)
 
     def rollback(self, keep: int, target_out: Any = None) -> None:
         start = self.feats.shape[0]  # the verified block starts at the first position without a feature

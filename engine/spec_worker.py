@@ -2,7 +2,7 @@
 
 The draft is rebuilt here from a :class:`Recipe` (a folder to load, or for models that exist
 only in memory a config and a state dict), never pickled whole.  The process is pinned to its
-own cores, dies with its parent (:func:`workers.die_with_parent`) and reports a failure as a
+own cores, dies with its parent (:func:`workers.child_start`) and reports a failure as a
 :class:`channel.Failed` before it exits.
 """
 
@@ -82,13 +82,8 @@ def worker_main(conn: Any, recipe: Recipe, k: int, fan_out: FanOut, fallback: st
                 cores: tuple[int, ...] | None, threads: int | None, parent_pid: int, fault: str | None = None,
                 compile: str = "off") -> None:
     """The speculator process: load the draft, then serve requests until ``close`` or EOF."""
-    workers.die_with_parent()
-    if os.getppid() != parent_pid:
+    if not workers.child_start(parent_pid):
         return
-    if not os.environ.get("SSD_CHAT_DEBUG"):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
     try:
         if cores is not None and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, cores)

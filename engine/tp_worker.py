@@ -58,13 +58,8 @@ def main(conn: Any, source: str, cfg: Any, rank: int, world: int, device: str, d
          port: int, backend: str, name: str, core_kw: dict[str, Any], timeout_s: float, parent_pid: int,
          fault: str | None = None) -> None:
     """The rank's process: load the shard, join the group, serve rank 0's commands until CLOSE."""
-    workers.die_with_parent()
-    if os.getppid() != parent_pid:
+    if not workers.child_start(parent_pid):
         return
-    if not os.environ.get("SSD_CHAT_DEBUG"):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
     import torch.distributed as dist
 
     try:

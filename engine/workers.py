@@ -9,8 +9,8 @@ app, Textual's) is unsafe.  Two things make spawn fail or leak unless handled he
   starts the tracker while the real streams are in place (call it before a full-screen app
   takes the terminal), and :func:`start` puts the interpreter's own streams back for the
   moment a process starts, in case a worker is started later from inside the app.
-* A worker must not outlive the app, even when the app is killed: :func:`die_with_parent`
-  (Linux ``PR_SET_PDEATHSIG``) is the first thing a worker runs.  That signal comes when the
+* A worker must not outlive the app, even when the app is killed: :func:`child_start` (which
+  sets Linux ``PR_SET_PDEATHSIG``) is the first thing a worker runs.  That signal comes when the
   *thread* that started the worker ends, so :func:`start` starts every worker from one thread
   that lives as long as the process (the app loads models in short-lived threads).
 """
@@ -105,6 +105,21 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def child_start(parent_pid: int) -> bool:
+    """The first thing a worker runs: die with the parent, and quiet stdout/stderr (the parent's
+    terminal belongs to the app) unless ``SSD_CHAT_DEBUG`` is set.  False when the parent is
+    already gone: the worker should return at once."""
+    die_with_parent()
+    if os.getppid() != parent_pid:  # it died before PR_SET_PDEATHSIG took hold; no signal will come
+        return False
+    if not os.environ.get("SSD_CHAT_DEBUG"):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+    return True
 
 
 def exit_words(proc: Any) -> str:

@@ -29,6 +29,20 @@ from typing import Any, Callable
 import torch
 
 
+def timed(paths: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
+    """``{"<name> ms": median wall ms}`` of each path after one warm-up call each, timed interleaved
+    (one call of each path per repetition, so a busy machine slows all of them alike)."""
+    for f in paths.values():
+        f()
+    times: dict[str, list[float]] = {k: [] for k in paths}
+    for _ in range(reps):
+        for name, f in paths.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    return {f"{k} ms": round(statistics.median(v) * 1e3, 2) for k, v in times.items()}
+
+
 def _tree_args(L: int, rows: int) -> tuple[list[int], list[int], list[int], list[list[int]]]:
     """A tree step of ``rows`` branches over a committed prefix of L tokens, at depth 0 (each row sees
     the prefix and itself), as the SSD speculator's first tree forward."""
@@ -95,16 +109,7 @@ def measure(lm: Any, threads: int, rows_list: list[int], context: int, reps: int
                 row["compile_failed"] = comp.compiler.failed
             else:
                 paths["core compiled"] = _core_call(comp, rows, tree)
-        for f in paths.values():  # warm-up
-            f()
-        times: dict[str, list[float]] = {k: [] for k in paths}
-        for _ in range(reps):
-            for name, f in paths.items():
-                t0 = time.perf_counter()
-                f()
-                times[name].append(time.perf_counter() - t0)
-        for name, ts in times.items():
-            row[f"{name} ms"] = round(statistics.median(ts) * 1e3, 2)
+        row.update(timed(paths, reps))
         log(json.dumps(row))
         out.append(row)
     return out

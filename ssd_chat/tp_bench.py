@@ -23,13 +23,13 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
+
+from .core_bench import timed
 
 
 @contextlib.contextmanager
@@ -55,18 +55,6 @@ def call(core: Any, rows: int, tree: bool, cores: tuple[int, ...] | None = None)
                 core.append(ids)
                 core.kv.truncate(L)
     return run
-
-
-def timed(paths: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
-    for f in paths.values():
-        f()
-    times: dict[str, list[float]] = {k: [] for k in paths}
-    for _ in range(reps):
-        for name, f in paths.items():
-            t0 = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - t0)
-    return {f"{k} ms": round(statistics.median(v) * 1e3, 2) for k, v in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

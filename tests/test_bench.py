@@ -306,6 +306,15 @@ def test_markdown_summary(race):
     assert f"**{med:.1f}**" in md and "3/3" in md
 
 
+def test_the_greedy_equals_ar_cell():
+    """The "= AR" column of both tables: unchecked, AR itself, all identical, a mismatch."""
+    ex = {"checked": True, "modes": {"sd": {"compared": 3, "identical": 3}, "ssd": {"compared": 3, "identical": 1}}}
+    assert br_render._vs_ar({"checked": False}, "sd", "ref") == ("n/a", None)
+    assert br_render._vs_ar(ex, "ar", "reference") == ("reference", None)
+    assert br_render._vs_ar(ex, "sd", "ref") == ("3/3", True)
+    assert br_render._vs_ar(ex, "ssd", "ref") == ("1/3", False)
+
+
 def test_greedy_exactness_is_asserted(race):
     _, report = race
     for proto in report["protocols"].values():
@@ -344,6 +353,7 @@ def test_a_mismatching_decoder_is_reported_loudly(tiny_pair, monkeypatch):
     br_render.render(report, console)
     text = console.export_text()
     assert "GREEDY MISMATCH" in text and "at token 3" in text and "token-for-token identical" not in text
+    assert f"0/{len(PROMPTS)}" in text and "ref" in text  # the table's "= AR" column
 
 
 def test_an_unavailable_mode_is_skipped_with_a_message(tiny_pair, monkeypatch):

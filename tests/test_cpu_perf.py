@@ -84,3 +84,15 @@ def test_a_short_run_on_the_packaged_model(smollm2, tmp_path, capsys):
     assert res["llama"]["t1"]["tok_per_s"] == 50.0 and res["llama"]["t2"]["cores"] == [0, 1]
     printed = capsys.readouterr().out
     assert "llama.cpp -t 1" in printed and "bound:" in printed
+
+
+def test_bench_timing_warms_up_then_interleaves():
+    """core_bench's and tp_bench's timing: one warm-up call per path, then one call of each per repetition."""
+    from ssd_chat import core_bench, tp_bench
+
+    calls: list[str] = []
+    paths = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    out = tp_bench.timed(paths, 3)
+    assert tp_bench.timed is core_bench.timed
+    assert calls == ["a", "b"] * 4
+    assert set(out) == {"a ms", "b ms"} and all(v >= 0 for v in out.values())

@@ -109,3 +109,54 @@ def test_a_worker_outlives_the_thread_that_started_it():
     finally:
         proc.kill()
         proc.join(10)
+
+
+# A fresh interpreter runs a worker's start-up; what it saw goes to a file, since its stdout may be gone.
+CHILD = textwrap.dedent("""
+    import ctypes, os, sys
+    from ssd_chat.engine import workers
+    report = open(sys.argv[2], "w")
+    ok = workers.child_start(int(sys.argv[1]))
+    sig = ctypes.c_int(0)
+    ctypes.CDLL("libc.so.6").prctl(2, ctypes.byref(sig))  # PR_GET_PDEATHSIG
+    print("to-stdout", flush=True)
+    print("to-stderr", file=sys.stderr, flush=True)
+    report.write(f"{ok}|{sig.value}")
+    report.close()
+""")
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+
+
+def _child_start(tmp_path, parent_pid, debug):
+    env = {k: v for k, v in os.environ.items() if k != "SSD_CHAT_DEBUG"}
+    if debug:
+        env["SSD_CHAT_DEBUG"] = "1"
+    report = tmp_path / "report"
+    out = subprocess.run([sys.executable, "-c", CHILD, str(parent_pid), str(report)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ok, sig = report.read_text().split("|")
+    return ok == "True", int(sig), out.stdout + out.stderr
+
+
+@linux_only
+def test_child_start_quiets_the_worker_and_ties_it_to_its_parent(tmp_path):
+    ok, sig, said = _child_start(tmp_path, os.getpid(), debug=False)
+    assert ok and sig == 9  # SIGKILL when the parent dies
+    assert "to-stdout" not in said and "to-stderr" not in said
+
+
+@linux_only
+def test_child_start_keeps_stdio_under_debug(tmp_path):
+    ok, _, said = _child_start(tmp_path, os.getpid(), debug=True)
+    assert ok and "to-stdout" in said and "to-stderr" in said
+
+
+@linux_only
+def test_child_start_says_stop_when_the_parent_is_gone(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    ok, _, said = _child_start(tmp_path, int(gone.stdout), debug=False)
+    assert not ok
+    assert "to-stdout" in said  # it returned before touching stdio

@@ -9,6 +9,17 @@ def _f(v: float | None, spec: str, suffix: str = "") -> str:
     return "–" if v is None else format(v, spec) + suffix
 
 
+def _vs_ar(exact: dict[str, Any], mode: str, ref: str) -> tuple[str, bool | None]:
+    """A mode's "greedy = AR" cell, "identical/compared" ("n/a" unchecked, ``ref`` for AR itself), and
+    whether every compared reply was identical (None where nothing was compared)."""
+    if not exact["checked"]:
+        return "n/a", None
+    if mode == "ar":
+        return ref, None
+    e = exact["modes"].get(mode, {})
+    return f"{e.get('identical')}/{e.get('compared')}", e.get("compared") == e.get("identical")
+
+
 def render(report: dict[str, Any], console: Any) -> None:
     """Rich tables, one per protocol, each followed by its ratios, bounds and exactness."""
     from rich.table import Table
@@ -34,13 +45,9 @@ def render(report: dict[str, Any], console: Any) -> None:
         exact = p["exactness"]
         for mode, m in p["modes"].items():
             t = m["tok_per_s"]
-            if not exact["checked"]:
-                eq = "n/a"
-            elif mode == "ar":
-                eq = "ref"
-            else:
-                e = exact["modes"].get(mode, {})
-                eq = f"[green]{e['identical']}/{e['compared']}[/]" if e.get("compared") == e.get("identical") else f"[bold red]{e['identical']}/{e['compared']}[/]"
+            eq, same = _vs_ar(exact, mode, "ref")
+            if same is not None:
+                eq = f"[green]{eq}[/]" if same else f"[bold red]{eq}[/]"
             table.add_row(
                 mode, _f(t["median"], ".1f"), f"{_f(t['p25'], '.1f')}–{_f(t['p75'], '.1f')}", f"{_f(t['min'], '.1f')}–{_f(t['max'], '.1f')}",
                 _f(m["ttft_s"]["median"], ".3f"), _f(m["mean_accepted_length"], ".2f"), _f(m["acceptance_rate"], ".0%"),
@@ -129,13 +136,7 @@ def markdown(report: dict[str, Any]) -> str:
         ex = p["exactness"]
         for mode, m in p["modes"].items():
             t = m["tok_per_s"]
-            if not ex["checked"]:
-                eq = "n/a"
-            elif mode == "ar":
-                eq = "reference"
-            else:
-                e = ex["modes"].get(mode, {})
-                eq = f"{e.get('identical')}/{e.get('compared')}"
+            eq, _ = _vs_ar(ex, mode, "reference")
             lines.append(
                 f"| {proto} | {mode.upper()} | {report['placements'][proto][mode]['description']} | "
                 f"**{_f(t['median'], '.1f')}** ({_f(t['p25'], '.1f')}–{_f(t['p75'], '.1f')}) | {_f(m['ttft_s']['median'], '.2f')} | "
