@@ -227,6 +227,9 @@ def load(
     """Resolve, fetch and load a model and its tokenizer."""
     from transformers import AutoModelForCausalLM
 
+    if placement.ranks:
+        raise ModelError(f"'{name}' on {placement.label.rsplit(' ', 1)[0]}: tensor-parallel ranks run the chat's target "
+                         "only; give this model one device")
     t0 = time.perf_counter()
     spec = resolve(name)
     progress(f"fetching {name}", None)

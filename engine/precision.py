@@ -81,7 +81,7 @@ def planned(target: str, device: str | None, dtype: str | None) -> str | None:
 
     spec = models.resolve(target)
     place = models.parse_placement(device or "auto", dtype or "auto")
-    if not wanted(spec.kind, place.device.type, dtype):
+    if place.ranks or not wanted(spec.kind, place.device.type, dtype):  # ranks read the float32 copy
         return None
     return gguf_label(spec.source)
 

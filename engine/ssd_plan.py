@@ -1,7 +1,7 @@
 """Where SSD's verifier and speculator run, and pinning the verifier to its share.
 
 On CPU the two processes get disjoint cores (each its own torch threads), so the speculator
-drafts while the target verifies; on GPUs the draft gets the last GPU.  ``Plan.shared`` says
+drafts while the target verifies; on GPUs the draft gets the first GPU the target leaves.  ``Plan.shared`` says
 when they share one device or core set (SSD still runs, without real overlap).
 """
 
@@ -38,14 +38,19 @@ class Plan:
 
 def plan(config: Any, target_device: torch.device, target_cores: tuple[int, ...] | None) -> Plan:
     """Default placement: on CPU the draft gets the last half of the cores (core 1 of 2) and the
-    target the rest (core 0); on GPUs the draft gets the last GPU.  Explicit devices win."""
+    target the rest (core 0); on GPUs the draft gets the first GPU the target does not use.
+    Explicit devices win."""
     avail = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     dspec = (config.draft_device or "auto").strip().lower()
     if dspec == "auto":
-        if target_device.type == "cuda":
+        if target_device.type == "cuda":  # the first GPU the target does not use, else its last one, shared
+            from .placement import plan_target
+
             n = torch.cuda.device_count()
-            dev = f"cuda:{n - 1}"
-            return Plan(dev, None, None, target_cores, len(target_cores) if target_cores else None, n == 1)
+            used = plan_target(config.target_device or "auto", gpus=n).devices
+            free = [g for g in range(n) if f"cuda:{g}" not in used]
+            dev = f"cuda:{free[0]}" if free else used[-1]
+            return Plan(dev, None, None, target_cores, len(target_cores) if target_cores else None, not free)
         dspec = "cpu"
     dplace = parse_placement(dspec, "auto")
     if dplace.device.type != "cpu":

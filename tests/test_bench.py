@@ -107,7 +107,7 @@ def test_gpu_plans_give_the_draft_its_own_gpu():
     assert notes == []
     assert (by["paper", "ar"].target_device, by["paper", "sd"].draft_device) == ("cuda:0", "cuda:0")
     assert (by["paper", "ssd"].target_device, by["paper", "ssd"].draft_device) == ("cuda:0", "cuda:1")
-    assert by["equal", "ar"].target_device == "cuda:0,cuda:1"  # AR/SD get the draft's GPU too
+    assert by["equal", "ar"].target_device == "pipeline:cuda:0,cuda:1"  # AR/SD get the draft's GPU too (a device_map)
     assert all(p.cores is None for p in plans)
 
 
@@ -116,6 +116,25 @@ def test_gpu_plans_with_one_gpu_say_so():
     assert any("shares cuda:0" in n for n in notes)
     with pytest.raises(BenchError, match="no NVIDIA GPU"):
         make_plans(("paper",), ("ar",), "cuda:0", "auto", Hardware((0, 1), 0))
+
+
+def test_cpu_plans_for_a_tensor_parallel_target_run_every_mode_on_its_ranks():
+    plans, notes = make_plans(("paper", "equal"), ("ar", "sd", "ssd"), "cpu:0,cpu:1", "auto", Hardware((0, 1, 2, 3), 0))
+    assert {p.target_device for p in plans} == {"cpu:0,cpu:1"} and {p.cores for p in plans} == {(0, 1)}
+    assert {p.draft_device for p in plans if p.mode == "ssd"} == {"cpu:3"} and notes == []
+    with pytest.raises(BenchError, match="no core 7"):
+        make_plans(("paper",), ("ar",), "cpu:0,cpu:7", "auto", Hardware((0, 1), 0))
+
+
+def test_the_memory_bound_counts_a_sharded_target_from_its_weightless_copy():
+    import torch
+
+    from ssd_chat.bench.machine import weight_bytes
+
+    model = tiny_llama(seed=0)
+    with torch.device("meta"):
+        meta = type(model)(model.config)
+    assert weight_bytes(meta.to(torch.float64)) == weight_bytes(model) > 0
 
 
 def test_bad_core_is_a_clear_error():

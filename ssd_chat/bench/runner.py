@@ -105,7 +105,8 @@ def run_bench(
             params = SamplingParams(settings.temperature, settings.top_p, settings.top_k, seed, max_new,
                                     tuple(extra_stop), settings.ignore_eos)
             pin.apply(plan.cores, plan.threads)
-            bg0 = descendants_cpu_s() if plan.mode != "ssd" else None
+            ranks = frozenset(_rank_pids(eng))  # a tensor-parallel target's own processes are not background work
+            bg0 = descendants_cpu_s(ranks) if plan.mode != "ssd" else None
             rec: dict[str, Any] = {
                 "run_id": f"{plan.slot_id}|{prompt.id}|{repeat}", "slot": plan.slot_id, "mode": plan.mode, "prompt_id": prompt.id,
                 "family": prompt.family, "repeat": repeat, "order": order, "prompt_tokens": len(ids), "new_tokens": 0,
@@ -140,7 +141,7 @@ def run_bench(
                        wait_s=tally.wait_s)
             rec["elapsed_s"] = time.perf_counter() - t0
             if bg0 is not None:
-                bg1 = descendants_cpu_s()
+                bg1 = descendants_cpu_s(ranks)
                 rec["background_cpu_s"] = None if bg1 is None else bg1 - bg0
             out.tokens[rec["run_id"]] = tuple(token_ids)
             return rec
@@ -225,21 +226,26 @@ class ModelPool:
         return "cpu" if d.startswith("cpu") or d == "auto" and not _cuda() else d
 
     def models_for(self, plan: Plan) -> tuple[Any, Any]:
-        from ..engine import drafts, models, precision
+        from ..engine import drafts, models, precision, tp_load
 
         tk = self._key(plan.target_device)
         if tk not in self._targets:
             self._progress(f"loading {self.values['target']} on {plan.target_device}")
             dtype = self.values.get("dtype")
-            self._targets[tk] = precision.load(self.values["target"], models.parse_placement(plan.target_device, dtype or "auto"), dtype,
-                                               bool(self.values.get("trust_remote_code")))
+            place = models.parse_placement(plan.target_device, dtype or "auto")
+            trust = bool(self.values.get("trust_remote_code"))
+            if place.ranks:
+                self._targets[tk] = tp_load.load(self.values["target"], place, self.base_config.compile,
+                                                 (1, self.base_config.k + 1), trust)
+            else:
+                self._targets[tk] = precision.load(self.values["target"], place, dtype, trust)
         target = self._targets[tk]
         if plan.mode == "ar" or self.draft_name is None:
             return target, None
         dk = (tk, self._key(plan.draft_device))
         if dk not in self._drafts:
             if drafts.is_derived(self.draft_name):
-                self._drafts[dk] = precision.derive(self.draft_name, target)  # in the target's precision
+                self._drafts[dk] = precision.derive(self.draft_name, tp_load.draft_base(target))  # in the target's precision
             else:
                 self._progress(f"loading {self.draft_name} on {plan.draft_device}")
                 dtype = self.values.get("dtype")
@@ -260,6 +266,13 @@ class ModelPool:
         if d is not None:
             out["draft"] = {"name": d.name, "params": precision.num_params(d), "precision": precision.of(d)}
         return out
+
+
+def _rank_pids(engine: Any) -> list[int]:
+    from ..engine import tp_load
+
+    tp = tp_load.sharded(engine.target)
+    return tp.pids if tp is not None else []
 
 
 def _cuda() -> bool:

@@ -123,5 +123,5 @@ class CacheView(Static):
             line.append_text(self.predicted_cell(row))
             t.add_row(line)
         if not self.rows:
-            t.add_row(Text("no rounds yet (AR has none)", style="dim"))
+            t.add_row(Text("no rounds yet: SD and SSD rounds show here, AR makes none", style="dim"))
         self.update(t)
