@@ -93,6 +93,13 @@ def check(config: "EngineConfig") -> Preflight:
         from .placement import CPU_TP_NOTE
 
         warnings.append(CPU_TP_NOTE)
+    elif tplace.ranks:  # GPUs: the draft defaults to the first GPU the ranks leave; say what auto chose
+        from .placement import plan_target
+
+        tp_plan = plan_target(config.target_device, config.draft_device)
+        config = replace(config, draft_device=tp_plan.draft_device)
+        if tp_plan.note:
+            warnings.append(tp_plan.note)
     if config.mode == "auto":
         if named is None and not _shipped_trained(config.target):
             mode, reason = "ar", (f"AR: no draft for {config.target}; SSD needs one: --draft MODEL (a small model with the "

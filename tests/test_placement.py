@@ -126,7 +126,12 @@ def test_the_chat_reads_device_lists_as_tensor_parallel_ranks(monkeypatch):
     assert models.parse_placement("pipeline:cuda:1,cuda:3").device_map == ("cuda:1", "cuda:3")
     with pytest.raises(DeviceError, match="--draft-device cuda:2,cuda:3: the draft runs on one device"):
         models.parse_placement("cuda:2,cuda:3", option="--draft-device")
-    assert not preflight.check(EngineConfig(mode="ar", target_device="cuda:0-3")).warnings
+    pre = preflight.check(EngineConfig(mode="ar", target_device="cuda:0-2"))
+    assert pre.config.draft_device == "cuda:3" and not pre.warnings  # the first GPU the ranks leave
+    pre = preflight.check(EngineConfig(mode="ar", target_device="auto"))
+    assert pre.warnings == ("--target-device auto: tensor parallelism over cuda:0-2, the draft on cuda:3",)
+    pre = preflight.check(EngineConfig(mode="ar", target_device="cuda:0-3"))
+    assert pre.config.draft_device == "cuda:3" and "shares cuda:3" in pre.warnings[0]
     with pytest.raises(ParamError, match="a tensor-parallel target does not return"):
         preflight.check(EngineConfig(mode="sd", target_device="cpu:0,cpu:1", draft="features"))
 
