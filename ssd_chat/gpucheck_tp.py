@@ -41,7 +41,7 @@ def run(target: torch.nn.Module, prompt: list[int], k: int, reps: int, dev: torc
     source = {n: t for n, t in target.state_dict().items()}  # one rank reads its tensors from memory
     dtype = next(target.parameters()).dtype
     ref = Core(target, "target")
-    want = _greedy(ref, prompt, 16)
+    want = greedy(ref, prompt, 16)
     modes = ["eager"] + (["compiled"] if compile_mode == "on" else [])
     for mode in modes:
         if left() < 90:
@@ -54,7 +54,7 @@ def run(target: torch.nn.Module, prompt: list[int], k: int, reps: int, dev: torc
         try:
             tp_report[f"{path} start_s"] = round(time.perf_counter() - t0, 1)
             tp_report["shard"] = tp.shards[0].line()
-            got = _greedy(tp, prompt, 16)
+            got = greedy(tp, prompt, 16)
             tp_report[f"{path} greedy_equal_core"] = got == want
             tp.reset(), ref.reset()
             a = ref.append(prompt, logits="last").logits.float()
@@ -75,7 +75,8 @@ def run(target: torch.nn.Module, prompt: list[int], k: int, reps: int, dev: torc
             tp.close()
 
 
-def _greedy(core: Any, prompt: list[int], n: int) -> list[int]:
+def greedy(core: Any, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``prompt`` on a Core or TPCore (the cache is left at the prompt)."""
     core.reset()
     lg = core.append(prompt, logits="last").logits[-1]
     out: list[int] = []
@@ -103,7 +104,7 @@ def run_multi(model: torch.nn.Module, prompt: list[int], k: int, reps: int, devi
     dev = torch.device(devices[0])
     dtype = next(model.parameters()).dtype
     ref = Core(model, "model")
-    want = _greedy(ref, prompt, 16)
+    want = greedy(ref, prompt, 16)
     with tempfile.TemporaryDirectory(prefix="gpucheck-tp-") as folder:
         t0 = time.perf_counter()
         model.save_pretrained(folder)
@@ -118,7 +119,7 @@ def run_multi(model: torch.nn.Module, prompt: list[int], k: int, reps: int, devi
                         rows=(1, k + 1), progress=note) as tp:
                 tp_report[f"{path} start_s"] = round(time.perf_counter() - t0, 1)
                 tp_report[f"{path} shards"] = [s.line() for s in tp.shards]
-                got = _greedy(tp, prompt, 16)
+                got = greedy(tp, prompt, 16)
                 tp_report[f"{path} greedy_equal_core"] = got == want
                 tp_report[f"{path} first_divergence"] = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
                 tp.reset(), ref.reset()

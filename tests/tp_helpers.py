@@ -8,6 +8,7 @@ import os
 import torch
 
 from ssd_chat.engine.events import Done
+from ssd_chat.gpucheck_tp import greedy  # noqa: F401 - the tests' greedy loop is the GPU check's
 from ssd_chat.engine.tp import TPCore
 from ssd_chat.engine.sampling import logits_to_probs, make_generator, sample, sample_next, verify
 
@@ -29,16 +30,6 @@ def start(folder: str, world: int = 2, **kw) -> TPCore:
 
 def close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
-
-
-def greedy(core, prompt: list[int], n: int) -> list[int]:
-    core.reset()
-    lg = core.append(prompt, logits="last").logits[-1]
-    out: list[int] = []
-    while len(out) < n:
-        out.append(int(lg.argmax()))
-        lg = core.append(out[-1:], logits="last").logits[-1]
-    return out
 
 
 def ar_stream(core):
