@@ -120,8 +120,7 @@ def predict(model: torch.nn.Module, compile: str) -> str:
     """The label a runner for ``model`` will have, before one exists (``auto``: "core auto")."""
     sharded = attached(model)
     if sharded is not None:
-        mode = sharded.compile if sharded.compile != "auto" else "on" if sharded.placement.device.type == "cuda" else "off"
-        return kv.tp_label("core compiled" if mode == "on" else "core eager", sharded.world)
+        return sharded.label
     if compile == "transformers" or not supports(model)[0]:
         return "transformers"
     return {"off": "core eager", "on": "core compiled"}.get(compile, "core auto")

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import forward, models, tp_shard
+from . import forward, kv, models, tp_shard
 from .devices import Placement, parse_placement
 
 
@@ -60,6 +60,11 @@ class Sharded:
             self._core = self._start(None)
             say(f"started the {self.world} tensor-parallel ranks of {self.name} again (pid {', '.join(map(str, self._core.pids))})")
         return self._core
+
+    @property
+    def label(self) -> str:
+        """What forwards the target: "core eager, 2 tensor-parallel ranks" (``auto`` as the core resolved it)."""
+        return kv.tp_label("core compiled" if self._core.compile == "on" else "core eager", self.world)
 
     @property
     def pids(self) -> list[int]:
