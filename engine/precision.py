@@ -56,12 +56,16 @@ def load(name: str, placement: Any, dtype: str | None, trust_remote_code: bool =
 def num_params(lm: Any) -> int:
     """A loaded model's weights, each once: its parameters and its GGUF linears' blocks (a head tied
     to the embedding counted once)."""
-    if lm.placement.ranks:  # tensor-parallel: a weightless (meta) copy here, each parameter once
-        return sum(p.numel() for p in lm.model.parameters())
-    params = {p.data_ptr(): p.numel() for p in lm.model.parameters()}
+    params = {tensor_key(p): p.numel() for p in lm.model.parameters()}
     blocks = sum(m.block_weights for m in lm.model.modules() if hasattr(m, "block_weights")
-                 and (m.dense is None or m.dense.data_ptr() not in params))
+                 and (m.dense is None or tensor_key(m.dense) not in params))
     return sum(params.values()) + blocks
+
+
+def tensor_key(t: Any) -> int:
+    """One key per weight tensor, shared by its aliases (a tied head): its storage address, or for a
+    tensor with no storage (a tensor-parallel target's ``meta`` copy) the tensor itself."""
+    return id(t) if t.is_meta else t.data_ptr()
 
 
 def gguf_label(path: str | Path | None, kinds: Counter | None = None) -> str:

@@ -111,12 +111,14 @@ def weight_bytes(model: Any) -> int:
     per token) unless it is also the head, whose linear then counts it."""
     from torch import nn
 
+    from ..engine.precision import tensor_key
+
     seen: dict[int, int] = {}
     for m in model.modules():
         if isinstance(m, nn.Embedding):
             continue
         for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
-            seen.setdefault(id(t) if t.is_meta else t.data_ptr(), t.numel() * t.element_size())  # meta: a sharded target's
+            seen.setdefault(tensor_key(t), t.numel() * t.element_size())
     return sum(seen.values())
 
 
