@@ -32,6 +32,7 @@ from .backend import Backend, readable
 from .comparing import CompareActions
 from .figures import Baseline
 from .replies import ReplyActions, Turn
+from .rerun import RerunActions
 from .widgets.cache_view import CacheView
 from .widgets.chat_log import ChatLog
 from .widgets.load_status import LoadStatus
@@ -41,7 +42,7 @@ from .widgets.prompt_input import PromptInput
 FRAME_S = 0.05  # screen updates while streaming: 20 per second
 
 
-class ChatApp(ReplyActions, CompareActions, ChatActions, App[int]):
+class ChatApp(RerunActions, ReplyActions, CompareActions, ChatActions, App[int]):
     CSS_PATH = "app.tcss"
     TITLE = "ssd-chat"
     BINDINGS = [
@@ -57,6 +58,7 @@ class ChatApp(ReplyActions, CompareActions, ChatActions, App[int]):
         Binding("ctrl+r", "chats", "Chats", priority=True),
         Binding("ctrl+t", "toggle_colour", "Colours", priority=True),
         Binding("ctrl+g", "compare", "AR·SD·SSD", priority=True),
+        Binding("f5", "regenerate", "Regenerate"),  # edit an earlier message: Shift+Tab to it, e (tui/rerun.py)
     ]
     MAIN_SCREEN_ACTIONS = {"new_chat", "copy_reply", "system_prompt", "settings", "chats", "toggle_colour", "stop", "quit_key",
                            "compare"}

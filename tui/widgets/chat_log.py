@@ -8,7 +8,9 @@ markup nor a terminal escape sequence in it is obeyed.  The widgets keep the tex
 from __future__ import annotations
 
 from rich.text import Text
+from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
@@ -19,12 +21,23 @@ DRAFT_STYLE = "green"
 TARGET_STYLE = "bold yellow"
 
 
-class UserMessage(Static):
-    """A prompt as the user wrote it (plain text: no Markdown surprises)."""
+class UserMessage(Static, can_focus=True):
+    """A prompt as the user wrote it (plain text: no Markdown surprises).  Focusable (Shift+Tab from the
+    prompt box, or a click): e or Enter puts it back in the box to edit and re-run from there."""
+
+    BINDINGS = [Binding("e,enter", "edit", "Edit and re-run")]
+
+    class EditRequested(Message):
+        def __init__(self, message: "UserMessage") -> None:
+            super().__init__()
+            self.message = message
 
     def __init__(self, text: str) -> None:
         super().__init__(Text(printable(text)), classes="message user", markup=False)
         self.text = text
+
+    def action_edit(self) -> None:
+        self.post_message(self.EditRequested(self))
 
 
 class Notice(Static):

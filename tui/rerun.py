@@ -1,0 +1,252 @@
+"""Regenerate the last reply, and edit an earlier message and re-run the chat from it: the mixin of
+:class:`ssd_chat.tui.app.ChatApp` that rewrites the end of a conversation, plus the first-screen hint.
+
+Both cut the conversation just before one of the user's messages, on screen, in the session and in
+the saved chat alike, then send that message (edited or not) through :meth:`ReplyActions.submit`, so
+the new reply streams, is measured and is saved like any other, with the settings in force now.
+Regenerate drops only the last reply.  An edit drops the rest of the chat, so before cutting it the
+chat is kept as it was in a new saved chat ("… (before edit)", Ctrl+R): nothing the user wrote is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from textual.app import SystemCommand
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Static
+
+from ..engine.params import SamplingParams
+from ..history import HistoryError
+from ..history_edit import copy_conversation, truncate
+from .widgets.chat_log import AssistantMessage, UserMessage
+
+HINT = ("Type a message and press Enter to send (Shift+Enter: new line) · /help lists the keys and commands · "
+        "Ctrl+P opens the command palette")
+
+
+class FirstHint(Static):
+    """The line an empty chat shows; it goes when the first message is sent."""
+
+    def __init__(self) -> None:
+        super().__init__(HINT, classes="hint", markup=False)
+
+
+@dataclass
+class Editing:
+    index: int  # which of the user's messages (0 = the first)
+    session: Any  # the conversation it belongs to: a new chat or a resumed one ends the edit
+    draft: str  # what was in the box before, put back when the edit is cancelled
+
+
+class RerunActions:
+    """``self`` is the ChatApp."""
+
+    editing: Editing | None = None
+
+    # -- the first-screen hint -----------------------------------------------------------
+    async def on_mount(self) -> None:  # after ChatApp.on_mount (Textual calls each class's handler)
+        await self.refresh_hint()
+
+    async def refresh_hint(self) -> None:
+        hints = list(self.chat.query(FirstHint))
+        empty = not self.chat.query(UserMessage)
+        if empty and not hints:
+            await self.chat.mount(FirstHint())
+        elif not empty and hints:
+            await self.chat.remove_children(hints)
+
+    async def action_new_chat(self) -> None:
+        before = self.session
+        await super().action_new_chat()
+        if self.session is not before:
+            self.end_edit()
+        await self.refresh_hint()
+
+    async def resume(self, conversation_id: int) -> bool:
+        before = self.session
+        ok = await super().resume(conversation_id)
+        if self.session is not before:
+            self.end_edit()
+        await self.refresh_hint()
+        return ok
+
+    # -- sending: an edit in progress re-runs the chat from the edited message -----------
+    async def submit(self, text: str) -> None:
+        ed = self.editing
+        if ed is not None and not text.strip("\n").startswith("/"):
+            if ed.session is not self.session or ed.index >= len(self.chat.query(UserMessage)):
+                self.end_edit()  # the chat it belonged to is gone: a plain message
+            else:
+                if await self.can_rerun():
+                    await self.rerun_from(ed.index, text.strip("\n"), edited=True)
+                return
+        await super().submit(text)
+        await self.refresh_hint()
+
+    async def can_rerun(self) -> bool:
+        """What :meth:`submit` checks before it sends, checked before anything is cut."""
+        if self.backend.info().get("replay"):
+            await self.chat.add_notice("a replayed session plays its recorded replies: it cannot regenerate or edit", "warning")
+            return False
+        if not self.ready:
+            await self.chat.add_notice(self.load_error or "the model is still loading; try again when it is ready", "warning")
+            return False
+        if self.current is not None and not self.current.finished:
+            self.notify("a reply is still streaming — Esc stops it", severity="warning")
+            return False
+        if self.switching is not None:
+            await self.chat.add_notice(f"still switching to {self.switching}; try again after that", "warning")
+            return False
+        try:
+            SamplingParams(**self.params)
+        except ValueError as e:
+            await self.chat.add_notice(str(e), "error")
+            return False
+        w = self._reply_worker
+        if w is not None and w.is_running:  # a stopped reply enters the session when its thread ends
+            try:
+                await asyncio.wait_for(w.wait(), 10)
+            except Exception:  # noqa: BLE001
+                pass
+            if w.is_running:
+                await self.chat.add_notice("the previous reply has not stopped yet; try again in a moment", "warning")
+                return False
+        return True
+
+    async def rerun_from(self, index: int, text: str, *, edited: bool) -> None:
+        """Cut the chat before the user's message ``index`` and send ``text`` in its place."""
+        users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
+        widgets = list(self.chat.query(UserMessage))
+        if index >= len(users) or len(widgets) != len(users):
+            await self.chat.add_notice("this chat changed meanwhile; nothing was cut", "warning")
+            self.end_edit()
+            return
+        cut, total = users[index], len(self.messages)
+        kept_as = await self._cut_saved_chat(cut, total, keep_copy=edited)
+        # on screen: from the message on (an edit), or that message and its reply (regenerate: later
+        # notices, such as a settings change, stay)
+        children = list(self.chat.children)
+        start = children.index(widgets[index])
+        end = len(children)
+        if not edited:
+            end = next((i + 1 for i in range(start, len(children)) if isinstance(children[i], AssistantMessage)), end)
+        await self.chat.remove_children(children[start:end])
+        self.current = None  # a late event of the dropped reply finds no turn to write into
+        self.messages = self.messages[:cut]
+        if edited:
+            self.end_edit()
+            where = f"the chat as it was is kept as saved chat {kept_as} (Ctrl+R)" if kept_as else "what followed it is dropped"
+            await self.chat.add_notice(f"re-running from your message {index + 1}, edited: {where}")
+            await super().submit(text)
+        else:
+            draft = self.prompt.text  # regenerate leaves what is being typed in the box
+            await self.chat.add_notice("regenerating the last reply with the current settings (the previous one is dropped)")
+            await super().submit(text)
+            if draft.strip():
+                self.prompt.set_text(draft)
+        await self.refresh_hint()
+
+    async def _cut_saved_chat(self, cut: int, total: int, *, keep_copy: bool) -> int | None:
+        """The saved chat loses its messages from ``cut`` on (after a copy of it, for an edit); returns the copy's id."""
+        cid = self.conversation_id
+        if cid is None:
+            return None
+        copy_id = None
+        if keep_copy:
+            try:
+                conv = self.history.get_conversation(cid)
+            except HistoryError as e:
+                conv = None
+                await self.chat.add_notice(f"could not keep a copy of the chat: {e}", "warning")
+            if conv is not None:
+                copy_id = copy_conversation(self.history, cid, f"{conv.title} (before edit)")
+        if truncate(self.history, cid, cut, expect=total) is None:
+            # the saved chat does not hold what the screen shows (a write was lost): save what is kept as a new chat
+            kept = self.messages[:cut]
+            self.conversation_id = self.history.new_conversation(kept[0]["content"] if kept else "", self.system)
+            for m in kept:
+                self.history.add_message(self.conversation_id, m["role"], m["content"])
+        await self._check_history()
+        return copy_id
+
+    # -- regenerate ----------------------------------------------------------------------
+    async def action_regenerate(self) -> None:
+        if isinstance(self.screen, ModalScreen):
+            return  # F5 behind a dialog
+        if self.editing is not None:
+            await self.chat.add_notice("finish the edit first (Enter re-runs it, Esc cancels it)", "warning")
+            return
+        if not await self.can_rerun():
+            return
+        m = self.messages
+        if len(m) < 2 or m[-1]["role"] != "assistant" or m[-2]["role"] != "user":
+            await self.chat.add_notice("no reply to regenerate yet", "warning")
+            return
+        await self.rerun_from(sum(x["role"] == "user" for x in m) - 1, m[-2]["content"], edited=False)
+
+    # -- editing -------------------------------------------------------------------------
+    async def start_edit(self, index: int | None = None) -> None:
+        """Put the user's message ``index`` (None: the last) in the box; sending it re-runs the chat from there."""
+        texts = [w.text for w in self.chat.query(UserMessage)]
+        if self.current is not None and not self.current.finished:
+            await self.chat.add_notice("stop the reply first (Esc), then edit", "warning")
+            return
+        if not texts:
+            await self.chat.add_notice("nothing to edit yet: send a message first", "warning")
+            return
+        index = len(texts) - 1 if index is None else index
+        if not 0 <= index < len(texts):
+            await self.chat.add_notice(f"no message {index + 1}: this chat has {len(texts)} of yours (/edit 1 to /edit {len(texts)})", "warning")
+            return
+        draft = self.editing.draft if self.editing is not None else self.prompt.text
+        self.editing = Editing(index, self.session, draft)
+        self.prompt.set_text(texts[index])
+        self.prompt.border_title = (f"editing your message {index + 1} of {len(texts)}: Enter re-runs the chat from it "
+                                    "(the chat as it is stays in Ctrl+R), Esc cancels")
+        self.prompt.focus()
+
+    def end_edit(self) -> None:
+        self.editing = None
+        self.prompt.border_title = None
+
+    async def on_user_message_edit_requested(self, msg: UserMessage.EditRequested) -> None:
+        widgets = list(self.chat.query(UserMessage))
+        if msg.message in widgets:
+            await self.start_edit(widgets.index(msg.message))
+
+    async def action_stop(self) -> None:
+        """Esc: with nothing streaming, an edit in progress is cancelled (the box gets back what it held)."""
+        busy = (self.current is not None and not self.current.finished) or self._compare_stop is not None
+        if self.editing is not None and not busy:
+            draft = self.editing.draft
+            self.end_edit()
+            self.prompt.set_text(draft)
+            self.prompt.focus()
+            self.notify("edit cancelled")
+            return
+        await super().action_stop()
+
+    # -- commands and the palette --------------------------------------------------------
+    async def command(self, line: str) -> None:
+        name, _, arg = line[1:].partition(" ")
+        name, arg = name.lower(), arg.strip()
+        if name in ("regen", "regenerate"):
+            await self.action_regenerate()
+        elif name == "edit":
+            if arg and not (arg.isascii() and arg.isdigit() and int(arg) >= 1):
+                await self.chat.add_notice(f"usage: /edit [N], N counting your messages from 1; got '{arg}'", "warning")
+                return
+            await self.start_edit(int(arg) - 1 if arg else None)
+        else:
+            await super().command(line)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("Regenerate last reply", "Drop the last reply and decode it again with the current settings (F5)",
+                            self.action_regenerate)
+        yield SystemCommand("Edit your last message", "Put it back in the box; Enter re-runs the chat from it "
+                            "(earlier ones: Shift+Tab to one and press e, or /edit N)", self.start_edit)
