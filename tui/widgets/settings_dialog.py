@@ -1,4 +1,5 @@
-"""Switch mode, k, fan-out, temperature and reply length between turns (models stay loaded)."""
+"""Switch mode, k, fan-out, sampling (temperature, top-p, top-k, seed) and reply length between turns
+(models stay loaded).  The fields are :data:`ssd_chat.tui.changes.FIELDS`, one line each."""
 
 from __future__ import annotations
 
@@ -10,21 +11,31 @@ from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select
 
+from ...config import SAMPLING_KEYS
+from ...engine.fanout import DEFAULT_FAN_OUT
+from ...engine.params import SamplingParams
 from ...terminal import printable
-from ..changes import parse_settings
-
-FIELDS = [("k", "k (draft tokens per round)"), ("fan_out", "fan-out (geometric, uniform:F, 3,2,1)"),
-          ("temperature", "temperature (0 = greedy)"), ("max_new_tokens", "max new tokens")]
+from ..changes import FIELDS, check_engine, parse_settings
 
 
 class SettingsDialog(ModalScreen[dict | None]):
-    """Returns the changed settings, or None when cancelled."""
+    """Returns the changed settings, or None when cancelled.  A field counts as changed when its text
+    was edited; a bad value is refused in words below the fields and the dialog stays open."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
     def __init__(self, current: dict[str, Any]) -> None:
         super().__init__()
         self.current = current
+        self.shown = {key: self._text(key) for key in FIELDS}
+
+    def _text(self, key: str) -> str:
+        v = self.current.get(key)
+        if v is None and key in SAMPLING_KEYS:
+            v = getattr(SamplingParams(), key)  # what the next reply runs with
+        if key == "fan_out" and v is None:
+            v = DEFAULT_FAN_OUT  # what SSD runs with when none was chosen
+        return "" if v is None else str(v)
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
@@ -32,11 +43,10 @@ class SettingsDialog(ModalScreen[dict | None]):
             with Grid(id="settings-grid"):
                 yield Label("mode")
                 yield Select([(m.upper(), m) for m in ("ar", "sd", "ssd")], value=self.current.get("mode") or "ar",
-                             allow_blank=False, id="mode")
-                for key, label in FIELDS:
+                             allow_blank=False, id="mode", compact=True)
+                for key, (label, _) in FIELDS.items():
                     yield Label(label)
-                    v = self.current.get(key)
-                    yield Input("" if v is None else str(v), id=key)
+                    yield Input(self.shown[key], id=key, compact=True)
             yield Label("", id="settings-error", markup=False)  # errors quote what was typed
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Apply", variant="primary", id="apply")
@@ -46,10 +56,13 @@ class SettingsDialog(ModalScreen[dict | None]):
         self.dismiss(None)
 
     def _apply(self) -> None:
-        raw = {"mode": str(self.query_one("#mode", Select).value)}
-        raw.update({key: self.query_one(f"#{key}", Input).value for key, _ in FIELDS})
+        mode = str(self.query_one("#mode", Select).value)
+        raw = {key: text for key in FIELDS if (text := self.query_one(f"#{key}", Input).value) != self.shown[key]}
+        if mode != self.current.get("mode"):
+            raw["mode"] = mode
         try:
             values = parse_settings(raw)
+            check_engine(values, self.current)
         except ValueError as e:
             self.query_one("#settings-error", Label).update(printable(str(e)))
             return
