@@ -695,7 +695,7 @@ async def test_chats_dialog_resumes_and_deletes(tmp_path):
         ol = app.screen.query_one("#chat-list")
         assert ol.option_count == 2
         ol.highlighted = [ol.get_option_at_index(i).id for i in range(2)].index(str(drop))
-        await pilot.press("d", "d")
+        await pilot.press("d", "y")  # d asks first (tests/test_tui_rerun.py)
         await wait_until(pilot, lambda: ol.option_count == 1)
         assert h.get_conversation(drop) is None
         ol.highlighted = 0

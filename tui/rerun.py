@@ -23,6 +23,7 @@ from ..engine.params import SamplingParams
 from ..history import HistoryError
 from ..history_edit import copy_conversation, truncate
 from .widgets.chat_log import AssistantMessage, UserMessage
+from .widgets.chats_dialog import ChatsDialog
 
 HINT = ("Type a message and press Enter to send (Shift+Enter: new line) · /help lists the keys and commands · "
         "Ctrl+P opens the command palette")
@@ -73,6 +74,16 @@ class RerunActions:
             self.end_edit()
         await self.refresh_hint()
         return ok
+
+    async def on_chats_dialog_deleted(self, msg: ChatsDialog.Deleted) -> None:
+        """The open chat was deleted in Ctrl+R: its next message would have no saved chat to go to (and the
+        failed write would put the whole history in memory), so the app goes on with a new chat."""
+        if msg.conversation_id == self.conversation_id:
+            if self.current is not None and not self.current.finished:
+                await self.action_stop()
+            await self.action_new_chat()
+            if self.conversation_id is None:
+                await self.chat.add_notice(f"chat {msg.conversation_id} was deleted; this is a new chat")
 
     # -- sending: an edit in progress re-runs the chat from the edited message -----------
     async def submit(self, text: str) -> None:
