@@ -1,0 +1,298 @@
+"""Pilot tests: regenerate, edit and re-run, the first-screen hint, the settings dialog's sampling fields,
+and deleting a saved chat after a confirmation (scripted streams, no model)."""
+
+from __future__ import annotations
+
+import pytest
+from test_tui import FakeBackend, ssd_events, wait_until
+from textual.widgets import Input
+
+from ssd_chat.history import History
+from ssd_chat.tui.app import ChatApp
+from ssd_chat.tui.changes import FIELDS, parse_settings
+from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
+from ssd_chat.tui.widgets.confirm_dialog import ConfirmDialog
+from ssd_chat.tui.widgets.settings_dialog import SettingsDialog
+
+
+def saved(path) -> list[tuple[str, list[tuple[str, str]]]]:
+    """Every saved chat, newest first: (title, [(role, content)])."""
+    h = History(path)
+    try:
+        return [(c.title, [(m.role, m.content) for m in h.messages(c.id)]) for c in h.list_conversations()]
+    finally:
+        h.close()
+
+
+def on_screen(app: ChatApp) -> list[tuple[str, str]]:
+    return [("user" if isinstance(w, UserMessage) else "assistant", w.text)
+            for w in app.chat.children if isinstance(w, (UserMessage, AssistantMessage))]
+
+
+async def chat(app: ChatApp, pilot, *prompts: str) -> None:
+    for p in prompts:
+        await app.submit(p)
+        await wait_until(pilot, lambda: app.current is not None and app.current.finished and not app._reply_worker.is_running)
+
+
+def notices(app: ChatApp) -> list[str]:
+    return [n.text for n in app.query("Notice")]
+
+
+class TestRegenerate:
+    @pytest.mark.asyncio
+    async def test_f5_drops_the_last_reply_and_decodes_it_again_with_the_current_settings(self, tmp_path):
+        backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["again"])])
+        app = ChatApp(backend, history=History(tmp_path / "h.db"))
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await chat(app, pilot, "a", "b")
+            await app.submit("/temp 0.7")
+            app.prompt.set_text("half typed")
+            await pilot.press("f5")
+            await wait_until(pilot, lambda: len(backend.calls) == 3 and app.current.finished)
+            # the model saw the chat without the dropped reply, and the temperature set after it
+            assert backend.calls[2] == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "one"},
+                                        {"role": "user", "content": "b"}]
+            assert app.params["temperature"] == 0.7
+            want = [("user", "a"), ("assistant", "one"), ("user", "b"), ("assistant", "again")]
+            assert app.messages == [{"role": r, "content": c} for r, c in want]
+            assert on_screen(app) == want
+            assert any("from the next reply: temperature 0.7" in n for n in notices(app))  # later notices stay
+            assert app.prompt.text == "half typed"  # what was being typed stays in the box
+        assert saved(tmp_path / "h.db") == [("a", want)]
+
+    @pytest.mark.asyncio
+    async def test_regenerate_command_and_palette_entry_and_nothing_to_regenerate(self, tmp_path):
+        backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["three"])])
+        app = ChatApp(backend, history=History(tmp_path / "h.db"))
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await app.submit("/regen")
+            assert any("no reply to regenerate yet" in n for n in notices(app)) and backend.calls == []
+            await chat(app, pilot, "a")
+            await app.submit("/regenerate")
+            await wait_until(pilot, lambda: len(backend.calls) == 2 and app.current.finished)
+            cmd = next(c for c in app.get_system_commands(app.screen) if c.title == "Regenerate last reply")
+            await cmd.callback()
+            await wait_until(pilot, lambda: len(backend.calls) == 3 and app.current.finished)
+            assert on_screen(app) == [("user", "a"), ("assistant", "three")]
+        assert saved(tmp_path / "h.db") == [("a", [("user", "a"), ("assistant", "three")])]
+
+    @pytest.mark.asyncio
+    async def test_regenerate_after_esc_waits_for_the_stopped_reply(self, tmp_path):
+        """The stopped reply enters the session when its thread ends: regenerate must cut after that, not before."""
+        backend = FakeBackend([ssd_events(["long", " reply", " here", " and", " more"]), ssd_events(["fresh"])], block=True)
+        app = ChatApp(backend, history=History(tmp_path / "h.db"))
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await app.submit("a")
+            await wait_until(pilot, lambda: backend.blocked.is_set())
+            await pilot.press("f5")  # refused while it streams
+            assert len(backend.calls) == 1 and app.current.status == "streaming"
+            await pilot.press("escape")
+            await pilot.press("f5")
+            await wait_until(pilot, lambda: len(backend.calls) == 2 and app.current.finished)
+            assert app.messages == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "fresh"}]
+            assert on_screen(app) == [("user", "a"), ("assistant", "fresh")]
+        assert saved(tmp_path / "h.db") == [("a", [("user", "a"), ("assistant", "fresh")])]
+
+
+class TestEdit:
+    @pytest.mark.asyncio
+    async def test_edit_an_earlier_message_reruns_from_it_and_keeps_the_old_chat(self, tmp_path):
+        backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["three"]), ssd_events(["new"])])
+        app = ChatApp(backend, history=History(tmp_path / "h.db"))
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await chat(app, pilot, "first", "second", "third")
+            before = [("user", "first"), ("assistant", "one"), ("user", "second"), ("assistant", "two"),
+                      ("user", "third"), ("assistant", "three")]
+            await wait_until(pilot, lambda: sum(isinstance(w, UserMessage) for w in app.screen.focus_chain) == 3)  # laid out
+            await pilot.press("shift+tab", "shift+tab")  # from the prompt box: the last message, then the one before
+            assert isinstance(app.focused, UserMessage) and app.focused.text == "second"
+            await pilot.press("e")
+            assert app.prompt.text == "second" and app.focused is app.prompt
+            assert "editing your message 2 of 3" in str(app.prompt.border_title)
+            assert on_screen(app) == before  # nothing is cut before it is sent
+            app.prompt.set_text("second, edited")
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: len(backend.calls) == 4 and app.current.finished)
+            assert backend.calls[3] == [{"role": "user", "content": "first"}, {"role": "assistant", "content": "one"},
+                                        {"role": "user", "content": "second, edited"}]
+            after = [("user", "first"), ("assistant", "one"), ("user", "second, edited"), ("assistant", "new")]
+            assert on_screen(app) == after
+            assert app.messages == [{"role": r, "content": c} for r, c in after]
+            assert app.editing is None and not app.prompt.border_title
+            copy = [n for n in notices(app) if "kept as saved chat" in n]
+            assert copy and "re-running from your message 2" in copy[0]
+        assert saved(tmp_path / "h.db") == [("first", after), ("first (before edit)", before)]
+
+    @pytest.mark.asyncio
+    async def test_edit_command_the_first_message_renames_the_chat_and_esc_cancels(self, tmp_path):
+        backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["renamed"])])
+        app = ChatApp(backend, history=History(tmp_path / "h.db"))
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await chat(app, pilot, "first", "second")
+            for bad in ("/edit 0", "/edit x", "/edit 3"):
+                await app.submit(bad)
+            assert any("usage: /edit [N]" in n for n in notices(app))
+            assert any("no message 3: this chat has 2 of yours" in n for n in notices(app))
+            await app.submit("/edit")  # the last message
+            assert app.prompt.text == "second" and app.editing.index == 1
+            await pilot.press("escape")
+            assert app.editing is None and app.prompt.text == "" and len(backend.calls) == 2
+            app.prompt.set_text("my draft")
+            await next(c for c in app.get_system_commands(app.screen) if c.title == "Edit your last message").callback()
+            assert app.prompt.text == "second"
+            await pilot.press("escape")  # the box gets back what was being typed
+            assert app.editing is None and app.prompt.text == "my draft" and len(backend.calls) == 2
+            await app.submit("/edit 1")
+            app.prompt.set_text("a new first")
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: len(backend.calls) == 3 and app.current.finished)
+            assert backend.calls[2] == [{"role": "user", "content": "a new first"}]
+            assert on_screen(app) == [("user", "a new first"), ("assistant", "renamed")]
+        chats = saved(tmp_path / "h.db")
+        assert chats[0] == ("a new first", [("user", "a new first"), ("assistant", "renamed")])
+        assert chats[1] == ("first (before edit)", [("user", "first"), ("assistant", "one"), ("user", "second"), ("assistant", "two")])
+
+    @pytest.mark.asyncio
+    async def test_an_edit_left_open_ends_with_a_new_chat(self, tmp_path):
+        backend = FakeBackend([ssd_events(["one"]), ssd_events(["fresh"])])
+        app = ChatApp(backend, history=History(tmp_path / "h.db"))
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await chat(app, pilot, "first")
+            cmd = next(c for c in app.get_system_commands(app.screen) if c.title == "Edit your last message")
+            await cmd.callback()
+            assert app.editing is not None and app.prompt.text == "first"
+            await pilot.press("ctrl+n")
+            await wait_until(pilot, lambda: app.editing is None and not app.query(UserMessage))
+            await chat(app, pilot, "elsewhere")
+            assert backend.calls[1] == [{"role": "user", "content": "elsewhere"}]
+        assert [t for t, _ in saved(tmp_path / "h.db")] == ["elsewhere", "first"]
+
+
+class TestHint:
+    @pytest.mark.asyncio
+    async def test_an_empty_chat_names_help_the_palette_and_the_send_key(self):
+        app = ChatApp(FakeBackend([ssd_events(["one"])]))
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            [hint] = app.query(".hint")
+            assert "/help" in hint.content and "Ctrl+P" in hint.content and "Enter to send" in hint.content
+            await chat(app, pilot, "hi")
+            assert not app.query(".hint")
+            await pilot.press("ctrl+n")
+            await wait_until(pilot, lambda: len(app.query(".hint")) == 1)
+
+
+class TestSettingsFields:
+    @pytest.mark.asyncio
+    async def test_top_p_top_k_seed_apply_and_bad_values_keep_the_dialog_open(self):
+        backend = FakeBackend([ssd_events(["one"])])
+        app = ChatApp(backend, settings={"temperature": 0.8})
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await pilot.press("ctrl+o")
+            await wait_until(pilot, lambda: isinstance(app.screen, SettingsDialog))
+            field = {key: app.screen.query_one(f"#{key}", Input) for key in FIELDS}
+            assert field["fan_out"].value == "geometric"  # the fan-out in use, not an empty field
+            assert (field["top_p"].value, field["top_k"].value, field["seed"].value) == ("1.0", "0", "")
+            for key, bad, words in (("top_p", "1.5", "top-p must be in (0, 1], got 1.5"),
+                                    ("top_p", "nan", "top-p must be a finite number, got 'nan'"),
+                                    ("top_k", "-3", "top-k must be >= 0"), ("top_k", "2.5", "top-k must be a whole number"),
+                                    ("seed", "-1", "seed must be between 0 and"), ("seed", str(2**70), "seed must be between 0 and"),
+                                    ("fan_out", "9,9", "fan-out list '9,9' has 2 entries but k=3 needs")):
+                field[key].value = bad
+                field[key].focus()
+                await pilot.press("enter")  # Enter in a field applies
+                await pilot.pause()
+                assert isinstance(app.screen, SettingsDialog)
+                assert words in str(app.screen.query_one("#settings-error").content), (key, bad)
+                field[key].value = {"fan_out": "geometric", "top_p": "1.0", "top_k": "0", "seed": ""}[key]
+            field["top_p"].value, field["top_k"].value, field["seed"].value = "0.9", "40", "7"
+            await pilot.click("#apply")
+            await wait_until(pilot, lambda: not isinstance(app.screen, SettingsDialog))
+            assert app.params == {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7}
+            assert backend.info_.get("fan_out") is None  # untouched fields are not re-applied
+            await chat(app, pilot, "hi")
+            await pilot.press("ctrl+o")
+            await wait_until(pilot, lambda: isinstance(app.screen, SettingsDialog))
+            assert app.screen.query_one("#seed", Input).value == "7"
+            app.screen.query_one("#seed", Input).value = ""  # empty: a new seed each reply
+            await pilot.click("#apply")
+            await wait_until(pilot, lambda: not isinstance(app.screen, SettingsDialog))
+            assert app.params["seed"] is None
+
+    def test_slash_commands_for_sampling_and_one_table_for_the_fields(self):
+        assert parse_settings({"top_p": "0.5", "top_k": "4", "seed": "3"}) == {"top_p": 0.5, "top_k": 4, "seed": 3}
+        with pytest.raises(ValueError, match="temperature must be a finite number, got 'inf'"):
+            parse_settings({"temperature": "inf"})
+        assert list(FIELDS)[:2] == ["k", "fan_out"] and {"top_p", "top_k", "seed"} <= set(FIELDS)
+
+
+class TestDeleteChat:
+    @pytest.mark.asyncio
+    async def test_d_asks_naming_the_chat_n_and_esc_keep_it_y_and_enter_delete(self, tmp_path):
+        h = History(tmp_path / "h.db")
+        ids = []
+        for title, n in (("first chat", 2), ("second chat", 1), ("third chat", 3)):
+            cid = h.new_conversation(title)
+            for i in range(n):
+                h.add_message(cid, "user" if i % 2 == 0 else "assistant", f"{title} {i}")
+            ids.append(cid)
+        app = ChatApp(FakeBackend([]), history=h)
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await pilot.press("ctrl+r")
+            await wait_until(pilot, lambda: app.screen.query("#chat-list"))
+            ol = app.screen.query_one("#chat-list")
+
+            def pick(cid: int) -> None:
+                ol.highlighted = [ol.get_option_at_index(i).id for i in range(ol.option_count)].index(str(cid))
+
+            pick(ids[2])
+            for cancel in ("n", "escape"):
+                await pilot.press("d")
+                await wait_until(pilot, lambda: isinstance(app.screen, ConfirmDialog))
+                question = str(app.screen.query_one("#confirm-question").content)
+                assert f"Delete chat {ids[2]}, “third chat” (3 messages)?" in question
+                await pilot.press(cancel)
+                await wait_until(pilot, lambda: not isinstance(app.screen, ConfirmDialog))
+                assert h.get_conversation(ids[2]) is not None and ol.option_count == 3
+            await pilot.press("d", "d")  # the old "d d" no longer deletes by itself
+            await wait_until(pilot, lambda: isinstance(app.screen, ConfirmDialog))
+            assert h.get_conversation(ids[2]) is not None
+            await pilot.press("y")
+            await wait_until(pilot, lambda: ol.option_count == 2)
+            assert h.get_conversation(ids[2]) is None
+            pick(ids[1])
+            await pilot.press("delete")
+            await wait_until(pilot, lambda: isinstance(app.screen, ConfirmDialog))
+            assert "“second chat” (1 message)?" in str(app.screen.query_one("#confirm-question").content)
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: ol.option_count == 1)
+            assert [c.id for c in h.list_conversations()] == [ids[0]]
+
+    @pytest.mark.asyncio
+    async def test_deleting_the_open_chat_goes_on_in_a_new_saved_chat(self, tmp_path):
+        """Once the open chat was deleted, its next message had no chat to go to: the failed write put the
+        whole history in memory for the rest of the session."""
+        backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"])])
+        app = ChatApp(backend, history=History(tmp_path / "h.db"))
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await chat(app, pilot, "doomed")
+            await pilot.press("ctrl+r")
+            await wait_until(pilot, lambda: app.screen.query("#chat-list"))
+            await pilot.press("d")
+            await wait_until(pilot, lambda: isinstance(app.screen, ConfirmDialog))
+            await pilot.press("y")
+            await pilot.press("escape")
+            await wait_until(pilot, lambda: app.conversation_id is None and not app.query(UserMessage))
+            await chat(app, pilot, "next")
+            assert app.history.warning is None
+        assert saved(tmp_path / "h.db") == [("next", [("user", "next"), ("assistant", "two")])]
