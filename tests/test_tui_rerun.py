@@ -296,3 +296,37 @@ class TestDeleteChat:
             await chat(app, pilot, "next")
             assert app.history.warning is None
         assert saved(tmp_path / "h.db") == [("next", [("user", "next"), ("assistant", "two")])]
+
+
+class TestSavedChats:
+    @pytest.mark.asyncio
+    async def test_regenerate_in_a_resumed_chat(self, tmp_path):
+        h = History(tmp_path / "h.db")
+        cid = h.new_conversation("old question")
+        for role, text in (("user", "old question"), ("assistant", "old answer"), ("user", "more"), ("assistant", "stale")):
+            h.add_message(cid, role, text)
+        backend = FakeBackend([ssd_events(["fresh"])])
+        app = ChatApp(backend, history=h, resume=cid)
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_until(pilot, lambda: app.ready and len(app.messages) == 4)
+            assert not app.query(".hint")
+            await pilot.press("f5")
+            await wait_until(pilot, lambda: len(backend.calls) == 1 and app.current.finished)
+            assert backend.calls[0][-1] == {"role": "user", "content": "more"}
+        assert saved(tmp_path / "h.db") == [("old question", [("user", "old question"), ("assistant", "old answer"),
+                                                              ("user", "more"), ("assistant", "fresh")])]
+
+    @pytest.mark.asyncio
+    async def test_a_saved_chat_that_lost_a_write_is_not_cut_blindly(self, tmp_path):
+        """When the saved chat does not hold what the screen shows, the kept part is saved as a new chat."""
+        backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["again"])])
+        app = ChatApp(backend, history=History(tmp_path / "h.db"))
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_until(pilot, lambda: app.ready)
+            await chat(app, pilot, "a", "b")
+            app.history.db.execute("DELETE FROM messages WHERE content='one'")  # a write the file never got
+            app.history.db.commit()
+            await pilot.press("f5")
+            await wait_until(pilot, lambda: len(backend.calls) == 3 and app.current.finished)
+        assert saved(tmp_path / "h.db") == [("a", [("user", "a"), ("assistant", "one"), ("user", "b"), ("assistant", "again")]),
+                                            ("a", [("user", "a"), ("user", "b"), ("assistant", "two")])]
