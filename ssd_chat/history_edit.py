@@ -13,10 +13,6 @@ import time
 from .history import History
 
 
-def count_messages(history: History, conversation_id: int) -> int:
-    return len(history.messages(conversation_id))
-
-
 def truncate(history: History, conversation_id: int, keep: int, expect: int | None = None) -> int | None:
     """Delete the chat's messages after its first ``keep`` (with their metrics); returns how many went.
 
