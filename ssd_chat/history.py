@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sqlite3
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .history_files import Pending, copy_to_memory, memory, read_only_connection, transient
+from .history_files import reason as _reason
 from .history_schema import MIGRATIONS, migrate
 
 
@@ -90,7 +90,7 @@ class History:
     # -- opening -------------------------------------------------------------------------
     def _open(self, timeout_s: float) -> sqlite3.Connection:
         if self.path is None:
-            return self._memory()
+            return memory()
         if self.read_only:
             return self._open_read_only()
         try:
@@ -132,11 +132,7 @@ class History:
             return mem
         except (sqlite3.Error, OSError) as e:
             self.warning = f"could not open the chat history {self.path}: {_reason(e)}"
-            return self._memory()
-
-    @staticmethod
-    def _memory() -> sqlite3.Connection:
-        return memory()
+            return memory()
 
     def _degrade(self, message: str) -> None:
         self.warning = f"{message}; this chat is kept in memory only and will not be saved"
@@ -239,17 +235,19 @@ class History:
         self._write(lambda db: db.execute("UPDATE conversations SET system=? WHERE id=?", (system, conversation_id)))
 
     def list_conversations(self) -> list[Conversation]:
+        """Every chat, newest first.  A title or system prompt that is not valid UTF-8 is listed with
+        its bad bytes as ``\\xff`` escapes (a label): one damaged chat does not hide the others."""
         rows = self._read("the list of chats", lambda db: db.execute(
-            """SELECT c.id, c.title, c.system, c.created_at, c.updated_at, count(m.id)
-               FROM conversations c LEFT JOIN messages m ON m.conversation_id = c.id
-               GROUP BY c.id ORDER BY c.updated_at DESC, c.id DESC"""
-        ).fetchall())
+            _chats_sql(raw=True)).fetchall())
         for r in rows:
             self._seen("conversations", r[0])
-        return [Conversation(*r) for r in rows]
+        return [Conversation(r[0], _label(r[1]), _label(r[2]), *r[3:]) for r in rows]
 
     def get_conversation(self, conversation_id: int) -> Conversation | None:
-        return next((c for c in self.list_conversations() if c.id == conversation_id), None)
+        """One chat, its texts exactly as stored (one that is not valid UTF-8 raises HistoryError)."""
+        rows = self._read(f"chat {conversation_id}", lambda db: db.execute(
+            _chats_sql(raw=False, where="WHERE c.id = ?"), (conversation_id,)).fetchall())
+        return Conversation(*rows[0]) if rows else None
 
     def delete_conversation(self, conversation_id: int) -> bool:
         cur = self._write(lambda db: db.execute("DELETE FROM conversations WHERE id=?", (conversation_id,)))
@@ -383,13 +381,13 @@ def _ran(d: dict[str, Any]) -> str | None:
     return f"{mode}→{ran}" if ran and ran != mode else mode
 
 
-def _reason(e: BaseException) -> str:
-    msg = str(e) or type(e).__name__
-    if msg.startswith("Could not decode to UTF-8"):  # the message goes on with the stored text itself
-        column = re.search(r"column '(\w+)'", msg)
-        return "a saved text is not valid UTF-8" + (f" (column {column.group(1)})" if column else "")
-    if "not a database" in msg or "malformed" in msg:
-        return f"the file is corrupt ({msg})"
-    if "locked" in msg:
-        return f"another program has it locked ({msg})"
-    return msg
+def _chats_sql(raw: bool, where: str = "") -> str:
+    """Chats with their message counts; ``raw``: title and system as bytes (for :func:`_label`)."""
+    title, system = ("CAST(c.title AS BLOB)", "CAST(c.system AS BLOB)") if raw else ("c.title", "c.system")
+    return f"""SELECT c.id, {title}, {system}, c.created_at, c.updated_at, count(m.id)
+               FROM conversations c LEFT JOIN messages m ON m.conversation_id = c.id {where}
+               GROUP BY c.id ORDER BY c.updated_at DESC, c.id DESC"""
+
+
+def _label(raw: bytes | str | None) -> str | None:
+    return raw.decode("utf-8", "backslashreplace") if isinstance(raw, bytes) else raw

@@ -9,6 +9,7 @@ again, with the ids the chat already uses.
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import time
 from collections.abc import Callable
@@ -112,3 +113,16 @@ def copy_to_memory(source: sqlite3.Connection | None, path: Path, timeout_s: flo
                 source.close()
             except sqlite3.Error:
                 pass
+
+
+def reason(e: BaseException) -> str:
+    """A SQLite failure in a few words (never the stored text some messages quote)."""
+    msg = str(e) or type(e).__name__
+    if msg.startswith("Could not decode to UTF-8"):  # the message goes on with the stored text itself
+        column = re.search(r"column '(\w+)'", msg)
+        return "a saved text is not valid UTF-8" + (f" (column {column.group(1)})" if column else "")
+    if "not a database" in msg or "malformed" in msg:
+        return f"the file is corrupt ({msg})"
+    if "locked" in msg:
+        return f"another program has it locked ({msg})"
+    return msg
