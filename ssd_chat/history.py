@@ -348,6 +348,9 @@ class History:
     def close(self) -> None:
         """Close; writes still held back get one last chance (waiting the busy timeout)."""
         self.retry(force=True)
+        if self._pending is not None:  # still refused: say plainly that this chat was not saved
+            self._pending = None
+            self._degrade((self.warning or "").split(";")[0])
         self.closed = True
         try:
             self.db.close()

@@ -281,3 +281,18 @@ def test_reading_commands_on_a_real_read_only_folder_and_full_disk(tmp_path, fau
     r = _in_own_mounts(f"{setup}; {cli} list --db {d}/h.db; {cli} show 2 --db {d}/h.db")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "chat 1" in r.stdout and "question 2" in r.stdout and r.stderr == "", r.stdout + r.stderr
+
+
+def test_closing_while_still_locked_says_the_chat_was_not_saved(tmp_path):
+    path = tmp_path / "h.db"
+    h = History(path, timeout_s=0.1)
+    cid = h.new_conversation("first")
+    other = lock(path)
+    try:
+        h.add_message(cid, "user", "held")
+        assert "saved when the file takes writes again" in h.warning
+        h.close()
+        assert h.warning and "locked" in h.warning and "will not be saved" in h.warning
+    finally:
+        release(other)
+    assert saved(path, cid) == []
