@@ -116,8 +116,8 @@ class History:
             raise
 
     def _open_read_only(self) -> sqlite3.Connection:
-        """Reading never writes: no folder, no -wal file, no migration in the file (an older schema is
-        brought up to date in a copy in memory)."""
+        """Reading never changes the file: no folder made, no migration (an older schema is brought up
+        to date in a copy in memory)."""
         try:
             db = read_only_connection(self.path, self.timeout_s)  # type: ignore[arg-type]
             version = db.execute("PRAGMA user_version").fetchone()[0]
