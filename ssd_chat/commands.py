@@ -268,17 +268,24 @@ def register(app: typer.Typer) -> None:
             raise _fail(str(e)) from None
         return Path(values["db"] or default_db_path())
 
-    def _history(ctx: typer.Context, db: Path | None):
-        """The saved chats, or None when there is no database yet (reading never creates one)."""
+    def _history(ctx: typer.Context, db: Path | None, read_only: bool = True):
+        """The saved chats, or None when there is no database yet (reading never creates one).  Reading
+        opens the file read-only: a read-only folder or a full disk does not stop it."""
         from .history import History
 
         path = _db_path(ctx, db)
         if not path.is_file():
             return None
-        h = History(path)
+        h = History(path, read_only=read_only)
         if h.warning:
-            raise _fail(h.warning.split(";")[0])
+            raise _fail_safe(h.warning.split(";")[0])
         return h
+
+    def _fail_safe(message: str) -> typer.Exit:
+        """An error line that may quote the database (a path, a stored text): escapes shown, not obeyed."""
+        from .terminal import printable
+
+        return _fail(printable(message, one_line=True))
 
     def _no_chat(chat_id: int, h) -> typer.Exit:
         where = "" if h is not None else " (there is no chat history database there yet)"
@@ -297,7 +304,7 @@ def register(app: typer.Typer) -> None:
         try:
             convs = h.list_conversations() if h is not None else []
         except HistoryError as e:
-            raise _fail(str(e)) from None
+            raise _fail_safe(str(e)) from None
         if json_out:
             typer.echo(json.dumps([{"id": c.id, "title": c.title, "messages": c.num_messages, "updated_at": c.updated_at}
                                    for c in convs], indent=2))
@@ -337,15 +344,15 @@ def register(app: typer.Typer) -> None:
         except KeyError:
             raise _no_chat(chat_id, h) from None
         except HistoryError as e:
-            raise _fail(str(e)) from None
+            raise _fail_safe(str(e)) from None
         if output is None:
             sys.stdout.write(for_stream(text if text.endswith("\n") else text + "\n", sys.stdout))
         else:
             try:
                 output.write_text(text, encoding="utf-8")
             except OSError as e:
-                raise _fail(f"cannot write {output}: {e.strerror or e}") from None
-            typer.echo(f"wrote {output}", err=True)
+                raise _fail_safe(f"cannot write {output}: {e.strerror or e}") from None
+            typer.echo(for_stream(f"wrote {output}", sys.stderr), err=True)
 
     @chats_app.command("show")
     def chats_show(ctx: typer.Context, chat_id: Annotated[int, typer.Argument(metavar="ID")], db: Db = None) -> None:
@@ -355,12 +362,12 @@ def register(app: typer.Typer) -> None:
     @chats_app.command("delete")
     def chats_delete(ctx: typer.Context, chat_id: Annotated[int, typer.Argument(metavar="ID")], db: Db = None) -> None:
         """Delete a saved chat."""
-        h = _history(ctx, db)
+        h = _history(ctx, db, read_only=False)
         if h is None:
             raise _no_chat(chat_id, h)
         deleted = h.delete_conversation(chat_id)
         if h.warning:  # the file refused the write (the copy in memory does not count)
-            raise _fail(h.warning.split(";")[0])
+            raise _fail_safe(h.warning.split(";")[0])
         if not deleted:
             raise _no_chat(chat_id, h)
         typer.echo(f"deleted chat {chat_id}")

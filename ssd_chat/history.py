@@ -7,8 +7,11 @@ Schema changes are append-only ``m00N_*`` functions (:mod:`ssd_chat.history_sche
 each and tracked by ``PRAGMA user_version``.  A database that cannot be opened (corrupt, locked, unwritable) never
 stops the chat: :class:`History` falls back to an in-memory database and sets ``warning`` to a
 sentence the app shows.  A write that fails later does the same, on an in-memory copy of the file
-when it can still be read, so the current chat goes on with the same ids.  A read that fails
-(damaged pages) raises :class:`HistoryError` with a one-line reason; the rest stays usable.
+when it can still be read, so the current chat goes on with the same ids.  When the failure may pass
+(another program's lock, a full disk), the writes made meanwhile are kept and saved to the file, in order,
+once it takes them again (:mod:`ssd_chat.history_files`); ``resumed`` then says so, once.  A read that
+fails (damaged pages) raises :class:`HistoryError` with a one-line reason; the rest stays usable.
+``History(path, read_only=True)`` only reads (the ``chats`` commands that show chats).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .history_schema import migrate
+from .history_files import Pending, copy_to_memory, memory, read_only_connection, transient
+from .history_files import reason as _reason
+from .history_schema import MIGRATIONS, migrate
 
 
 def data_dir() -> Path:
@@ -68,10 +73,14 @@ def _title(text: str) -> str:
 class History:
     """The store.  ``History(None)`` is in-memory only (``--no-history`` style)."""
 
-    def __init__(self, path: Path | str | None = None, *, timeout_s: float = 2.0) -> None:
+    def __init__(self, path: Path | str | None = None, *, timeout_s: float = 2.0, read_only: bool = False) -> None:
         self.path = Path(path) if path is not None else None
         self.warning: str | None = None
+        self.resumed: str | None = None  # set when held-back writes reach the file; the app shows it once
         self.closed = False
+        self.read_only = read_only
+        self._pending: Pending | None = None  # writes the file has yet to take
+        self._copied = False
         # Ids the caller may still hold.  An in-memory fallback that could not copy the file starts
         # its ids above these, so a stale id never names a different chat there.
         self._max_id = {"conversations": 0, "messages": 0}
@@ -81,98 +90,126 @@ class History:
     # -- opening -------------------------------------------------------------------------
     def _open(self, timeout_s: float) -> sqlite3.Connection:
         if self.path is None:
-            return self._memory()
-        db = None
+            return memory()
+        if self.read_only:
+            return self._open_read_only()
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, timeout=timeout_s, check_same_thread=False)
+            return self._connect(timeout_s)
+        except (sqlite3.Error, OSError) as e:
+            self._degrade(f"could not open the chat history {self.path}: {_reason(e)}")
+            mem = self._copy_to_memory(None)
+            self._hold_writes(e)
+            return mem
+
+    def _connect(self, timeout_s: float) -> sqlite3.Connection:
+        assert self.path is not None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, timeout=timeout_s, check_same_thread=False)
+        try:
             db.execute("PRAGMA foreign_keys = ON")
             db.execute("PRAGMA journal_mode = WAL")
             migrate(db)
             db.execute("SELECT count(*) FROM conversations").fetchone()
             return db
-        except (sqlite3.Error, OSError) as e:
-            self._degrade(f"could not open the chat history {self.path}: {_reason(e)}")
-            if db is not None:
-                db.close()
-            return self._copy_to_memory(None)
+        except BaseException:
+            db.close()
+            raise
 
-    @staticmethod
-    def _memory() -> sqlite3.Connection:
-        db = sqlite3.connect(":memory:", check_same_thread=False)
-        db.execute("PRAGMA foreign_keys = ON")
-        migrate(db)
-        return db
+    def _open_read_only(self) -> sqlite3.Connection:
+        """Reading never changes the file: no folder made, no migration (an older schema is brought up
+        to date in a copy in memory)."""
+        try:
+            db = read_only_connection(self.path, self.timeout_s)  # type: ignore[arg-type]
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version == len(MIGRATIONS):
+                return db
+            if version > len(MIGRATIONS):
+                db.close()
+                raise sqlite3.DatabaseError(f"schema version {version} is newer than this ssd-chat understands ({len(MIGRATIONS)})")
+            mem = self._copy_to_memory(db)
+            if not self._copied:
+                raise sqlite3.DatabaseError("the file cannot be read")
+            return mem
+        except (sqlite3.Error, OSError) as e:
+            self.warning = f"could not open the chat history {self.path}: {_reason(e)}"
+            return memory()
 
     def _degrade(self, message: str) -> None:
         self.warning = f"{message}; this chat is kept in memory only and will not be saved"
+
+    def _hold_writes(self, e: BaseException) -> None:
+        """After a failure that may pass, keep the writes to save later (only on a full copy of the
+        file: the ids they use must be the file's)."""
+        if self._copied and transient(e) and not self.read_only:
+            self._pending = Pending()
+            self.warning = self.warning.split(";")[0] + "; this chat is kept in memory and saved when the file takes writes again"  # type: ignore[union-attr]
 
     @property
     def is_persistent(self) -> bool:
         return self.warning is None and self.path is not None
 
-    def _write(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+    def _write(self, fn: Callable[..., Any], keeps_id: bool = False) -> Any:
         """Run a write.  If the file database fails, carry on in memory (with a warning) and retry
-        there; a write that fails in memory (a chat the copy does not have) is dropped: never raises."""
-        if self.closed:
+        there; a write that fails in memory (a chat the copy does not have) is dropped: never raises.
+        While writes are held back, each is kept to replay on the file (``keeps_id``: with the id it
+        got here, passed as ``fn``'s second argument)."""
+        if self.closed or self.read_only:
             return None
+        self.retry()
+        if self._pending is None:
+            try:
+                with self.db:
+                    return fn(self.db)
+            except sqlite3.Error as e:
+                if not self.is_persistent:
+                    return None
+                self._degrade(f"could not write the chat history {self.path}: {_reason(e)}")
+                self.db = self._copy_to_memory(self.db)
+                self._hold_writes(e)
         try:
             with self.db:
-                return fn(self.db)
-        except sqlite3.Error as e:
-            if not self.is_persistent:
-                return None
-            self._degrade(f"could not write the chat history {self.path}: {_reason(e)}")
-            self.db = self._copy_to_memory(self.db)
-        try:
-            with self.db:
-                return fn(self.db)
+                result = fn(self.db)
         except sqlite3.Error:
             return None
+        if self._pending is not None:
+            self._pending.add((lambda db: fn(db, result)) if keeps_id else fn)
+        return result
+
+    def retry(self, force: bool = False) -> None:
+        """Save the held-back writes if the file takes them now (when due, or ``force``: wait the busy
+        timeout).  Done by every write; the app also calls it when idle, and ``close`` forces it."""
+        p = self._pending
+        if p is None or self.closed or not (force or p.is_due()):
+            return
+        db = None
+        try:
+            db = self._connect(self.timeout_s if force else 0.0)
+            p.replay(db)
+        except (sqlite3.Error, OSError) as e:
+            if db is not None:
+                db.close()
+            if transient(e):
+                p.backoff()
+                return
+            self._pending = None  # the chat stays in memory
+            why = "another program saved chats with the ids this chat uses" if isinstance(e, sqlite3.IntegrityError) else _reason(e)
+            self._degrade(f"could not save the chat history {self.path}: {why}")
+            return
+        db.execute(f"PRAGMA busy_timeout = {int(self.timeout_s * 1000)}")
+        self.db.close()
+        self.db, self._pending, self.warning = db, None, None
+        self.resumed = f"saving the chat history {self.path} again (nothing written meanwhile was lost)"
 
     def _copy_to_memory(self, source: sqlite3.Connection | None) -> sqlite3.Connection:
-        """The file's contents in memory, read through ``source`` (closed here) or a read-only
-        connection: a reader still gets past another program's write lock, and a read-only file
-        can still be resumed.  When the file cannot be read, an empty store."""
-        mem = sqlite3.connect(":memory:", check_same_thread=False)
-        try:
-            if source is None:
-                source = self._read_only()
-            # Take the read lock first, within the busy timeout: backup() itself retries a locked
-            # file forever.  Holding it, the copy cannot be locked out half-way.
-            source.execute("BEGIN")
-            source.execute("SELECT count(*) FROM sqlite_master").fetchone()
-            source.backup(mem)
-            mem.execute("PRAGMA foreign_keys = ON")
-            migrate(mem)
-            for table in ("conversations", "messages", "turn_metrics"):  # a copy we can write to
-                mem.execute(f"SELECT count(*) FROM {table}").fetchone()
-        except (sqlite3.Error, OSError, ValueError):
-            mem.close()
-            mem = self._memory()
-        finally:
-            if source is not None:
-                try:
-                    source.close()
-                except sqlite3.Error:
-                    pass
+        """The file's contents in memory (see :func:`copy_to_memory`); ``_copied`` says whether it got them."""
+        mem, self._copied = copy_to_memory(source, self.path, self.timeout_s)  # type: ignore[arg-type]
         return mem
-
-    def _read_only(self) -> sqlite3.Connection:
-        """The file opened read-only; in a read-only folder (no room for WAL's -shm file) as immutable."""
-        uri = self.path.resolve().as_uri()  # type: ignore[union-attr]
-        try:
-            db = sqlite3.connect(uri + "?mode=ro", uri=True, timeout=self.timeout_s)
-            db.execute("SELECT count(*) FROM sqlite_master").fetchone()
-            return db
-        except sqlite3.OperationalError:
-            return sqlite3.connect(uri + "?mode=ro&immutable=1", uri=True)
 
     def _read(self, what: str, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         try:
             return fn(self.db)
         except sqlite3.Error as e:
-            where = self.path if self.is_persistent else "(in memory)"
+            where = self.path if self.is_persistent or self.read_only else "(in memory)"
             raise HistoryError(f"could not read {what} from the chat history {where}: {_reason(e)}") from None
 
     def _seen(self, table: str, ident: int | None) -> int | None:
@@ -184,31 +221,33 @@ class History:
     def new_conversation(self, title: str = "", system: str | None = None) -> int | None:
         now = time.time()
 
-        def go(db: sqlite3.Connection) -> int:
+        def go(db: sqlite3.Connection, ident: int | None = None) -> int:
             cur = db.execute(
                 "INSERT INTO conversations(id, title, system, created_at, updated_at) "
-                "VALUES ((SELECT max(coalesce(max(id), 0), ?) + 1 FROM conversations),?,?,?,?)",
-                (self._max_id["conversations"], _title(title) if title else "(new chat)", system, now, now),
+                "VALUES (coalesce(?, (SELECT max(coalesce(max(id), 0), ?) + 1 FROM conversations)),?,?,?,?)",
+                (ident, self._max_id["conversations"], _title(title) if title else "(new chat)", system, now, now),
             )
             return int(cur.lastrowid)
 
-        return self._seen("conversations", self._write(go))
+        return self._seen("conversations", self._write(go, keeps_id=True))
 
     def set_system(self, conversation_id: int, system: str | None) -> None:
         self._write(lambda db: db.execute("UPDATE conversations SET system=? WHERE id=?", (system, conversation_id)))
 
     def list_conversations(self) -> list[Conversation]:
+        """Every chat, newest first.  A title or system prompt that is not valid UTF-8 is listed with
+        its bad bytes as ``\\xff`` escapes (a label): one damaged chat does not hide the others."""
         rows = self._read("the list of chats", lambda db: db.execute(
-            """SELECT c.id, c.title, c.system, c.created_at, c.updated_at, count(m.id)
-               FROM conversations c LEFT JOIN messages m ON m.conversation_id = c.id
-               GROUP BY c.id ORDER BY c.updated_at DESC, c.id DESC"""
-        ).fetchall())
+            _chats_sql(raw=True)).fetchall())
         for r in rows:
             self._seen("conversations", r[0])
-        return [Conversation(*r) for r in rows]
+        return [Conversation(r[0], _label(r[1]), _label(r[2]), *r[3:]) for r in rows]
 
     def get_conversation(self, conversation_id: int) -> Conversation | None:
-        return next((c for c in self.list_conversations() if c.id == conversation_id), None)
+        """One chat, its texts exactly as stored (one that is not valid UTF-8 raises HistoryError)."""
+        rows = self._read(f"chat {conversation_id}", lambda db: db.execute(
+            _chats_sql(raw=False, where="WHERE c.id = ?"), (conversation_id,)).fetchall())
+        return Conversation(*rows[0]) if rows else None
 
     def delete_conversation(self, conversation_id: int) -> bool:
         cur = self._write(lambda db: db.execute("DELETE FROM conversations WHERE id=?", (conversation_id,)))
@@ -220,11 +259,11 @@ class History:
             return None
         now = time.time()
 
-        def go(db: sqlite3.Connection) -> int:
+        def go(db: sqlite3.Connection, ident: int | None = None) -> int:
             cur = db.execute(
                 "INSERT INTO messages(id, conversation_id, role, content, status, created_at) "
-                "VALUES ((SELECT max(coalesce(max(id), 0), ?) + 1 FROM messages),?,?,?,?,?)",
-                (self._max_id["messages"], conversation_id, role, content, status, now),
+                "VALUES (coalesce(?, (SELECT max(coalesce(max(id), 0), ?) + 1 FROM messages)),?,?,?,?,?)",
+                (ident, self._max_id["messages"], conversation_id, role, content, status, now),
             )
             db.execute("UPDATE conversations SET updated_at=? WHERE id=?", (now, conversation_id))
             if role == "user":  # the first prompt names the chat
@@ -233,7 +272,7 @@ class History:
                 )
             return int(cur.lastrowid)
 
-        return self._seen("messages", self._write(go))
+        return self._seen("messages", self._write(go, keeps_id=True))
 
     def update_message(self, message_id: int | None, content: str, status: str) -> None:
         """Save a reply's text so far (called while streaming, and when it ends)."""
@@ -307,6 +346,11 @@ class History:
         return conv
 
     def close(self) -> None:
+        """Close; writes still held back get one last chance (waiting the busy timeout)."""
+        self.retry(force=True)
+        if self._pending is not None:  # still refused: say plainly that this chat was not saved
+            self._pending = None
+            self._degrade((self.warning or "").split(";")[0])
         self.closed = True
         try:
             self.db.close()
@@ -340,10 +384,13 @@ def _ran(d: dict[str, Any]) -> str | None:
     return f"{mode}→{ran}" if ran and ran != mode else mode
 
 
-def _reason(e: BaseException) -> str:
-    msg = str(e) or type(e).__name__
-    if "not a database" in msg or "malformed" in msg:
-        return f"the file is corrupt ({msg})"
-    if "locked" in msg:
-        return f"another program has it locked ({msg})"
-    return msg
+def _chats_sql(raw: bool, where: str = "") -> str:
+    """Chats with their message counts; ``raw``: title and system as bytes (for :func:`_label`)."""
+    title, system = ("CAST(c.title AS BLOB)", "CAST(c.system AS BLOB)") if raw else ("c.title", "c.system")
+    return f"""SELECT c.id, {title}, {system}, c.created_at, c.updated_at, count(m.id)
+               FROM conversations c LEFT JOIN messages m ON m.conversation_id = c.id {where}
+               GROUP BY c.id ORDER BY c.updated_at DESC, c.id DESC"""
+
+
+def _label(raw: bytes | str | None) -> str | None:
+    return raw.decode("utf-8", "backslashreplace") if isinstance(raw, bytes) else raw

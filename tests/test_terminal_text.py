@@ -97,3 +97,58 @@ def test_the_app_shows_a_resumed_chat_without_obeying_its_escapes(tmp_path):
     raw = "".join(out)
     assert "could not load the model" in raw and "PWNED" in raw, raw[-2000:]
     assert "\x1b]0;PWNED" not in raw and "\x1b[31mred" not in raw and "\x9b2J" not in raw
+
+
+def bad_utf8_db(path):
+    """Chat 1's title and chat 2's reply hold escape sequences and bytes that are not UTF-8 (written by
+    another program: ssd-chat itself only stores text); chat 3 is fine."""
+    import sqlite3
+
+    h = History(path)
+    for title, reply in (("one", "r1"), ("two", "r2"), ("three \x1b[31mred", "r3")):
+        cid = h.new_conversation(title)
+        h.add_message(cid, "user", title)
+        h.add_message(cid, "assistant", reply)
+    h.close()
+    db = sqlite3.connect(path)
+    evil = b"\x1b]0;PWNED\x07 \x1b[2J\xff\xfe"  # a title change, a screen clear, then invalid UTF-8
+    db.execute("UPDATE conversations SET title = CAST(? AS TEXT) WHERE id = 1", (b"t " + evil,))
+    db.execute("UPDATE messages SET content = CAST(? AS TEXT) WHERE id = 4", (b"reply " + evil,))
+    db.commit()
+    db.close()
+    return path
+
+
+def _no_terminal_control(text):
+    return "\x1b" not in text and "\x07" not in text and "\x9b" not in text and "\ufffd" not in text
+
+
+def test_invalid_utf8_and_escapes_in_the_database_never_reach_the_terminal(tmp_path):
+    db = str(bad_utf8_db(tmp_path / "h.db"))
+    run = CliRunner().invoke
+    r = run(cli_app, ["chats", "list", "--db", db])  # one damaged title does not hide the other chats
+    assert r.exit_code == 0 and _no_terminal_control(r.stdout), r.output
+    lines = r.stdout.splitlines()
+    assert len(lines) == 3 and lines[-1].endswith("t \\x1b]0;PWNED\\x07 \\x1b[2J\\xff\\xfe")
+    assert "three \\x1b[31mred" in r.stdout
+    for args, what in ((["show", "1"], "chat 1"), (["show", "2"], "chat 2"), (["export", "2", "-f", "jsonl"], "chat 2")):
+        r = run(cli_app, ["chats", *args, "--db", db])
+        assert r.exit_code == 1 and r.stdout == "", (args, r.output)
+        assert r.stderr.startswith(f"ssd-chat: error: could not read {what} ") and r.stderr.count("\n") == 1, r.stderr
+        assert "not valid UTF-8" in r.stderr and "PWNED" not in r.stderr and _no_terminal_control(r.stderr), r.stderr
+    r = run(cli_app, ["chats", "show", "3", "--db", db])
+    assert r.exit_code == 0 and "r3" in r.stdout
+
+
+def test_chats_commands_on_a_damaged_database_in_a_real_terminal(tmp_path):
+    """What the terminal receives, byte for byte: no title change, no screen clear, no raw bytes."""
+    db = str(bad_utf8_db(tmp_path / "h.db"))
+    for args, code in ((["chats", "list"], 0), (["chats", "show", "1"], 1), (["chats", "show", "2"], 1),
+                       (["chats", "show", "3"], 0), (["chats", "export", "3"], 0)):
+        child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", *args, "--db", db], env=_env(tmp_path),
+                              dimensions=(45, 150), encoding="latin-1", timeout=60)  # latin-1: every byte as it came
+        out = child.read()
+        child.close()
+        assert child.exitstatus == code, (args, out)
+        assert "\x1b]0;" not in out and "\x1b[2J" not in out and "\x1b[31m" not in out and "\x07" not in out, (args, out)
+        assert "\xff" not in out and "\x9b" not in out, (args, out)

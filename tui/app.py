@@ -186,8 +186,8 @@ class ChatApp(RerunActions, ReplyActions, CompareActions, ChatActions, App[int])
         self.prompt.focus()
         self._flush_lock = asyncio.Lock()
         self._frames = self.set_interval(FRAME_S, self._flush_pending, pause=True)  # runs only while a reply streams
-        if self.history.warning:
-            await self._warn(self.history.warning)
+        await self._check_history()  # the start's warning: shown once, not again at the first prompt
+        self.set_interval(2.0, self._check_history)  # writes held back by a lock are saved when it goes, even when idle
         if self.resume_id is not None:
             await self.resume(self.resume_id)
         self.load_backend()
@@ -291,7 +291,11 @@ class ChatApp(RerunActions, ReplyActions, CompareActions, ChatActions, App[int])
             await self._warn(f"{r.stopped_reason}; the chat goes on")
 
     async def _check_history(self) -> None:
+        self.history.retry()
         w = self.history.warning
         if w and w != getattr(self, "_shown_warning", None):
             self._shown_warning = w
             await self._warn(w)
+        if self.history.resumed:
+            message, self.history.resumed, self._shown_warning = self.history.resumed, None, None
+            await self.chat.add_notice(message, "info")
