@@ -143,11 +143,12 @@ def _memory_warnings(spec: models.ModelSpec, place: models.Placement) -> list[st
 
 def in_force(config: "EngineConfig") -> dict[str, object]:
     """The engine's values for the settings left unset (``None``): what ``ssd-chat config`` shows for them."""
-    from .drafts import default_draft
+    from .drafts import default_draft, label
     from .fanout import DEFAULT_FAN_OUT, default_budget
 
     return {
         "draft": config.draft or default_draft(config.target), "k": config.k,
+        "draft_label": label(config.draft or default_draft(config.target), config.target),  # as the panel names it
         "fan_out": config.fan_out or DEFAULT_FAN_OUT, "budget": config.budget or default_budget(config.k),
         "saguaro_c": config.saguaro_c, "fallback": config.fallback, "compile": config.compile,
     }

@@ -60,7 +60,7 @@ def test_ask_json_reports_the_mode_auto_ran(cores):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     if cores is None and len(os.sched_getaffinity(0)) >= 2:
-        assert out["mode"] == "ssd" and out["stats"]["rounds"] > 0 and out["draft"] == "smollm2-135m-instruct"
+        assert out["mode"] == "ssd" and out["stats"]["rounds"] > 0 and out["draft"].startswith("trained (")
         assert out["mode_reason"].startswith("SSD: speculator on cpu")
     else:
         assert out["mode"] == "ar" and out["stats"]["rounds"] == 0 and out["draft"] is None

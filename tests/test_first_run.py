@@ -75,10 +75,11 @@ def test_config_shows_what_auto_resolved_to_and_the_engine_defaults(monkeypatch)
     assert r.exit_code == 0, r.output
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in r.stdout.splitlines() if line.count("│") >= 4}
     assert rows["mode"] == "auto → ssd"
-    assert rows["draft"] == "trained (engine default)" and rows["k"] == "2 (engine default)"
+    assert rows["draft"].startswith("trained (2 shared layers") and rows["k"] == "2 (engine default)"
     assert "mode: SSD: speculator on cpu" in r.stdout
     data = json.loads(CliRunner().invoke(app, ["config", "--json"]).stdout)
     assert data["mode"]["resolved"] == "ssd" and data["k"]["in_force"] == 2 and data["draft"]["in_force"] == "trained"
+    assert data["draft"]["label"] == "trained (2 shared layers + 2 own, 8192-token head)"
 
 
 # -- errors before the wait ----------------------------------------------------------------------
