@@ -129,7 +129,7 @@ def ask(
 
     try:
         params = sampling_params(values)
-        engine = load_engine(values)
+        engine = load_engine(values, start_decoder=True)
     except ParamError as e:  # a setting out of range is bad usage
         raise fail(str(e), 2) from None
     except SSDChatError as e:

@@ -166,3 +166,36 @@ def test_engine_refuses_an_unresolved_auto():
 
     with pytest.raises(ParamError, match="auto"):
         Engine(EngineConfig(mode="auto"), target=None)  # type: ignore[arg-type]
+
+
+# -- `ask` during a first start: the app's load line on stderr, only on a terminal ------------------
+@pytest.mark.slow
+@needs_packaged
+def test_ask_shows_the_conversion_stage_by_stage_in_a_pty(tmp_path):
+    """A fresh conversion cache (SSD_CHAT_CACHE_DIR) makes this a first start: stderr, a terminal, shows each
+    stage as the app's load line does (percentage and seconds on the stage), and clears it before the reply."""
+    pexpect = pytest.importorskip("pexpect")
+    env = {**os.environ, "SSD_CHAT_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "TERM": "xterm"}
+    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "ask", "--mode", "ar", "-n", "3", "hi"], env=env,
+                          dimensions=(24, 150), encoding="utf-8", codec_errors="replace", timeout=300)
+    try:
+        child.expect(r"starting… \d+ s")
+        child.expect(r"converting SmolLM2-135M-Instruct\.Q4_1\.gguf to safetensors \(once\)… \d+% · \d+ s")
+        child.expect(r"loading smollm2-135m-gguf… \d+ s")
+        child.expect(r"\r\x1b\[2K")  # the line is cleared before the reply
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+    assert (tmp_path / "cache" / "converted").is_dir()  # the conversion really ran in the fresh cache
+
+
+@pytest.mark.slow
+@needs_packaged
+def test_ask_prints_no_progress_when_stderr_is_not_a_terminal(tmp_path):
+    r = run_cli("ask", "--mode", "ar", "-n", "3", "hi", env={"SSD_CHAT_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"})
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert (tmp_path / "cache" / "converted").is_dir()  # a first start, as above
+    assert "converting" not in err and "\r" not in err and "\x1b" not in err
+    assert all(line.startswith("ssd-chat: ") for line in err.splitlines()), err  # the -n note, nothing else
