@@ -137,7 +137,8 @@ def check(config: "EngineConfig") -> Preflight:
 def _memory_warnings(spec: models.ModelSpec, place: models.Placement) -> list[str]:
     if spec.kind != "hub":
         return []
-    w = catalog.memory_warning(spec.name, spec.source, place.device, place.dtype, len(place.device_map or place.ranks or ()) or 1)
+    w = catalog.memory_warning(spec.name, spec.source, place.device, place.dtype, len(place.device_map or place.ranks or ()) or 1,
+                               models.ALIASES)
     return [w] if w else []
 
 

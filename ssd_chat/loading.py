@@ -7,7 +7,6 @@ loads models from the command line (``ask``, ``compare``, ``serve``, the headles
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -81,11 +80,11 @@ class StageLine:
         self.draw()
 
     def text(self) -> str:
-        from .terminal import printable
+        from .terminal import columns, printable
 
         seconds = f"{time.monotonic() - self.t0:.0f} s"
         line = f"{printable(self.stage, one_line=True)}… " + (seconds if self.frac is None else f"{self.frac:.0%} · {seconds}")
-        width = shutil.get_terminal_size().columns - 1
+        width = columns(self.stream) - 1
         return line if len(line) <= width else line[: max(1, width - 1)] + "…"
 
     def update(self, stage: str, frac: float | None) -> None:
@@ -128,6 +127,7 @@ def load_engine(values: dict[str, Any], progress_to_stderr: bool = True, start_d
     try:
         from .config import engine_config
         from .engine import Engine
+        from .terminal import wrapped
 
         quiet_libraries()
         cfg = engine_config(values)
@@ -137,10 +137,11 @@ def load_engine(values: dict[str, Any], progress_to_stderr: bool = True, start_d
                 line.update(stage, frac)
 
         def warn(message: str) -> None:
+            text = wrapped(f"ssd-chat: warning: {message}", sys.stderr)
             if line is not None:
-                line.say(f"ssd-chat: warning: {message}")
+                line.say(text)
             else:
-                typer.echo(f"ssd-chat: warning: {message}", err=True)
+                typer.echo(text, err=True)
 
         engine = Engine.load(cfg, progress=progress, tqdm_class=tqdm_to(progress) if show else None, warn=warn)
         if start_decoder:  # as the app does: SSD's speculator starts under the load line, not before the first token

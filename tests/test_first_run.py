@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -199,3 +200,30 @@ def test_ask_prints_no_progress_when_stderr_is_not_a_terminal(tmp_path):
     assert (tmp_path / "cache" / "converted").is_dir()  # a first start, as above
     assert "converting" not in err and "\r" not in err and "\x1b" not in err
     assert all(line.startswith("ssd-chat: ") for line in err.splitlines()), err  # the -n note, nothing else
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_long_model_messages_wrap_at_the_terminal_width(tmp_path):
+    """On a terminal each message is one logical message wrapped at its width (continuations indented, a
+    `command` kept whole); into a pipe it stays one line (the 70B test above)."""
+    pexpect = pytest.importorskip("pexpect")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "TERM": "xterm"}
+    env.pop("COLUMNS", None)
+    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "ask", "--mode", "ar", "--target", "llama-3-8b", "hi"], env=env,
+                          dimensions=(40, 80), encoding="utf-8", codec_errors="replace", timeout=120)
+    out = child.read()
+    child.close()
+    assert child.exitstatus == 1 and "Traceback" not in out
+    progress = re.compile(r"^[^:]*… (\d+% · )?\d+ s$")  # the load line's states, each after a \r
+    lines = [ln for ln in re.sub(r"\x1b\[2K", "", out).replace("\r", "\n").split("\n") if ln.strip() and not progress.match(ln)]
+    assert sum(ln.startswith("ssd-chat: error: ") for ln in lines) == 1, out
+    long = [ln for ln in lines if len(ln) > 80 and not ln.strip().startswith("`")]  # only a command kept whole
+    assert not long and len(lines) > 4, out
+    assert all(ln.startswith(("ssd-chat: ", "  ")) for ln in lines), out
+    text = " ".join(ln.strip() for ln in lines)
+    for needle in ("hf download meta-llama/Llama-3.1-8B-Instruct", "HF_TOKEN", "about 16 GB", "a local model folder or a .gguf file"):
+        assert needle in text, needle
+    from ssd_chat.engine import catalog
+
+    if (catalog.ram_gb() or 0) < 30:  # 8.03B parameters in float32 need ~32 GB: the warning says what fits
+        assert "will not fit here" in text and "What fits" in text and "`--dtype bfloat16`" in text
