@@ -539,7 +539,7 @@ def test_the_estimate_scales_a_probe_of_each_configuration(tiny_pair):
         assert p.prefill_s > 0 and p.per_token_s > 0
         assert p.run_s == pytest.approx(p.prefill_s + 39 * p.per_token_s)
     warm = sum(p.prefill_s + 3 * p.per_token_s for p in est.probes)
-    assert est.total_s == pytest.approx(7.0 + warm + len(PROMPTS) * 2 * sum(p.run_s for p in est.probes))
+    assert est.total_s > 7.0 + warm + len(PROMPTS) * 2 * sum(p.run_s for p in est.probes)  # + the bandwidth readings
     lines = render(est)
     assert lines[0].startswith("estimate: about ") and "40 tokens" in lines[0] and len(lines) == 3
 

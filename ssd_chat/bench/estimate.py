@@ -41,12 +41,12 @@ def probe(base_config: Any, models_for: Callable[[Plan], tuple[Any, Any]], promp
           settings: BenchSettings, load_s: float = 0.0, tokens: int = PROBE_TOKENS,
           encode: Callable[[Any, BenchPrompt], tuple[list[int], tuple[str, ...]]] | None = None) -> Estimate:
     """Time ``tokens`` decode steps of each distinct configuration on the race's warm-up prompt, pinned as the
-    race pins it, and scale: per configuration one warm-up reply plus prompts x repeats replies of
-    ``settings.max_new_tokens`` tokens each; plus ``load_s``."""
+    race pins it, and scale: per configuration its memory-bandwidth reading (timed here as the race does it),
+    one warm-up reply and prompts x repeats replies of ``settings.max_new_tokens`` tokens each; plus ``load_s``."""
     from ..engine import SamplingParams
     from ..engine.chat import messages_for
     from ..engine.events import Done, Error
-    from .machine import Pinning
+    from .machine import Pinning, read_bandwidth
 
     encode = encode or (lambda eng, p: eng.prompt_ids(messages_for(p.text)))
     skipped: dict[str, str] = {}
@@ -61,6 +61,9 @@ def probe(base_config: Any, models_for: Callable[[Plan], tuple[Any, Any]], promp
             plan = slots[key]
             ids, extra_stop = encode(eng, prompts[0])
             pin.apply(plan.cores, plan.threads)
+            t0 = time.perf_counter()
+            read_bandwidth(plan.target_device)  # the race measures it once per configuration too
+            total += time.perf_counter() - t0
             timed: tuple[float, int, float | None] = (0.0, 0, None)
             for n in (2, tokens):  # the first reply pays one-off costs (a compile, the speculator's start)
                 seed = settings.seed if settings.seed is not None else 1234  # the race's first repeat's seed
