@@ -46,8 +46,31 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return manifest
 
 
-def load(folder: str | Path, target: LoadedModel) -> LoadedModel:
-    """Rebuild the draft in ``folder`` on top of ``target`` (refusing a target it was not trained for)."""
+def shape_text(manifest: dict[str, Any]) -> str:
+    """What a trained draft is, from its manifest: "2 shared layers + 2 own, 8192-token head"."""
+    own = len(manifest.get("init_from") or ())
+    shared = int(manifest.get("num_shared") or 0)
+    if manifest.get("kind", "layers") == "features":
+        body = f"{own} own layer{'s' * (own != 1)} on the target's hidden states"
+    elif shared:
+        body = f"{shared} shared layer{'s' * (shared != 1)} + {own} own"
+    else:
+        body = f"{own} own layer{'s' * (own != 1)}"
+    head, full = manifest.get("num_vocab"), (manifest.get("target") or {}).get("vocab_size")
+    return body + (f", {head}-token head" if head and head != full else ", full head")
+
+
+def label(folder: str | Path, alias: str | None = None) -> str:
+    """How a trained draft is named to users: the alias it was chosen by (``trained``) or its folder's
+    name, then what it is, so the shipped ``smollm2-135m-instruct`` folder does not read as the target."""
+    folder = Path(folder).expanduser()
+    manifest = read_manifest(folder)
+    return f"{alias or manifest.get('name') or folder.name} ({shape_text(manifest)})"
+
+
+def load(folder: str | Path, target: LoadedModel, alias: str | None = None) -> LoadedModel:
+    """Rebuild the draft in ``folder`` on top of ``target`` (refusing a target it was not trained for);
+    ``alias``: the name it was chosen by (``trained``), for its label."""
     from safetensors.torch import load_file
 
     folder = Path(folder).expanduser()
@@ -94,7 +117,7 @@ def load(folder: str | Path, target: LoadedModel) -> LoadedModel:
         p.requires_grad_(False)
     fastlinear.install(draft)  # a feature draft's new fc; the head's shape is timed (copied layers keep the target's fast path)
     return LoadedModel(
-        name=str(manifest.get("name") or folder.name),
+        name=label(folder, alias),
         spec=ModelSpec(str(folder), "derived", str(folder)),
         model=draft.eval(),
         tokenizer=target.tokenizer,

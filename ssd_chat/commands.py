@@ -171,6 +171,7 @@ def register(app: typer.Typer) -> None:
             out["mode"].update({"resolved": engine.get("mode"), "reason": engine.get("mode_reason"),
                                 "warnings": engine.get("warnings", []), "error": engine.get("mode_error")})
             out["dtype"]["precision"] = engine.get("precision")  # what the linears will compute in
+            out["draft"]["label"] = engine.get("draft_label")  # the name the panel, ask --json, bench and serve give it
             typer.echo(json.dumps(out, indent=2))
             if invalid is not None:
                 raise _fail(str(invalid), 2 if invalid.usage else 1)
@@ -188,6 +189,8 @@ def register(app: typer.Typer) -> None:
                 shown = f"auto → {engine['mode']}"
             elif key == "dtype" and engine.get("precision") not in (None, v):
                 shown = f"{v} → {engine['precision']}"
+            elif key == "draft" and engine.get("draft_label"):
+                shown = engine["draft_label"] + (" (engine default)" if v is None else "")
             elif key in engine and v is None:
                 shown = f"{engine[key]} (engine default)"
             table.add_row(key, shown, config.describe_source(key, sources[key]))

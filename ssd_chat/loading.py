@@ -8,53 +8,150 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import typer
 
 
-def quiet_libraries(download_bars: bool = False) -> None:
+def quiet_libraries() -> None:
     """No library progress bars or warnings over our output (a full-screen app or a command's lines);
-    with ``download_bars`` (a terminal), hub downloads keep their progress bars on stderr."""
+    hub downloads report through :func:`tqdm_to` where a load line shows them."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if not download_bars:
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     import warnings
 
     warnings.filterwarnings("ignore")
-    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+    from huggingface_hub.utils import disable_progress_bars
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()  # also turns off huggingface-hub's bars ...
-    if download_bars:
-        enable_progress_bars()  # ... which we want for downloads
-    else:
-        disable_progress_bars()
+    hf_logging.disable_progress_bar()
+    disable_progress_bars()
 
 
-def load_engine(values: dict[str, Any], progress_to_stderr: bool = True) -> Any:
-    """Load models for resolved settings ``values``; progress goes to stderr as one updating line on a
-    terminal, warnings (a model too large for this machine) as lines before anything downloads."""
-    from .config import engine_config
-    from .engine import Engine
-
-    show = progress_to_stderr and sys.stderr.isatty()
-    quiet_libraries(download_bars=show)
-    cfg = engine_config(values)
-
-    def progress(stage: str, frac: float | None) -> None:
-        if show:
-            sys.stderr.write(f"\r\x1b[2K{stage}…" + (f" {frac:.0%}" if frac is not None else ""))
-            sys.stderr.flush()
-
-    def warn(message: str) -> None:
-        typer.echo(("\r\x1b[2K" if show else "") + f"ssd-chat: warning: {message}", err=True)
-
+def tqdm_to(progress: Callable[[str, "float | None"], None]) -> Any:
+    """A tqdm class whose bars report to ``progress`` (the app's load line, ``ask``'s stderr line) instead of
+    drawing bars of their own (hub downloads)."""
     try:
-        return Engine.load(cfg, progress=progress, warn=warn)
+        from tqdm.auto import tqdm as base
+    except ImportError:  # pragma: no cover
+        return None
+
+    class AppTqdm(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = False
+            kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115 - closed in close()
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            out = super().update(n)
+            if self.total:
+                progress(f"downloading {self.desc or ''}".strip(), min(1.0, self.n / self.total))
+            return out
+
+        def close(self) -> None:
+            f = self.fp
+            super().close()
+            try:
+                f.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    return AppTqdm
+
+
+class StageLine:
+    """The app's load line on a terminal's stderr: the stage, its percentage when it knows one, and the
+    seconds spent on it, redrawn every second so a stage without a fraction (or a slow one) is visibly alive.
+    One line, cut to the terminal's width, so it never wraps into a scroll of copies."""
+
+    def __init__(self, stream: Any = None) -> None:
+        import threading
+
+        self.stream = stream or sys.stderr
+        self.stage, self.frac, self.t0 = "starting", None, time.monotonic()
+        self.lock = threading.Lock()
+        self._done = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="ssd-chat-load-line", daemon=True)
+        self._ticker.start()
+        self.draw()
+
+    def text(self) -> str:
+        from .terminal import columns, printable
+
+        seconds = f"{time.monotonic() - self.t0:.0f} s"
+        line = f"{printable(self.stage, one_line=True)}… " + (seconds if self.frac is None else f"{self.frac:.0%} · {seconds}")
+        width = columns(self.stream) - 1
+        return line if len(line) <= width else line[: max(1, width - 1)] + "…"
+
+    def update(self, stage: str, frac: float | None) -> None:
+        with self.lock:
+            if stage != self.stage:
+                self.stage, self.t0 = stage, time.monotonic()
+            self.frac = frac
+        self.draw()
+
+    def draw(self) -> None:
+        with self.lock:
+            if not self._done.is_set():
+                self.stream.write("\r\x1b[2K" + self.text())
+                self.stream.flush()
+
+    def say(self, line: str) -> None:
+        """A line of its own (a warning) above the load line."""
+        with self.lock:
+            self.stream.write("\r\x1b[2K" + line + "\n")
+            self.stream.flush()
+        self.draw()
+
+    def _tick(self) -> None:
+        while not self._done.wait(1.0):
+            self.draw()
+
+    def close(self) -> None:
+        with self.lock:
+            self._done.set()
+            self.stream.write("\r\x1b[2K")
+            self.stream.flush()
+
+
+def load_engine(values: dict[str, Any], progress_to_stderr: bool = True, start_decoder: bool = False) -> Any:
+    """Load models for resolved settings ``values``; on a terminal, progress goes to stderr as the app's
+    load line (stage, percentage, seconds); warnings (a model too large for this machine) as lines before
+    anything downloads.  Nothing but the warnings when stderr is not a terminal."""
+    show = progress_to_stderr and sys.stderr.isatty()
+    line = StageLine() if show else None  # before the imports below, which take seconds
+    try:
+        from .config import engine_config
+        from .engine import Engine
+        from .terminal import wrapped
+
+        quiet_libraries()
+        cfg = engine_config(values)
+
+        def progress(stage: str, frac: float | None) -> None:
+            if line is not None:
+                line.update(stage, frac)
+
+        def warn(message: str) -> None:
+            text = wrapped(f"ssd-chat: warning: {message}", sys.stderr)
+            if line is not None:
+                line.say(text)
+            else:
+                typer.echo(text, err=True)
+
+        engine = Engine.load(cfg, progress=progress, tqdm_class=tqdm_to(progress) if show else None, warn=warn)
+        if start_decoder:  # as the app does: SSD's speculator starts under the load line, not before the first token
+            progress("starting the decoder", None)
+            try:
+                engine.decoder()
+            except BaseException:
+                engine.close()
+                raise
+        return engine
     finally:
-        if show:
-            sys.stderr.write("\r\x1b[2K")
-            sys.stderr.flush()
+        if line is not None:
+            line.close()

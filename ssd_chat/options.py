@@ -67,7 +67,9 @@ def settings(values: dict[str, Any]) -> dict[str, Any]:
 
 def fail(message: str, code: int = 1) -> typer.Exit:
     """One line on stderr, and the exit to raise: usage errors 2, runtime failures 1."""
-    typer.echo(f"ssd-chat: error: {message}", err=True)
+    from .terminal import wrapped
+
+    typer.echo(wrapped(f"ssd-chat: error: {message}", sys.stderr), err=True)
     return typer.Exit(code)
 
 

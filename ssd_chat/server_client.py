@@ -264,7 +264,17 @@ def answer(server: Server, prompt: str, values: dict[str, Any], explicit: set[st
                              ttft_s=s.get("ttft_s"), acceptance_rate=s.get("acceptance_rate"),
                              mean_accepted_length=s.get("mean_accepted_length"), cache_hit_rate=s.get("cache_hit_rate"))
         print(stats_line(st), file=sys.stderr)
+    note = length_note(final["choices"][0]["finish_reason"], s.get("new_tokens", len(ids)), body.get("max_tokens"))
+    if note:
+        print(note, file=sys.stderr)
     return 0
+
+
+def length_note(reason: str | None, new_tokens: int | None, max_new_tokens: int | None) -> str | None:
+    """One stderr line when the reply was cut at --max-new-tokens (``finish_reason`` "length"), not at EOS or a stop."""
+    if reason != "length" or not max_new_tokens or (new_tokens or 0) < max_new_tokens:
+        return None
+    return f"ssd-chat: stopped at --max-new-tokens {max_new_tokens}; raise -n for more"
 
 
 def explicit_keys(cli_values: dict[str, Any]) -> set[str]:

@@ -7,7 +7,11 @@ printed raw, the terminal would obey them.  Control characters are shown as visi
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 import sys
+import textwrap
 from typing import TextIO
 
 _KEEP = {"\n", "\t"}
@@ -30,3 +34,28 @@ def for_stream(text: str, stream: TextIO | None = None) -> str:
     except (AttributeError, ValueError):
         tty = False
     return printable(text) if tty else text
+
+
+def columns(stream: TextIO | None = None) -> int:
+    """The width of the terminal ``stream`` writes to (stdout may be a pipe while stderr is the terminal)."""
+    try:
+        return os.get_terminal_size((stream or sys.stderr).fileno()).columns
+    except (AttributeError, ValueError, OSError):
+        return shutil.get_terminal_size().columns
+
+
+def wrapped(message: str, stream: TextIO | None = None) -> str:
+    """One logical message wrapped at the terminal's width, its continuation lines indented; unchanged
+    into a file or a pipe, where a message stays one line for grep."""
+    stream = stream or sys.stderr
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    width = columns(stream) if tty else 0
+    if not tty or len(message) <= width or width < 20:
+        return message
+    # a `command` stays on one line, so it can be copied whole
+    kept = re.sub(r"`[^`]*`", lambda m: m.group(0).replace(" ", "\0"), message)
+    return textwrap.fill(kept, width=width, subsequent_indent="  ", break_long_words=False,
+                         break_on_hyphens=False).replace("\0", " ")

@@ -14,6 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
+from test_models import tiny_dir  # noqa: F401 - a fixture
 from ssd_chat.bench import BenchError
 from ssd_chat.bench import render as br_render
 from ssd_chat.bench import report as br
@@ -169,7 +170,10 @@ def test_preset_gpu_without_a_gpu_is_a_one_line_error():
     assert "needs an NVIDIA GPU" in r.stderr and "Traceback" not in r.output
 
 
-def test_dry_run_prints_the_plan_without_loading():
+def test_dry_run_prints_the_plan_before_loading(monkeypatch):
+    from ssd_chat.bench import command
+
+    monkeypatch.setattr(command, "_estimate", lambda *a, **k: 0)  # the estimate loads the models: tested below
     r = CliRunner().invoke(app, ["bench", "--dry-run", "--limit", "2", "--protocol", "paper"])
     assert r.exit_code == 0, r.output
     assert "8 prompts" in r.stdout and "protocol paper" in r.stdout and "protocol equal" not in r.stdout
@@ -516,3 +520,39 @@ def test_cli_bench_mismatch_exits_3(smollm2, tmp_path, monkeypatch):
     assert "GREEDY MISMATCH" in r.stdout and "differs from AR" in r.stderr
     ex = json.loads((tmp_path / "r.json").read_text())["protocols"]["paper"]["exactness"]
     assert ex["modes"]["sd"]["mismatches"][0]["position"] == 3
+
+
+# --- --dry-run's estimate ---------------------------------------------------------------------------
+
+
+def test_the_estimate_scales_a_probe_of_each_configuration(tiny_pair):
+    """A few timed decode steps per configuration, scaled by prompts x repeats x tokens, plus each warm-up and the load."""
+    from ssd_chat.bench.estimate import probe, render
+
+    target, draft = tiny_pair
+    plans, _ = make_plans(("paper",), ("ar", "sd"), "cpu", "auto", Hardware.detect())
+    settings = BenchSettings(modes=("ar", "sd"), protocols=("paper",), max_new_tokens=40, repeats=2, warmup_tokens=4)
+    base = EngineConfig(target="tiny-target", draft="tiny-draft", mode="sd", k=3)
+    est = probe(base, lambda plan: (target, draft), PROMPTS, plans, settings, load_s=7.0, encode=_encode)
+    assert [p.mode for p in est.probes] == ["ar", "sd"] and est.runs == 2 * len(PROMPTS) * 2
+    for p in est.probes:
+        assert p.prefill_s > 0 and p.per_token_s > 0
+        assert p.run_s == pytest.approx(p.prefill_s + 39 * p.per_token_s)
+    warm = sum(p.prefill_s + 3 * p.per_token_s for p in est.probes)
+    assert est.total_s > 7.0 + warm + len(PROMPTS) * 2 * sum(p.run_s for p in est.probes)  # + the bandwidth readings
+    lines = render(est)
+    assert lines[0].startswith("estimate: about ") and "40 tokens" in lines[0] and len(lines) == 3
+
+
+def test_dry_run_prints_an_estimate_and_does_not_run_the_bench(tiny_dir, monkeypatch):
+    from ssd_chat.bench import command
+
+    def no_race(*a, **k):
+        raise AssertionError("--dry-run ran the bench")
+
+    monkeypatch.setattr(command, "run_bench", no_race)
+    r = CliRunner().invoke(app, ["bench", "--dry-run", "--target", str(tiny_dir), "--draft", "int8", "--modes", "ar,sd",
+                                 "--protocol", "paper", "--limit", "1", "-n", "16", "-q"])
+    assert r.exit_code == 0, r.output
+    assert "protocol paper" in r.stdout and "estimate: about " in r.stdout and "16 tokens" in r.stdout
+    assert "AR: target on" in r.stdout.split("estimate:")[1] and "SD: target on" in r.stdout.split("estimate:")[1]

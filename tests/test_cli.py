@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from test_models import cli
+from test_models import cli, tiny_dir  # noqa: F401 - tiny_dir: a fixture
 
 
 
@@ -60,7 +60,7 @@ def test_ask_json_reports_the_mode_auto_ran(cores):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     if cores is None and len(os.sched_getaffinity(0)) >= 2:
-        assert out["mode"] == "ssd" and out["stats"]["rounds"] > 0 and out["draft"] == "smollm2-135m-instruct"
+        assert out["mode"] == "ssd" and out["stats"]["rounds"] > 0 and out["draft"].startswith("trained (")
         assert out["mode_reason"].startswith("SSD: speculator on cpu")
     else:
         assert out["mode"] == "ar" and out["stats"]["rounds"] == 0 and out["draft"] is None
@@ -134,3 +134,26 @@ def test_ctrl_c_mid_reply_exits_130_without_traceback():
             p.kill()
     assert p.returncode == 130, err
     assert "Traceback" not in err and len(first + out) > 1
+
+
+# --- the note when a reply stops at --max-new-tokens ---------------------------------------------------
+
+
+def test_ask_notes_a_reply_cut_at_max_new_tokens(tiny_dir):
+    """A reply that ran out of -n says so on stderr, once, in plain and --json output alike
+    (--json's finish_reason is "length" then); stdout stays the reply."""
+    for extra in ([], ["--json"]):
+        r = cli("ask", "--target", str(tiny_dir), "--mode", "ar", "-n", "3", *extra, "hi")
+        assert r.returncode == 0, r.stderr
+        assert r.stderr.count("stopped at --max-new-tokens 3; raise -n for more") == 1, r.stderr
+        assert "max-new-tokens" not in r.stdout
+        if extra:
+            assert json.loads(r.stdout)["finish_reason"] == "length"
+
+
+def test_no_length_note_at_eos_or_a_stop():
+    from ssd_chat.server_client import length_note
+
+    assert length_note("length", 64, 64) == "ssd-chat: stopped at --max-new-tokens 64; raise -n for more"
+    assert length_note("eos", 10, 64) is None and length_note("stop", 64, 64) is None
+    assert length_note("length", 10, 64) is None  # cut short by something else than -n: not this note

@@ -209,3 +209,19 @@ def test_sd_with_a_layers_draft_equals_ar(target):
     for n in (1, 2):
         eng = Engine(EngineConfig(mode="sd", k=2), target, drafts.derive(f"layers:{n}", target))
         assert list(eng.stream([5, 6, 7], SamplingParams(max_new_tokens=24)))[-1].token_ids == ar.token_ids
+
+
+def test_a_trained_draft_is_named_as_the_draft_it_is_from_its_manifest(target, tmp_path):
+    """Not by its folder's name alone (the shipped `smollm2-135m-instruct` read as the target): what it is
+    comes from its manifest, for a draft trained here as for the shipped ones, and the panel, `ask --json`,
+    bench and serve all take the loaded draft's name."""
+    from ssd_chat.engine import draft_model
+    from ssd_chat.train.folder import save
+
+    draft = draft_model.build(target.model, draft_model.DraftShape(1, (2,)), torch.tensor([0, 3, 5, 17]))
+    folder = save(draft, tmp_path / "mine", target.name, target.model)
+    loaded = drafts.derive(str(folder), target)
+    assert loaded.name == "mine (1 shared layer + 1 own, 4-token head)" == drafts.label(str(folder), "tiny3")
+    assert drafts.label("trained", "smollm2-135m-gguf") == "trained (2 shared layers + 2 own, 8192-token head)"
+    assert drafts.label("features", "smollm2-135m-gguf").startswith("features (1 own layer on the target's hidden states")
+    assert drafts.label("int8", "tiny3") == "int8"

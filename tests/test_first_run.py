@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -75,10 +76,11 @@ def test_config_shows_what_auto_resolved_to_and_the_engine_defaults(monkeypatch)
     assert r.exit_code == 0, r.output
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in r.stdout.splitlines() if line.count("│") >= 4}
     assert rows["mode"] == "auto → ssd"
-    assert rows["draft"] == "trained (engine default)" and rows["k"] == "2 (engine default)"
+    assert rows["draft"].startswith("trained (2 shared layers") and rows["k"] == "2 (engine default)"
     assert "mode: SSD: speculator on cpu" in r.stdout
     data = json.loads(CliRunner().invoke(app, ["config", "--json"]).stdout)
     assert data["mode"]["resolved"] == "ssd" and data["k"]["in_force"] == 2 and data["draft"]["in_force"] == "trained"
+    assert data["draft"]["label"] == "trained (2 shared layers + 2 own, 8192-token head)"
 
 
 # -- errors before the wait ----------------------------------------------------------------------
@@ -165,3 +167,63 @@ def test_engine_refuses_an_unresolved_auto():
 
     with pytest.raises(ParamError, match="auto"):
         Engine(EngineConfig(mode="auto"), target=None)  # type: ignore[arg-type]
+
+
+# -- `ask` during a first start: the app's load line on stderr, only on a terminal ------------------
+@pytest.mark.slow
+@needs_packaged
+def test_ask_shows_the_conversion_stage_by_stage_in_a_pty(tmp_path):
+    """A fresh conversion cache (SSD_CHAT_CACHE_DIR) makes this a first start: stderr, a terminal, shows each
+    stage as the app's load line does (percentage and seconds on the stage), and clears it before the reply."""
+    pexpect = pytest.importorskip("pexpect")
+    env = {**os.environ, "SSD_CHAT_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "TERM": "xterm"}
+    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "ask", "--mode", "ar", "-n", "3", "hi"], env=env,
+                          dimensions=(24, 150), encoding="utf-8", codec_errors="replace", timeout=300)
+    try:
+        child.expect(r"starting… \d+ s")
+        child.expect(r"converting SmolLM2-135M-Instruct\.Q4_1\.gguf to safetensors \(once\)… \d+% · \d+ s")
+        child.expect(r"loading smollm2-135m-gguf… \d+ s")
+        child.expect(r"\r\x1b\[2K")  # the line is cleared before the reply
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+    assert (tmp_path / "cache" / "converted").is_dir()  # the conversion really ran in the fresh cache
+
+
+@pytest.mark.slow
+@needs_packaged
+def test_ask_prints_no_progress_when_stderr_is_not_a_terminal(tmp_path):
+    r = run_cli("ask", "--mode", "ar", "-n", "3", "hi", env={"SSD_CHAT_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"})
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert (tmp_path / "cache" / "converted").is_dir()  # a first start, as above
+    assert "converting" not in err and "\r" not in err and "\x1b" not in err
+    assert all(line.startswith("ssd-chat: ") for line in err.splitlines()), err  # the -n note, nothing else
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_long_model_messages_wrap_at_the_terminal_width(tmp_path):
+    """On a terminal each message is one logical message wrapped at its width (continuations indented, a
+    `command` kept whole); into a pipe it stays one line (the 70B test above)."""
+    pexpect = pytest.importorskip("pexpect")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "TERM": "xterm"}
+    env.pop("COLUMNS", None)
+    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "ask", "--mode", "ar", "--target", "llama-3-8b", "hi"], env=env,
+                          dimensions=(40, 80), encoding="utf-8", codec_errors="replace", timeout=120)
+    out = child.read()
+    child.close()
+    assert child.exitstatus == 1 and "Traceback" not in out
+    progress = re.compile(r"^[^:]*… (\d+% · )?\d+ s$")  # the load line's states, each after a \r
+    lines = [ln for ln in re.sub(r"\x1b\[2K", "", out).replace("\r", "\n").split("\n") if ln.strip() and not progress.match(ln)]
+    assert sum(ln.startswith("ssd-chat: error: ") for ln in lines) == 1, out
+    long = [ln for ln in lines if len(ln) > 80 and not ln.strip().startswith("`")]  # only a command kept whole
+    assert not long and len(lines) > 4, out
+    assert all(ln.startswith(("ssd-chat: ", "  ")) for ln in lines), out
+    text = " ".join(ln.strip() for ln in lines)
+    for needle in ("hf download meta-llama/Llama-3.1-8B-Instruct", "HF_TOKEN", "about 16 GB", "a local model folder or a .gguf file"):
+        assert needle in text, needle
+    from ssd_chat.engine import catalog
+
+    if (catalog.ram_gb() or 0) < 30:  # 8.03B parameters in float32 need ~32 GB: the warning says what fits
+        assert "will not fit here" in text and "What fits" in text and "`--dtype bfloat16`" in text

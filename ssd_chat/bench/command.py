@@ -39,7 +39,7 @@ def bench_command(
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs per prompt and configuration.")] = 1,
     stop_at_eos: Annotated[bool, typer.Option("--stop-at-eos", help="End replies at EOS (default: ignore EOS and generate exactly --max-new-tokens, as the paper does).")] = False,
     preset: Annotated[Optional[str], typer.Option("--preset", help="gpu: a target/draft pair from the local HF cache, bf16, the draft on its own GPU.", show_default=False)] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan (models, placements, prompts) and exit without loading anything.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan (models, placements, prompts) and an estimate of how long the run takes (the models load and each configuration decodes a few tokens), then exit without running the bench.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No per-run progress lines on stderr.")] = False,
     against: Annotated[Optional[tuple[str, str]], typer.Option("--against", metavar="llama.cpp PATH", help="Also time llama.cpp's llama-bench (PATH: the binary or its build folder) on the same GGUF, cores and token count, and report the ratios.", show_default=False)] = None,
     target: Target = None, draft: Draft = None, k: K = None,
@@ -101,7 +101,7 @@ def bench_command(
             console.print(f"protocol {proto}: " + "; ".join(f"{p.mode.upper()}: {p.describe()}" for p in plans if p.protocol == proto))
         for n in notes:
             console.print(f"note: {n}")
-        raise typer.Exit(0)
+        raise typer.Exit(_estimate(values, plans, prompt_list, race, console, err, quiet, against is not None))
     from ..engine.errors import SSDChatError
     from ..loading import quiet_libraries
 
@@ -161,3 +161,30 @@ def bench_command(
     if versus_error:
         err.print(f"ssd-chat: error: {versus_error}", markup=False, highlight=False)
     raise typer.Exit(1 if failed or versus_error else 3 if mismatched else 0)
+
+
+def _estimate(values: dict, plans: list, prompt_list: list, race: BenchSettings, console, err, quiet: bool, against: bool) -> int:
+    """The dry run's estimate: load the models, probe each configuration briefly, print how long the race would take."""
+    import time
+
+    from ..engine.errors import SSDChatError
+    from ..loading import quiet_libraries
+    from .estimate import probe, render
+
+    say = (lambda s: None) if quiet else (lambda s: err.print(f"[dim]{s}…[/]"))
+    try:
+        quiet_libraries()
+        say("estimating: loading the models, then a short probe of each configuration")
+        t0 = time.perf_counter()
+        pool = ModelPool(values, plans, progress=None if quiet else say)
+        est = probe(pool.base_config, pool.models_for, prompt_list, plans, race, load_s=time.perf_counter() - t0)
+    except (BenchError, SSDChatError) as e:
+        raise fail(str(e)) from None
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+    for line in render(est):
+        console.print(line, highlight=False, markup=False)
+    if against:
+        console.print("(llama.cpp's runs for --against are not in the estimate)", highlight=False)
+    return 0

@@ -61,7 +61,7 @@ def run_bench(
 
     ``models_for(plan) -> (target, draft)`` gives loaded models (shared between plans);
     ``encode(engine, prompt) -> (ids, extra_stop)`` defaults to the chat template."""
-    from ..engine import Engine, SamplingParams
+    from ..engine import SamplingParams
     from ..engine.chat import messages_for
     from ..engine.events import Done, Error, Notice, Round
     from ..engine.metrics import Metrics
@@ -69,32 +69,10 @@ def run_bench(
     encode = encode or (lambda eng, p: eng.prompt_ids(messages_for(p.text)))
     out = BenchRun()
     slots: dict[tuple, Plan] = {}
-    for p in plans:
-        slots.setdefault(p.slot, p)
     engines: dict[tuple, Any] = {}
     pin = Pinning()
     try:
-        # one Engine per distinct placement, sharing the loaded models; building its decoder
-        # here makes a missing decoder (ImportError) a clear message before anything is timed
-        for key, plan in list(slots.items()):
-            if plan.mode in out.skipped:
-                del slots[key]
-                continue
-            target, draft = models_for(plan)
-            cfg = replace(base_config, mode=plan.mode, target_device=plan.target_device, draft_device=plan.draft_device)
-            eng = None
-            try:  # unpinned: the SSD decoder checks its --draft-device cores against this process's affinity
-                eng = Engine(cfg, target, draft if plan.mode != "ar" else None)  # refuses a draft the mode cannot use
-                eng.decoder()
-            except Exception as e:  # noqa: BLE001 - any failure to build a decoder skips that mode, loudly
-                out.skipped[plan.mode] = _unavailable(e, plan.mode)
-                if eng is not None:
-                    eng.close()
-                del slots[key]
-                continue
-            engines[key] = eng
-        if not engines:
-            raise BenchError("no mode could run: " + "; ".join(f"{m}: {w}" for m, w in out.skipped.items()))
+        slots, engines = build_engines(base_config, models_for, plans, out.skipped, engines)
         encoded = {p.id: encode(next(iter(engines.values())), p) for p in prompts}
         keys = list(engines)
 
@@ -178,6 +156,38 @@ def run_bench(
                 pass
         pin.restore()
     return out
+
+
+def build_engines(base_config: Any, models_for: Callable[[Plan], tuple[Any, Any]], plans: list[Plan],
+                  skipped: dict[str, str], engines: dict[tuple, Any]) -> tuple[dict[tuple, Plan], dict[tuple, Any]]:
+    """One Engine per distinct configuration (slot), sharing the loaded models, added to ``engines`` (the
+    caller closes them, also on an error); building each decoder here makes a missing one (ImportError) a
+    clear message in ``skipped`` before anything is timed.  A BenchError when no mode can run."""
+    from ..engine import Engine
+
+    slots: dict[tuple, Plan] = {}
+    for p in plans:
+        slots.setdefault(p.slot, p)
+    for key, plan in list(slots.items()):
+        if plan.mode in skipped:
+            del slots[key]
+            continue
+        target, draft = models_for(plan)
+        cfg = replace(base_config, mode=plan.mode, target_device=plan.target_device, draft_device=plan.draft_device)
+        eng = None
+        try:  # unpinned: the SSD decoder checks its --draft-device cores against this process's affinity
+            eng = Engine(cfg, target, draft if plan.mode != "ar" else None)  # refuses a draft the mode cannot use
+            eng.decoder()
+        except Exception as e:  # noqa: BLE001 - any failure to build a decoder skips that mode, loudly
+            skipped[plan.mode] = _unavailable(e, plan.mode)
+            if eng is not None:
+                eng.close()
+            del slots[key]
+            continue
+        engines[key] = eng
+    if not engines:
+        raise BenchError("no mode could run: " + "; ".join(f"{m}: {w}" for m, w in skipped.items()))
+    return slots, engines
 
 
 def _channel_rtt_ms(engines: dict[tuple, Any]) -> float | None:
