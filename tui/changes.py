@@ -34,8 +34,13 @@ def parse_settings(raw: dict[str, str]) -> dict[str, Any]:
             t = float(raw["temperature"])
         except ValueError:
             raise ValueError(f"temperature must be a number, got '{raw['temperature']}'") from None
-        if not t >= 0:
-            raise ValueError(f"temperature must be >= 0, got {t}")
+        from ..engine.errors import ParamError
+        from ..engine.params import SamplingParams
+
+        try:  # the engine's rule, as on the command line (finite, >= 0)
+            SamplingParams(temperature=t)
+        except ParamError as e:
+            raise ValueError(str(e)) from None
         out["temperature"] = t
     if raw.get("max_new_tokens", "").strip():
         try:
