@@ -106,8 +106,8 @@ def check(config: "EngineConfig") -> Preflight:
             # much as verifying on the CPUs measured, and SSD lost to AR with it (docs/performance.md)
             int8 = (" other than its int8 copy (what --mode sd/ssd would use; on the CPUs measured it costs too much "
                     "of a target step for SSD to beat AR)") if tplace.device.type == "cpu" else ""
-            mode, reason = "ar", (f"AR: no draft for {config.target}{int8}; SSD needs one: --draft MODEL (a small model with the "
-                                  "same tokenizer) or a draft trained with `ssd-chat draft train`")
+            mode, reason = "ar", (f"AR: no draft for {config.target}{int8}; SSD needs {'a cheaper one' if int8 else 'one'}: "
+                                  "--draft MODEL (a small model with the same tokenizer) or a draft trained with `ssd-chat draft train`")
         elif kind == "features" and not tplace.ranks:
             mode, reason = "sd", f"SD: draft '{named}' reads the target's hidden states, which only SD provides"
         else:
