@@ -15,6 +15,8 @@ DEFAULT_TARGET = "smollm2-135m-gguf"  # SmolLM2-135M-Instruct (Q4_1 GGUF) from t
 MODES = ("ar", "sd", "ssd")  # the decoders
 CONFIG_MODES = (*MODES, "auto")  # auto: resolved by preflight.check before loading (SSD where it can run)
 COMPILE = ("auto", "on", "off", "transformers")  # --compile: see engine/forward.py
+# --dtype spellings (devices.py maps them to torch dtypes); auto: see precision.py and devices.py
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half", "float64", "fp64")
 
 
 def cache_dir() -> Path:
@@ -58,6 +60,8 @@ class EngineConfig:
             raise ParamError(f"saguaro-c must be in [0, 1], got {self.saguaro_c}")
         if self.fallback not in ("neural", "fast", "auto"):
             raise ParamError(f"unknown fallback '{self.fallback}' (use neural, fast or auto)")
+        if (self.dtype or "auto").strip().lower() not in DTYPES:
+            raise ParamError(f"unknown dtype '{self.dtype}' (use auto, float32, bfloat16, float16)")
         if self.compile not in COMPILE:
             raise ParamError(f"unknown compile '{self.compile}' (use one of {', '.join(COMPILE)})")
         if self.mode == "ssd":  # --fan-out / --budget against k, before any model loads

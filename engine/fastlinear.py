@@ -9,8 +9,8 @@ products computed another way are memory-bound, as they should be.  The formulat
 * ``linear``: ``F.linear``;
 * ``wxt``: ``(W @ x.T).T`` (copied back to row-major, which the next ops read faster);
 * ``xwt``: ``x @ Wt`` with a cached contiguous transpose of the weight;
-* ``rows`` / ``rows4``: the numba kernels of :mod:`rowkernels` (an optional extra,
-  ``pip install ssd-chat[cpu-kernels]``), which read each weight once for all rows.
+* ``rows`` / ``rows4``: the numba kernels of :mod:`rowkernels`, which read each weight once
+  for all rows.
 
 Which one is fastest depends on the CPU, the shape, the row count and torch's thread count
 (one CPU's rule made another's 2-3-row forwards 35 % slower), so a :class:`FastPath` times them

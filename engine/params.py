@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import ParamError
+
+SEED_MAX = 2**63 - 1  # the decoders derive seed + 1 and 2 * seed + 1, which torch takes up to 2**64 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,12 +27,14 @@ class SamplingParams:
     ignore_eos: bool = False  # benchmarks only: generate exactly max_new_tokens
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0):
-            raise ParamError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise ParamError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ParamError(f"top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ParamError(f"top-k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed <= SEED_MAX:
+            raise ParamError(f"seed must be a whole number from 0 to {SEED_MAX} (2^63 - 1), got {self.seed}")
         if self.max_new_tokens < 1:
             raise ParamError(f"max-new-tokens must be at least 1, got {self.max_new_tokens}")
         if any(not s for s in self.stop):

@@ -102,8 +102,12 @@ def check(config: "EngineConfig") -> Preflight:
             warnings.append(tp_plan.note)
     if config.mode == "auto":
         if named is None and not _shipped_trained(config.target):
-            mode, reason = "ar", (f"AR: no draft for {config.target}; SSD needs one: --draft MODEL (a small model with the "
-                                  "same tokenizer) or a draft trained with `ssd-chat draft train`")
+            # the int8 copy (the default draft on the CPU) is not counted: drafting with it costs about as
+            # much as verifying on the CPUs measured, and SSD lost to AR with it (docs/performance.md)
+            int8 = (" other than its int8 copy (what --mode sd/ssd would use; on the CPUs measured it costs too much "
+                    "of a target step for SSD to beat AR)") if tplace.device.type == "cpu" else ""
+            mode, reason = "ar", (f"AR: no draft for {config.target}{int8}; SSD needs {'a cheaper one' if int8 else 'one'}: "
+                                  "--draft MODEL (a small model with the same tokenizer) or a draft trained with `ssd-chat draft train`")
         elif kind == "features" and not tplace.ranks:
             mode, reason = "sd", f"SD: draft '{named}' reads the target's hidden states, which only SD provides"
         else:
@@ -143,13 +147,15 @@ def _memory_warnings(spec: models.ModelSpec, place: models.Placement) -> list[st
 
 
 def in_force(config: "EngineConfig") -> dict[str, object]:
-    """The engine's values for the settings left unset (``None``): what ``ssd-chat config`` shows for them."""
+    """The engine's values for the settings left unset (``None``): what ``ssd-chat config`` shows for them
+    (the draft: None in AR, which loads none)."""
     from .drafts import default_draft, label
     from .fanout import DEFAULT_FAN_OUT, default_budget
 
+    draft = (config.draft or default_draft(config.target)) if config.needs_draft else None
     return {
-        "draft": config.draft or default_draft(config.target), "k": config.k,
-        "draft_label": label(config.draft or default_draft(config.target), config.target),  # as the panel names it
+        "draft": draft, "k": config.k,
+        "draft_label": label(draft, config.target) if draft else None,  # as the panel names it
         "fan_out": config.fan_out or DEFAULT_FAN_OUT, "budget": config.budget or default_budget(config.k),
         "saguaro_c": config.saguaro_c, "fallback": config.fallback, "compile": config.compile,
     }

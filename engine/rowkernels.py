@@ -27,9 +27,8 @@ The kernels are generated for 1..``MAX_ROWS`` rows and output blocks of 1 and 4:
 accumulator a local scalar, which is what keeps them in registers (a loop over a small
 accumulator array measured 2-7x slower from 3 rows on).  The source is written once into the
 cache dir, so numba's on-disk cache applies and only the first load on a machine pays the
-compile (about half a second per kernel used).  numba is an optional extra
-(``pip install ssd-chat[cpu-kernels]``); without it, or without a writable cache dir, the
-module reports itself unavailable and :mod:`fastlinear` keeps to torch's products.
+compile (about half a second per kernel used).  Without a writable cache dir (or numba, a
+dependency) the module reports itself unavailable and :mod:`fastlinear` keeps to torch's products.
 """
 
 from __future__ import annotations

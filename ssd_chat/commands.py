@@ -153,15 +153,17 @@ def register(app: typer.Typer) -> None:
         from . import config
 
         given = {k_: v for k_, v in (ctx.obj or {}).items() if k_ in config.DEFAULTS}
-        try:
-            values, sources = config.resolve(given)
-        except config.ConfigError as e:
-            raise _fail(str(e)) from None
+        problems: dict = {}  # unusable file or environment entries: shown, left out, then exit non-zero
+        values, sources = config.resolve(given, problems=problems)
         try:
             config.check(values, sources)
             invalid = None
         except config.ConfigError as e:  # shown with the values, then exit non-zero
             invalid = e
+        if invalid is not None or problems:
+            lines = ([f"{invalid}{'; ' if config.fix_hint(invalid, sources) else ''}{config.fix_hint(invalid, sources)}"]
+                     if invalid is not None else []) + config.problem_lines(problems)
+            invalid = config.ConfigError("\nssd-chat: error: ".join(lines), invalid is not None and invalid.usage)
         engine = engine_in_force(values) if invalid is None else {"mode_error": str(invalid)}
         if json_out:
             out = {k_: {"value": values[k_], "source": sources[k_]} for k_ in config.DEFAULTS}
@@ -192,7 +194,9 @@ def register(app: typer.Typer) -> None:
             elif key == "draft" and engine.get("draft_label"):
                 shown = engine["draft_label"] + (" (engine default)" if v is None else "")
             elif key in engine and v is None:
-                shown = f"{engine[key]} (engine default)"
+                shown = f"{engine[key]} (engine default)" if engine[key] is not None else "— (AR loads none)"
+            if ("file", key) in problems:  # the file's unusable value, left out (the error says why)
+                shown += f" (file: {problems['file', key][0]!r}, not used)"
             table.add_row(key, shown, config.describe_source(key, sources[key]))
         console().print(table)
         if invalid is not None:
@@ -232,7 +236,7 @@ def register(app: typer.Typer) -> None:
 
     @config_app.command("set")
     def config_set(key: str, value: str) -> None:
-        """Write KEY = VALUE to the config file (e.g. `ssd-chat config set mode ssd`)."""
+        """Write KEY = VALUE to the config file (checked first). Example: `ssd-chat config set mode ssd`."""
         from .config import ConfigError, set_value
 
         try:

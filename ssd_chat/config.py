@@ -82,9 +82,10 @@ class ConfigError(ValueError):
     """A setting in the environment or the config file is unusable; ``str()`` says which and why.
     ``usage``: every setting to blame was given on the command line (bad usage, exit 2)."""
 
-    def __init__(self, message: str, usage: bool = False) -> None:
+    def __init__(self, message: str, usage: bool = False, keys: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.usage = usage
+        self.keys = keys  # the settings to blame
 
 
 def config_dir() -> Path:
@@ -130,39 +131,70 @@ def _coerce(key: str, raw: Any, where: str) -> Any:
     return raw
 
 
-def read_file(path: Path | None = None) -> dict[str, Any]:
-    """The settings in the config file (an absent file is empty)."""
-    path = path or config_file()
-    if not path.is_file():
+def _raw_file(path: Path) -> dict[str, Any]:
+    """The file's TOML table as written (an absent file is empty); a ConfigError for a file that cannot be read."""
+    if path.parent.exists() and not path.parent.is_dir():
+        raise ConfigError(f"the config folder {path.parent} is a file, not a folder (set by SSD_CHAT_CONFIG_DIR or XDG_CONFIG_HOME)")
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"the config file {path} is not a file (a folder?); remove it or point SSD_CHAT_CONFIG_DIR elsewhere")
+    if not path.exists():
         return {}
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read config file {path}: {e}") from e
+
+
+def read_file(path: Path | None = None, problems: dict[tuple[str, str], tuple[Any, str]] | None = None) -> dict[str, Any]:
+    """The settings in the config file (an absent file is empty).  With ``problems``, an entry that is
+    not a setting or not of its type is left out and recorded there, ``("file", key)`` -> (value as
+    written, why), and a file that cannot be read as ``("file", "")``, instead of raised, so that
+    ``ssd-chat config`` can show them."""
+    path = path or config_file()
     out: dict[str, Any] = {}
+    try:
+        data = _raw_file(path)
+    except ConfigError as e:
+        if problems is None:
+            raise
+        problems[("file", "")], data = (None, str(e)), {}
     for raw_key, value in data.items():
         key = raw_key.replace("-", "_")
-        if key not in DEFAULTS:
-            raise ConfigError(f"unknown setting '{raw_key}' in {path} (known: {', '.join(DEFAULTS)})")
-        out[key] = _coerce(key, value, str(path))
+        try:
+            if key not in DEFAULTS:
+                raise ConfigError(f"unknown setting '{raw_key}' in {path} (known: {', '.join(DEFAULTS)})")
+            out[key] = _coerce(key, value, str(path))
+        except ConfigError as e:
+            if problems is None:
+                raise
+            problems[("file", raw_key)] = (value, str(e))
     return out
 
 
-def resolve(cli_values: dict[str, Any], path: Path | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+def resolve(cli_values: dict[str, Any], path: Path | None = None,
+            problems: dict[tuple[str, str], tuple[Any, str]] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """Merge CLI values (None = not given) with environment, file and defaults.
 
     Returns (values, sources) where sources[key] is "cli", "env", "file" or "default".
-    Keys in ``cli_values`` that are not settings pass through unchanged.
+    Keys in ``cli_values`` that are not settings pass through unchanged.  With ``problems`` (see
+    :func:`read_file`), unusable file and environment values are recorded there and left out.
     """
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    file_values = read_file(path)
+    file_values = read_file(path, problems)
     for key, default in DEFAULTS.items():
         env = os.environ.get(env_name(key))
+        if env is not None and env != "" and cli_values.get(key) is None:
+            try:
+                env = _coerce(key, env, f"environment variable {env_name(key)}")
+            except ConfigError as e:
+                if problems is None:
+                    raise
+                problems[("env", env_name(key))], env = (env, str(e)), None
         if cli_values.get(key) is not None:
             values[key], sources[key] = cli_values[key], "cli"
         elif env is not None and env != "":
-            values[key], sources[key] = _coerce(key, env, f"environment variable {env_name(key)}"), "env"
+            values[key], sources[key] = env, "env"
         elif key in file_values:
             values[key], sources[key] = file_values[key], "file"
         else:
@@ -196,7 +228,8 @@ def check(values: dict[str, Any], sources: dict[str, str], path: Path | None = N
         if len(blamed) > 1:  # AR checks no SSD knobs, so the mode is to blame only when nothing else is
             blamed = [k for k in blamed if k != "mode"]
         where = ", ".join(_origin(k, sources[k], path) for k in blamed)
-        raise ConfigError(f"{e} ({where})" if where else str(e), usage=bool(blamed) and all(sources[k] == "cli" for k in blamed)) from None
+        raise ConfigError(f"{e} ({where})" if where else str(e), usage=bool(blamed) and all(sources[k] == "cli" for k in blamed),
+                          keys=tuple(blamed)) from None
     _check_devices(values, sources, path)
 
 
@@ -213,6 +246,29 @@ def _check_devices(values: dict[str, Any], sources: dict[str, str], path: Path |
             source = sources.get(key, "default")
             where = "" if source in ("cli", "default") else f" ({_origin(key, source, path)})"
             raise ConfigError(f"{e}{where}", usage=source == "cli") from None
+
+
+def fix_hint(e: ConfigError, sources: dict[str, str]) -> str:
+    """How to remove the values ``e`` blames that the config file or the environment set."""
+    file_keys = [k for k in e.keys if sources.get(k) == "file"]
+    env = [env_name(k) for k in e.keys if sources.get(k) == "env"]
+    hints = [f"`ssd-chat config unset {k}` removes it from the file" for k in file_keys] + [f"unset {v}" for v in env]
+    return "; ".join(hints)
+
+
+def problem_lines(problems: dict[tuple[str, str], tuple[Any, str]]) -> list[str]:
+    """One line per unusable entry that :func:`resolve` left out ((source, name) -> (value, why); see
+    :func:`read_file`), with how to remove it."""
+    out = []
+    for (source, name), (_, message) in problems.items():
+        if source == "env":
+            fix = f"not used; unset {name}"
+        elif name:
+            fix = f"not used; `ssd-chat config unset {name}` removes it"
+        else:
+            fix = "the file is not used"
+        out.append(f"{message} ({fix})")
+    return out
 
 
 def _origin(key: str, source: str, path: Path | None) -> str:
@@ -233,29 +289,90 @@ def describe_source(key: str, source: str, path: Path | None = None) -> str:
 
 
 def _toml_value(v: Any) -> str:
+    """``v`` in TOML: the settings' types, and whatever else a hand-written file holds (kept as written)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
-    s = str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    if not isinstance(v, str):  # dates and times
+        return v.isoformat()
+    s = v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     return f'"{s}"'
+
+
+def _toml_key(k: str) -> str:
+    import re
+
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else _toml_value(k)
 
 
 def set_value(key: str, raw: str | None, path: Path | None = None) -> Path:
     """Write (or with ``raw=None`` remove) one setting in the config file; returns the file's path.
 
-    The file is rewritten from its parsed contents, so comments in it are not kept.
+    A value is checked first as the command line checks it (:func:`check_value`) and a bad one is
+    refused with the file unchanged; removing works whatever else the file holds (an entry that is not
+    a setting too).  The file is rewritten from its parsed contents, so comments in it are not kept.
     """
     key = key.replace("-", "_")
-    if key not in DEFAULTS:
-        raise ConfigError(f"unknown setting '{key}' (known: {', '.join(DEFAULTS)})")
     path = path or config_file()
-    data = read_file(path)
+    data = _raw_file(path)
+    written = next((k for k in data if k.replace("-", "_") == key), None)
+    if key not in DEFAULTS and not (raw is None and written):
+        raise ConfigError(f"unknown setting '{key}' (known: {', '.join(DEFAULTS)})", usage=True)
     if raw is None:
-        data.pop(key, None)
+        data.pop(written, None)
     else:
-        data[key] = _coerce(key, raw, "value")
+        value = _coerce(key, raw, "value")
+        check_value(key, value, read_file(path, {}), path)
+        data.pop(written, None)
+        data[key] = value
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = ["# ssd-chat settings (see `ssd-chat config`)"] + [f"{k} = {_toml_value(v)}" for k, v in data.items() if v is not None]
+    lines = ["# ssd-chat settings (see `ssd-chat config`)"] + [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in data.items() if v is not None]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def _engine_error(values: dict[str, Any], ssd: bool) -> Exception | None:
+    """The error that would stop these settings before any weight loads (None: none): the engine's and
+    sampling's ranges, also those SSD checks when ``ssd`` (``auto`` may pick SSD), and the devices' spelling."""
+    from .engine.errors import DeviceError, ParamError
+    from .engine.placement import check_forms
+
+    try:
+        engine_config(values)
+        sampling_params(values)
+        if ssd:
+            engine_config({**values, "mode": "ssd"})
+        check_forms(values.get("target_device"), values.get("draft_device"))
+    except (ParamError, DeviceError) as e:
+        return e
+    return None
+
+
+def check_value(key: str, value: Any, others: dict[str, Any], path: Path) -> None:
+    """A ConfigError (usage) when ``value`` for ``key`` would stop a start: out of range on its own, or
+    against the other settings in the file (naming them); model names as a start resolves them, without
+    loading weights."""
+    ssd = key != "mode" and others.get("mode") in (None, "auto", "ssd")
+    base = {**DEFAULTS, **others}
+    if _engine_error(base, ssd) is not None:  # the file's other values cannot start either: judge this one alone
+        base = dict(DEFAULTS)
+    e = _engine_error({**base, key: value}, ssd)
+    if e is not None:
+        clash = [f"{k} = {_toml_value(v)}" for k, v in others.items() if k != key and base.get(k) == v
+                 and _engine_error({**base, key: value, k: DEFAULTS[k]}, ssd) is None]
+        raise ConfigError(f"{e}{' (with ' + ', '.join(clash) + ' in the file)' if clash else ''}; {path} is unchanged", usage=True)
+    if key in ("target", "draft") and value:
+        from .engine import models
+        from .engine.errors import SSDChatError
+        from .engine.preflight import draft_kind
+
+        try:
+            if key == "target" or draft_kind(value, others.get("target") or DEFAULTS["target"]) == "model":
+                models.resolve(value)
+        except SSDChatError as err:
+            raise ConfigError(f"{err}; {path} is unchanged", usage=True) from None

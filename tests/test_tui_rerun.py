@@ -204,7 +204,7 @@ class TestSettingsFields:
             for key, bad, words in (("top_p", "1.5", "top-p must be in (0, 1], got 1.5"),
                                     ("top_p", "nan", "top-p must be a finite number, got 'nan'"),
                                     ("top_k", "-3", "top-k must be >= 0"), ("top_k", "2.5", "top-k must be a whole number"),
-                                    ("seed", "-1", "seed must be between 0 and"), ("seed", str(2**70), "seed must be between 0 and"),
+                                    ("seed", "-1", "seed must be a whole number from 0 to"), ("seed", str(2**70), "seed must be a whole number from 0 to"),
                                     ("fan_out", "9,9", "fan-out list '9,9' has 2 entries but k=3 needs")):
                 field[key].value = bad
                 field[key].focus()

@@ -1,0 +1,172 @@
+"""Values checked before anything loads: sampling ranges (SamplingParams is the one rule for the CLI,
+the config file and the app), --dtype, the config file's place, `config set` and a bad config file,
+the help texts, and what mode auto and `ssd-chat config` say about a local model folder."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from ssd_chat import cli as cli_module
+from ssd_chat import config
+from ssd_chat.cli import app
+from ssd_chat.engine.errors import ParamError
+from ssd_chat.engine.params import SEED_MAX, SamplingParams
+from ssd_chat.engine.sampling import make_generator
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Loading weights is a test failure: every check here comes first."""
+    def refuse(values):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(cli_module, "load_engine", refuse)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"temperature": float("inf")}, "temperature must be a finite number"),
+    ({"temperature": float("nan")}, "temperature must be a finite number"),
+    ({"top_p": float("nan")}, "top-p must be in (0, 1]"),
+    ({"seed": SEED_MAX + 1}, "seed must be a whole number from 0 to"),
+    ({"seed": -1}, "seed must be a whole number from 0 to"),
+])
+def test_sampling_params_refuse_values_that_fail_late(kwargs, needle):
+    with pytest.raises(ParamError, match=needle.replace("(", r"\(").replace("]", r"\]")):
+        SamplingParams(**kwargs)
+
+
+def test_the_largest_seed_and_the_seeds_derived_from_it_fit_torch():
+    SamplingParams(seed=SEED_MAX)
+    for derived in (SEED_MAX, SEED_MAX + 1, SEED_MAX * 2 + 1):  # the decoders' seed, seed + 1, 2 * seed + 1
+        make_generator(derived)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--temperature", "inf"], "temperature must be a finite number >= 0, got inf (--temperature on the command line)"),
+    (["--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),
+    (["--top-p", "nan"], "top-p must be in (0, 1], got nan"),
+    (["--seed", "99999999999999999999999"], "seed must be a whole number from 0 to 9223372036854775807"),
+    (["--dtype", "float8"], "unknown dtype 'float8' (use auto, float32, bfloat16, float16) (--dtype on the command line)"),
+])
+def test_bad_values_exit_2_in_one_line_before_loading(no_load, args, needle):
+    r = CliRunner().invoke(app, ["ask", *args, "-n", "4", "hi"])
+    assert r.exit_code == 2, r.output
+    assert r.stderr == f"ssd-chat: error: {needle}\n" or (r.stderr.count("\n") == 1 and needle in r.stderr), r.stderr
+
+
+def test_the_app_refuses_an_infinite_temperature_in_words():
+    from test_tui import FakeBackend, ssd_events, wait_until
+
+    from ssd_chat.tui.app import ChatApp
+
+    async def run():
+        backend = FakeBackend([ssd_events(["a"])])
+        app_ = ChatApp(backend)
+        async with app_.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: app_.ready)
+            before = app_.params.get("temperature")
+            for bad in ("inf", "nan", "1e400"):
+                await app_.submit(f"/temp {bad}")
+            assert app_.params.get("temperature") == before
+            notices = [n.text for n in app_.query("Notice")]
+            assert sum("temperature must be a finite number >= 0" in t for t in notices) == 3, notices
+
+    import asyncio
+
+    asyncio.run(run())
+
+
+# -- the config file's place ----------------------------------------------------------------------
+def test_a_config_path_that_is_a_folder_is_named(tmp_path, monkeypatch):
+    (tmp_path / "config.toml").mkdir()
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(tmp_path))
+    r = CliRunner().invoke(app, ["ask", "hi"])
+    assert r.exit_code == 1 and "config.toml is not a file" in r.stderr and "Traceback" not in r.output
+    r = CliRunner().invoke(app, ["config"])  # still shows the settings, and says the file is not used
+    assert r.exit_code == 1 and "max_new_tokens" in r.stdout and "is not a file" in r.stderr
+    file = tmp_path / "plain"
+    file.write_text("")
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(file))
+    r = CliRunner().invoke(app, ["ask", "hi"])
+    assert r.exit_code == 1 and f"the config folder {file} is a file" in r.stderr
+
+
+# -- config set / config / config unset -----------------------------------------------------------
+@pytest.mark.parametrize("key, value, needle", [
+    ("mode", "turbo", "unknown mode 'turbo'"),
+    ("k", "0", "k must be between 1 and 32, got 0"),
+    ("target", "llama-3-9000", "unknown model 'llama-3-9000'"),
+    ("draft", "nosuch", "unknown model 'nosuch'"),
+    ("temperature", "inf", "temperature must be a finite number"),
+    ("top_p", "nan", "top-p must be in (0, 1]"),
+    ("seed", "99999999999999999999999", "seed must be a whole number"),
+    ("dtype", "float8", "unknown dtype 'float8'"),
+    ("budget", "1000", "at most 256"),
+    ("target_device", "gpu", "unknown device 'gpu'"),
+])
+def test_config_set_refuses_what_would_stop_every_command(tmp_path, monkeypatch, no_load, key, value, needle):
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(tmp_path))
+    r = CliRunner().invoke(app, ["config", "set", key, value])
+    assert r.exit_code == 1 and needle in r.stderr and "is unchanged" in r.stderr, r.output
+    assert not (tmp_path / "config.toml").exists()
+    assert CliRunner().invoke(app, ["config", "--json"]).exit_code == 0
+
+
+def test_config_set_names_a_clash_with_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(tmp_path))
+    for kv in (("k", "4"), ("fan_out", "3,3,2,2,1")):
+        assert CliRunner().invoke(app, ["config", "set", *kv]).exit_code == 0
+    r = CliRunner().invoke(app, ["config", "set", "k", "2"])
+    assert r.exit_code == 1 and 'k=2 needs k+1 = 3' in r.stderr and '(with fan_out = "3,3,2,2,1" in the file)' in r.stderr
+    assert config.read_file() == {"k": 4, "fan_out": "3,3,2,2,1"}
+
+
+def test_a_bad_file_is_shown_by_config_and_fixed_by_unset(tmp_path, monkeypatch):
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(tmp_path))
+    (tmp_path / "config.toml").write_text('mode = "turbo"\nk = "x"\nbogus = [1, 2]\nsystem = "be brief"\n')
+    r = CliRunner().invoke(app, ["config"])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert "turbo" in r.stdout and "'x', not used" in r.stdout  # the table is shown, with the unusable value
+    assert "`ssd-chat config unset mode` removes it" in r.stderr
+    assert "'k' must be an integer, got 'x' (not used; `ssd-chat config unset k` removes it)" in r.stderr
+    assert "unknown setting 'bogus'" in r.stderr and "`ssd-chat config unset bogus`" in r.stderr
+    data = json.loads(CliRunner().invoke(app, ["config", "--json"]).stdout)
+    assert data["mode"]["value"] == "turbo" and data["k"]["source"] == "default"
+    for key in ("mode", "k", "bogus"):
+        r = CliRunner().invoke(app, ["config", "unset", key])
+        assert r.exit_code == 0, r.output
+    assert CliRunner().invoke(app, ["config"]).exit_code == 0
+    assert config.read_file() == {"system": "be brief"}  # the good value stays
+
+
+# -- help texts -----------------------------------------------------------------------------------
+def test_help_texts_are_whole_and_agree(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    r = CliRunner().invoke(app, ["config", "--help"])
+    line = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("set "))
+    assert "Write KEY = VALUE to the config file (checked first)." in line, line  # not cut at "(e.g."
+    r = CliRunner().invoke(app, ["--help"])
+    text = " ".join(r.stdout.split())
+    assert "a GGUF on the CPU computes in its own quantized blocks" in text
+
+
+# -- mode auto and `ssd-chat config` on a local model folder --------------------------------------
+def test_auto_and_config_say_the_same_about_a_local_folder(tmp_path, monkeypatch):
+    from conftest import tiny_llama
+
+    folder = tmp_path / "my-model"
+    tiny_llama().save_pretrained(folder)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    data = json.loads(CliRunner().invoke(app, ["-t", str(folder), "config", "--json"]).stdout)
+    assert data["mode"]["resolved"] == "ar"
+    assert "int8 copy (what --mode sd/ssd would use" in data["mode"]["reason"]
+    assert data["draft"].get("in_force") is None  # AR loads no draft, so none is listed as in force
+    r = CliRunner().invoke(app, ["-t", str(folder), "config"], env={"COLUMNS": "200"})
+    rows = {ln.split("│")[1].strip(): ln.split("│")[2].strip() for ln in r.stdout.splitlines() if ln.count("│") >= 4}
+    assert rows["draft"] == "— (AR loads none)" and rows["mode"] == "auto → ar"
+    ssd = json.loads(CliRunner().invoke(app, ["-t", str(folder), "--mode", "ssd", "config", "--json"]).stdout)
+    assert ssd["draft"]["in_force"] == "int8"  # what --mode ssd runs with, as the reason says
