@@ -73,7 +73,7 @@ def test_the_app_refuses_an_infinite_temperature_in_words():
                 await app_.submit(f"/temp {bad}")
             assert app_.params.get("temperature") == before
             notices = [n.text for n in app_.query("Notice")]
-            assert sum("temperature must be a finite number >= 0" in t for t in notices) == 3, notices
+            assert sum("temperature must be a finite number" in t for t in notices) == 3, notices
 
     import asyncio
 
