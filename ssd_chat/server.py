@@ -11,9 +11,10 @@ app's shutdown: exactly the drain a server restart needs.
 Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
 (streaming and not), ``GET /metrics`` (Prometheus), ``GET /health`` (no key needed).
 
-Threads: the event loop only parses, tokenizes and queues; the engine runs on one thread of
-its own (:mod:`server_worker`), one request at a time.  The loop tokenizes with a private copy
-of the tokenizer, because a fast tokenizer must not be used by two threads at once.
+Threads: the event loop only parses and queues; the engine runs on one thread of its own
+(:mod:`server_worker`), one request at a time.  Prompts are tokenized on one more thread, with a
+private copy of the tokenizer (a fast tokenizer must not be used by two threads at once), so a
+long prompt never stops the loop from answering /health.  Limits: :mod:`server_limits`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import copy
 import json
 import logging
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 import signal
 import socket
 import threading
@@ -32,7 +34,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
@@ -41,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .engine import chat
 from .engine.events import Done, Error, Notice, Token
 from .engine.params import SamplingParams
+from .server_limits import DEFAULT_MAX_BODY_MB, Guard, check_prompt_chars, max_token_chars, too_large
 from .server_metrics import CONTENT_TYPE, ServerMetrics
 from .server_schema import APIError, ChatRequest, CompletionRequest, describe_validation, error_body
 from .server_worker import END, EngineWorker, Job, QueueFull, ShuttingDown
@@ -49,11 +52,13 @@ log = logging.getLogger("ssd_chat.server")
 
 
 def create_app(engine: Any, defaults: SamplingParams, *, model_id: str | None = None, api_key: str | None = None,
-               max_queue: int = 16, on_ready: Callable[[], None] | None = None) -> FastAPI:
+               max_queue: int = 16, on_ready: Callable[[], None] | None = None, max_body_mb: float = DEFAULT_MAX_BODY_MB,
+               ignore_tools: bool = False) -> FastAPI:
     """The ASGI app over a loaded engine; ``app.state.worker`` is its engine thread."""
     model_id = model_id or engine.config.target
     worker = EngineWorker(engine, ServerMetrics(model_id), max_queue)
     api = _API(engine, worker, defaults, model_id)
+    limits = {"max_body_mb": max_body_mb, "max_queue": max_queue, "context": api.context or None}
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -61,24 +66,22 @@ def create_app(engine: Any, defaults: SamplingParams, *, model_id: str | None = 
             on_ready()
         yield
         await asyncio.to_thread(worker.close)  # stops the engine thread and SSD's speculator
+        api.tokenizing.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="ssd-chat", version="1", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
-
-    def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer KEY'", code="invalid_api_key")
+    app.add_middleware(Guard, api_key=api_key, max_body_mb=max_body_mb)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        status = "draining" if worker.closing else "ok"
-        return JSONResponse({"status": status, "model": model_id, "running": 1 if worker.running else 0, "waiting": worker.waiting},
-                            status_code=503 if worker.closing else 200)
+        # degraded: still answering, but not in the mode it was started for (200, as it serves)
+        why = None if worker.closing else worker.degraded()
+        status = "draining" if worker.closing else "degraded" if why else "ok"
+        body = {"status": status, "model": model_id, "mode": engine.config.mode, "running": 1 if worker.running else 0,
+                "waiting": worker.waiting, "limits": limits}
+        return JSONResponse({**body, "reason": why} if why else body, status_code=503 if worker.closing else 200)
 
-    router = APIRouter(dependencies=[Depends(check_key)])
+    router = APIRouter()
     router.add_api_route("/v1/models", api.list_models, methods=["GET"])
     router.add_api_route("/v1/models/{name:path}", api.get_model, methods=["GET"])
     router.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
@@ -97,7 +100,9 @@ def create_app(engine: Any, defaults: SamplingParams, *, model_id: str | None = 
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_r: Request, e: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code, headers=e.headers)
+        message = too_large(max_body_mb) if e.status_code == 413 else str(e.detail)
+        return JSONResponse(error_body(e.status_code, message, code="body_too_large" if e.status_code == 413 else None),
+                            status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)
     async def on_bug(_r: Request, e: Exception) -> JSONResponse:
@@ -117,6 +122,8 @@ class _API:
         except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared (slow tokenizers are pure Python)
             self.tokenizer = engine.tokenizer
         self.context = int(getattr(engine.target.model.config, "max_position_embeddings", 0) or 0)
+        self.token_chars = max_token_chars(self.tokenizer)
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="ssd-tokenize")  # one thread: one tokenizer user
         self.created = int(time.time())
 
     # -- models and metrics ------------------------------------------------------------------
@@ -146,7 +153,9 @@ class _API:
     async def chat_completions(self, req: ChatRequest, request: Request) -> Response:
         req.check_supported()
         self._check_model(req.model)
-        ids, extra_stop = chat.prompt_ids(self.tokenizer, req.chat())
+        messages = req.chat()
+        check_prompt_chars(sum(len(m["content"]) for m in messages), self.context, self.token_chars, "messages")
+        ids, extra_stop = await self._tokenize(chat.prompt_ids, self.tokenizer, messages)
         return await self._answer(req, request, ids, extra_stop, chat_api=True)
 
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
@@ -154,13 +163,17 @@ class _API:
         self._check_model(req.model)
         prompt = req.text_or_ids()
         if isinstance(prompt, str):
-            ids = list(self.tokenizer(prompt)["input_ids"])
+            check_prompt_chars(len(prompt), self.context, self.token_chars, "prompt")
+            ids = list((await self._tokenize(self.tokenizer, prompt))["input_ids"])
         else:
             vocab = len(self.tokenizer.get_vocab()) if hasattr(self.tokenizer, "get_vocab") else None
             if vocab is not None and any(not 0 <= i < vocab for i in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
             ids = list(prompt)
         return await self._answer(req, request, ids, (), chat_api=False)
+
+    async def _tokenize(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_id:

@@ -10,9 +10,9 @@ and ours, ``ssd_mode`` (decode this request with another mode the loaded draft a
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from .engine.params import SamplingParams
 
@@ -40,7 +40,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """One sentence (and the offending parameter) for pydantic's errors on a request body."""
-    e = errors[0]
+    # of a union's failed members, the one our own check (a value_error) rejected says the most
+    e = next((x for x in errors if x.get("type") == "value_error"), errors[0])
     loc = [str(p) for p in e.get("loc", ()) if p != "body"]
     if e.get("type") == "json_invalid":
         return f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))})", None
@@ -51,18 +52,31 @@ def describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     return f"{param or 'body'}: {e.get('msg', 'invalid value')}", param or None
 
 
+def _utf8(s: str) -> str:
+    # JSON may carry a lone surrogate ("\\ud800"), which no tokenizer can encode
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text has a lone surrogate ({s[e.start]!r} at character {e.start}), which is not valid Unicode text") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+SEED_MAX = 2**64 - 1  # the engine's seed is a 64-bit unsigned integer (torch.Generator.manual_seed)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -78,12 +92,12 @@ class _Common(_Strict):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)  # vLLM's convention: -1 (or 0) is off
     max_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Text | list[Text] | None = None
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
     n: int = Field(1, ge=1)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -150,10 +164,10 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
+    prompt: Text | list[Text] | list[int]
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
