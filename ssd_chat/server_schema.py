@@ -9,6 +9,7 @@ and ours, ``ssd_mode`` (decode this request with another mode the loaded draft a
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
@@ -74,14 +75,57 @@ class TextPart(_Strict):
     text: Text
 
 
+class FunctionDef(_Strict):
+    name: Text = Field(min_length=1)
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class CalledFunction(_Strict):
+    name: Text
+    arguments: Text  # JSON, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it ("developer" is the newer name of the system role;
+        a call's arguments as an object, which Qwen's and Llama's templates write out as JSON)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
 
 
 class StreamOptions(_Strict):
@@ -136,7 +180,7 @@ class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolDef] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -144,11 +188,9 @@ class ChatRequest(_Common):
         super().check_supported()
         if self.logprobs:
             raise APIError(400, "logprobs are not supported", "logprobs")
-        # Offered tools are not shown to the model, and it answers in text: under "auto" (the default)
-        # that is a valid answer (the model chose not to call one), which keeps chat clients that
-        # always offer tools working.  A call the client insists on cannot be honoured.
+        # The model decides whether to call a tool (the server cannot force its output to be a call)
         if self.tools and self.tool_choice not in (None, "auto", "none"):
-            raise APIError(400, "tool calls are not supported: the model always answers in text (tool_choice must be auto or none)", "tool_choice")
+            raise APIError(400, "tool_choice must be auto or none: the model chooses whether to call a tool, and nothing forces its output to be a call", "tool_choice")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise APIError(400, "response_format other than text is not supported", "response_format")
         if self.messages[-1].role == "assistant":
@@ -158,9 +200,8 @@ class ChatRequest(_Common):
     def wanted_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def chat(self) -> list[dict[str, str]]:
-        # "developer" is the newer name of the system role
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def chat(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
 
 
 class CompletionRequest(_Common):
