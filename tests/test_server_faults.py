@@ -158,3 +158,6 @@ def test_health_says_degraded_when_ssd_is_given_up(loaded):
         assert status == 200 and health["status"] == "degraded" and health["mode"] == "ssd"
         assert "speculator" in health["reason"] and "as SD" in health["reason"]
         assert ask_mode(url) == (200, "sd")  # still answering, as SD
+        from ssd_chat.server_client import model_card
+
+        assert model_card(url)["id"] == e.config.target  # `ask` still uses it: the replies are exact, only slower
