@@ -76,6 +76,20 @@ def test_an_oversized_body_is_413_and_health_keeps_answering(sd_server):
     assert status == 200 and health["limits"]["max_body_mb"] == 1 and health["limits"]["context"] == 4096
 
 
+def test_a_chunked_body_is_counted_as_it_arrives(sd_server):
+    """No Content-Length: the body is counted chunk by chunk; the last of 4 x 300 KB passes 1 MB."""
+    import http.client
+
+    host, port = sd_server[0].removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    chunks = [b'{"prompt": "' + b"x" * 300_000] + [b"x" * 300_000] * 3
+    conn.request("POST", "/v1/completions", body=iter(chunks), headers={"Content-Type": "application/json"}, encode_chunked=True)
+    r = conn.getresponse()
+    out = json.loads(r.read())
+    conn.close()
+    assert r.status == 413 and out["error"]["code"] == "body_too_large" and "--max-body-mb" in out["error"]["message"]
+
+
 def test_a_prompt_past_the_context_is_refused_before_it_is_tokenized(sd_server, monkeypatch):
     url, app = sd_server
     api_tokenizer_calls = []
