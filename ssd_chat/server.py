@@ -25,12 +25,12 @@ import copy
 import json
 import logging
 import secrets
-from concurrent.futures import ThreadPoolExecutor
 import signal
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import uvicorn
@@ -44,8 +44,8 @@ from .engine import chat
 from .engine.params import SamplingParams
 from .server_limits import DEFAULT_MAX_BODY_MB, Guard, check_prompt_chars, max_token_chars, too_large
 from .server_metrics import CONTENT_TYPE, ServerMetrics
-from .server_schema import APIError, ChatRequest, CompletionRequest, describe_validation, error_body
 from .server_reply import Reply
+from .server_schema import APIError, ChatRequest, CompletionRequest, describe_validation, error_body
 from .server_tools import template_supports_tools
 from .server_worker import END, EngineWorker, Job, QueueFull, ShuttingDown
 
@@ -125,6 +125,8 @@ class _API:
             self.tokenizer = engine.tokenizer
         self.context = int(getattr(engine.target.model.config, "max_position_embeddings", 0) or 0)
         self.token_chars = max_token_chars(self.tokenizer)
+        # read once: from here on only the tokenizing thread uses the tokenizer
+        self.vocab = len(self.tokenizer.get_vocab()) if hasattr(self.tokenizer, "get_vocab") else None
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="ssd-tokenize")  # one thread: one tokenizer user
         self.tools_ok = template_supports_tools(self.tokenizer)
         self.created = int(time.time())
@@ -186,7 +188,7 @@ class _API:
             check_prompt_chars(len(prompt), self.context, self.token_chars, "prompt")
             ids = list((await self._tokenize(self.tokenizer, prompt))["input_ids"])
         else:
-            vocab = len(self.tokenizer.get_vocab()) if hasattr(self.tokenizer, "get_vocab") else None
+            vocab = self.vocab
             if vocab is not None and any(not 0 <= i < vocab for i in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
             ids = list(prompt)
