@@ -118,6 +118,8 @@ class Reply:
                     if text or self.req.return_token_ids:
                         yield event(self._chunk(text, [item.id]))
                 elif isinstance(item, Error):  # mid-reply: what streamed stays; the error closes the stream
+                    if held is not None and held.text[held.shown:]:  # text held back as a possible call goes out as it is
+                        yield event(self._chunk(held.text[held.shown:]))
                     yield event(error_body(500, f"{item.message} (after {len(item.token_ids)} tokens)", code="engine_error"))
                 elif isinstance(item, Done):
                     rest, calls = held.finish() if held is not None else (None, [])
