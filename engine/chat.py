@@ -28,10 +28,12 @@ def plain_format(messages: list[dict[str, str]]) -> str:
     return "\n\n".join(parts + ["Assistant:"])
 
 
-def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], tuple[str, ...]]:
-    """Token ids for the next assistant reply, and stop strings the format needs."""
+def prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> tuple[list[int], tuple[str, ...]]:
+    """Token ids for the next assistant reply, and stop strings the format needs (``tools``: OpenAI
+    tool definitions, for a template that shows them to the model)."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        extra = {"tools": tools} if tools else {}
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"]), ()
     ids = tokenizer(plain_format(messages), add_special_tokens=True)["input_ids"]
     return list(ids), PLAIN_STOP

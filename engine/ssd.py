@@ -119,6 +119,13 @@ class SSDDecoder:
             self._worker, self._last_error = None, f"{type(ex).__name__}: {ex}"
 
     @property
+    def disabled(self) -> str | None:
+        """Why SSD is given up on (the speculator failed with no restart left), or None."""
+        if self._worker is None and self._last_error is not None and self._restarts >= self.max_restarts:
+            return f"the SSD speculator failed {self._restarts + 1} times in a row ({self._last_error}); replies run {self._local_mode_name()}"
+        return None
+
+    @property
     def worker_pid(self) -> int | None:
         return self._worker.pid if self._worker is not None else None
 
@@ -144,8 +151,10 @@ class SSDDecoder:
         return self._worker.ping()
 
     def _remote(self) -> RemoteProposer | None:
-        """The speculator process for a reply: restarted after a failure in an earlier reply (at most
-        ``max_restarts`` times) and loaded before the reply's clock starts."""
+        """The speculator process for a reply: restarted after a failure in an earlier reply and loaded
+        before the reply's clock starts.  ``max_restarts`` bounds *consecutive* failures (a speculator
+        that cannot work at all); a reply it serves to the end resets the count, so failures that one
+        request caused, between working replies, never disable SSD."""
         if self._worker is None and self._restarts < self.max_restarts and self._last_error is not None:
             self._restarts += 1
             self._start()
@@ -207,6 +216,8 @@ class SSDDecoder:
                         spec, st.k_prev = self._local(st.seq, settings), -1
                 if reason is None:
                     reason = builder.reason
+                if isinstance(spec, RemoteProposer):  # it served this reply: earlier failures were not its own
+                    self._restarts = 0
         except Exception as e:  # noqa: BLE001 - reported as an event, with the partial reply
             yield error_event(e, builder)
             return

@@ -46,6 +46,8 @@ def register(app: typer.Typer) -> None:
         port: Annotated[int, typer.Option("--port", "-p", min=0, max=65535, help="TCP port (0: any free one; the URL is printed).")] = 8000,
         api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SSD_CHAT_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health.", show_default=False)] = None,
         max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="Requests that may wait behind the one decoding; more are refused with 429.")] = 16,
+        max_body_mb: Annotated[float, typer.Option("--max-body-mb", min=0.001, max=1024, help="Largest request body in MB; larger ones are refused with 413.")] = 8.0,
+        ignore_tools: Annotated[bool, typer.Option("--ignore-tools", help="When the model's chat template has no tool support, answer requests that offer tools in text (a log line says so) instead of refusing them with 400.")] = False,
         target: Target = None, draft: Draft = None, mode: Mode = None, k: K = None,
         temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
         max_new_tokens: MaxNew = None, target_device: TargetDevice = None, draft_device: DraftDevice = None,
@@ -61,13 +63,15 @@ def register(app: typer.Typer) -> None:
         from .server import create_app, serve as run_server
         from .server_client import remove_state, write_state
 
-        local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "host", "port", "api_key", "max_queue")}
+        local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "host", "port", "api_key", "max_queue", "max_body_mb", "ignore_tools")}
         values = settings(merge(ctx, local))
         try:
             defaults = sampling_params(values)
             engine_config(values)
         except ParamError as e:
             raise fail(str(e), 2) from None
+        if max_body_mb != max_body_mb:  # NaN passes click's range check
+            raise typer.BadParameter("must be a number", param_hint="--max-body-mb")
         if api_key is not None and not api_key.strip():
             raise typer.BadParameter("must not be empty", param_hint="--api-key")
         try:
@@ -111,7 +115,8 @@ def register(app: typer.Typer) -> None:
                 remove_state(path)
             typer.echo("ssd-chat: stopping: finishing the reply in progress", err=True)
 
-        app_ = create_app(engine, defaults, api_key=api_key, max_queue=max_queue, on_ready=ready)
+        app_ = create_app(engine, defaults, api_key=api_key, max_queue=max_queue, on_ready=ready,
+                          max_body_mb=max_body_mb, ignore_tools=ignore_tools)
         try:
             run_server(app_, sock, on_signal=stopping)
         finally:

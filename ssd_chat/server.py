@@ -11,9 +11,10 @@ app's shutdown: exactly the drain a server restart needs.
 Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
 (streaming and not), ``GET /metrics`` (Prometheus), ``GET /health`` (no key needed).
 
-Threads: the event loop only parses, tokenizes and queues; the engine runs on one thread of
-its own (:mod:`server_worker`), one request at a time.  The loop tokenizes with a private copy
-of the tokenizer, because a fast tokenizer must not be used by two threads at once.
+Threads: the event loop only parses and queues; the engine runs on one thread of its own
+(:mod:`server_worker`), one request at a time.  Prompts are tokenized on one more thread, with a
+private copy of the tokenizer (a fast tokenizer must not be used by two threads at once), so a
+long prompt never stops the loop from answering /health.  Limits: :mod:`server_limits`.
 """
 
 from __future__ import annotations
@@ -29,31 +30,36 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from fastapi.sse import EventSourceResponse, format_sse_event
+from fastapi.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import chat
-from .engine.events import Done, Error, Notice, Token
 from .engine.params import SamplingParams
+from .server_limits import DEFAULT_MAX_BODY_MB, Guard, check_prompt_chars, max_token_chars, too_large
 from .server_metrics import CONTENT_TYPE, ServerMetrics
+from .server_reply import Reply
 from .server_schema import APIError, ChatRequest, CompletionRequest, describe_validation, error_body
+from .server_tools import template_supports_tools
 from .server_worker import END, EngineWorker, Job, QueueFull, ShuttingDown
 
 log = logging.getLogger("ssd_chat.server")
 
 
 def create_app(engine: Any, defaults: SamplingParams, *, model_id: str | None = None, api_key: str | None = None,
-               max_queue: int = 16, on_ready: Callable[[], None] | None = None) -> FastAPI:
+               max_queue: int = 16, on_ready: Callable[[], None] | None = None, max_body_mb: float = DEFAULT_MAX_BODY_MB,
+               ignore_tools: bool = False) -> FastAPI:
     """The ASGI app over a loaded engine; ``app.state.worker`` is its engine thread."""
     model_id = model_id or engine.config.target
     worker = EngineWorker(engine, ServerMetrics(model_id), max_queue)
-    api = _API(engine, worker, defaults, model_id)
+    api = _API(engine, worker, defaults, model_id, ignore_tools)
+    limits = {"max_body_mb": max_body_mb, "max_queue": max_queue, "context": api.context or None}
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -61,24 +67,22 @@ def create_app(engine: Any, defaults: SamplingParams, *, model_id: str | None = 
             on_ready()
         yield
         await asyncio.to_thread(worker.close)  # stops the engine thread and SSD's speculator
+        api.tokenizing.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="ssd-chat", version="1", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
-
-    def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer KEY'", code="invalid_api_key")
+    app.add_middleware(Guard, api_key=api_key, max_body_mb=max_body_mb)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        status = "draining" if worker.closing else "ok"
-        return JSONResponse({"status": status, "model": model_id, "running": 1 if worker.running else 0, "waiting": worker.waiting},
-                            status_code=503 if worker.closing else 200)
+        # degraded: still answering, but not in the mode it was started for (200, as it serves)
+        why = None if worker.closing else worker.degraded()
+        status = "draining" if worker.closing else "degraded" if why else "ok"
+        body = {"status": status, "model": model_id, "mode": engine.config.mode, "running": 1 if worker.running else 0,
+                "waiting": worker.waiting, "limits": limits}
+        return JSONResponse({**body, "reason": why} if why else body, status_code=503 if worker.closing else 200)
 
-    router = APIRouter(dependencies=[Depends(check_key)])
+    router = APIRouter()
     router.add_api_route("/v1/models", api.list_models, methods=["GET"])
     router.add_api_route("/v1/models/{name:path}", api.get_model, methods=["GET"])
     router.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
@@ -97,7 +101,9 @@ def create_app(engine: Any, defaults: SamplingParams, *, model_id: str | None = 
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_r: Request, e: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code, headers=e.headers)
+        message = too_large(max_body_mb) if e.status_code == 413 else str(e.detail)
+        return JSONResponse(error_body(e.status_code, message, code="body_too_large" if e.status_code == 413 else None),
+                            status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)
     async def on_bug(_r: Request, e: Exception) -> JSONResponse:
@@ -110,13 +116,19 @@ def create_app(engine: Any, defaults: SamplingParams, *, model_id: str | None = 
 class _API:
     """The request handlers: validate, tokenize, queue, then answer from the job's events."""
 
-    def __init__(self, engine: Any, worker: EngineWorker, defaults: SamplingParams, model_id: str) -> None:
+    def __init__(self, engine: Any, worker: EngineWorker, defaults: SamplingParams, model_id: str, ignore_tools: bool = False) -> None:
         self.engine, self.worker, self.defaults, self.model_id = engine, worker, defaults, model_id
+        self.ignore_tools = ignore_tools
         try:
             self.tokenizer = copy.deepcopy(engine.tokenizer)
         except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared (slow tokenizers are pure Python)
             self.tokenizer = engine.tokenizer
         self.context = int(getattr(engine.target.model.config, "max_position_embeddings", 0) or 0)
+        self.token_chars = max_token_chars(self.tokenizer)
+        # read once: from here on only the tokenizing thread uses the tokenizer
+        self.vocab = len(self.tokenizer.get_vocab()) if hasattr(self.tokenizer, "get_vocab") else None
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="ssd-tokenize")  # one thread: one tokenizer user
+        self.tools_ok = template_supports_tools(self.tokenizer)
         self.created = int(time.time())
 
     # -- models and metrics ------------------------------------------------------------------
@@ -146,21 +158,44 @@ class _API:
     async def chat_completions(self, req: ChatRequest, request: Request) -> Response:
         req.check_supported()
         self._check_model(req.model)
-        ids, extra_stop = chat.prompt_ids(self.tokenizer, req.chat())
-        return await self._answer(req, request, ids, extra_stop, chat_api=True)
+        tools, headers = self._tools(req)
+        messages = req.chat()
+        check_prompt_chars(sum(len(m["content"] or "") for m in messages), self.context, self.token_chars, "messages")
+        ids, extra_stop = await self._tokenize(chat.prompt_ids, self.tokenizer, messages, tools)
+        names = {t["function"]["name"] for t in tools} if tools else None
+        return await self._answer(req, request, ids, extra_stop, chat_api=True, tools=names, headers=headers)
+
+    def _tools(self, req: ChatRequest) -> tuple[list[dict[str, Any]] | None, dict[str, str]]:
+        """The tools to show the model, and a header saying they were not shown: tool_choice "none",
+        or a template without tools under --ignore-tools; else a 400 that says why."""
+        if not req.tools:
+            return None, {}
+        if req.tool_choice == "none":
+            return None, {"X-SSD-Chat-Tools": "not shown: tool_choice is none"}
+        if self.tools_ok:
+            return [t.model_dump(exclude_none=True) for t in req.tools], {}
+        if self.ignore_tools:
+            log.info("tools offered, not shown: %s's chat template has no tool support (--ignore-tools)", self.model_id)
+            return None, {"X-SSD-Chat-Tools": "ignored: the chat template has no tool support (serve --ignore-tools)"}
+        raise APIError(400, f"tools are not supported by {self.model_id}: its chat template cannot show them to the model. "
+                            "Send tool_choice \"none\" (or no tools), or start the server with --ignore-tools to answer in text", "tools")
 
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         req.check_supported()
         self._check_model(req.model)
         prompt = req.text_or_ids()
         if isinstance(prompt, str):
-            ids = list(self.tokenizer(prompt)["input_ids"])
+            check_prompt_chars(len(prompt), self.context, self.token_chars, "prompt")
+            ids = list((await self._tokenize(self.tokenizer, prompt))["input_ids"])
         else:
-            vocab = len(self.tokenizer.get_vocab()) if hasattr(self.tokenizer, "get_vocab") else None
+            vocab = self.vocab
             if vocab is not None and any(not 0 <= i < vocab for i in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
             ids = list(prompt)
         return await self._answer(req, request, ids, (), chat_api=False)
+
+    async def _tokenize(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_id:
@@ -180,7 +215,7 @@ class _API:
         return wanted
 
     async def _answer(self, req: ChatRequest | CompletionRequest, request: Request, ids: list[int], extra_stop: tuple[str, ...],
-                      chat_api: bool) -> Response:
+                      chat_api: bool, tools: set[str] | None = None, headers: dict[str, str] | None = None) -> Response:
         max_new = self._max_new(len(ids), req.wanted_tokens, "messages" if chat_api else "prompt")
         try:
             params = req.sampling(self.defaults, max_new, extra_stop)
@@ -199,7 +234,7 @@ class _API:
         except ShuttingDown:
             raise APIError(503, "the server is shutting down", code="shutting_down") from None
         watcher = asyncio.ensure_future(_watch_disconnect(request, job))
-        reply = _Reply(self, job, req, chat_api)
+        reply = Reply(self, job, req, chat_api, tools)
         try:
             first = await reply.next()  # waits for its turn; errors before any token are a plain HTTP error
         except BaseException:
@@ -211,10 +246,10 @@ class _API:
             return Response(status_code=204)
         if not req.stream:
             try:
-                return JSONResponse(await reply.whole(first))
+                return JSONResponse(await reply.whole(first), headers=headers)
             finally:
                 watcher.cancel()
-        return EventSourceResponse(reply.sse(first, watcher), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return EventSourceResponse(reply.sse(first, watcher), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:
@@ -222,117 +257,6 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
     job.stop.set()
-
-
-class _Reply:
-    """One request's answer, built from its job's events (OpenAI's chat or completion shape)."""
-
-    def __init__(self, api: _API, job: Job, req: ChatRequest | CompletionRequest, chat_api: bool) -> None:
-        self.api, self.job, self.req, self.chat_api = api, job, req, chat_api
-        self.id = f"{'chatcmpl' if chat_api else 'cmpl'}-{secrets.token_hex(6)}-{job.id}"
-        self.created = int(time.time())
-        self.notices: list[str] = []
-
-    async def next(self) -> Any:
-        """The job's next event, or END; a drain before the job started is a 503."""
-        while True:
-            item = await self.job.events.get()
-            if isinstance(item, ShuttingDown):
-                raise APIError(503, "the server is shutting down", code="shutting_down")
-            if isinstance(item, Notice):
-                self.notices.append(item.message)
-                continue
-            if isinstance(item, Error) and not item.token_ids and not item.text:
-                raise APIError(400 if item.kind == "param" else 500, item.message, code="engine_error")
-            return item
-
-    def _finish_reason(self, done: Done) -> str:
-        return "length" if done.reason == "length" else "stop"
-
-    def ssd_stats(self, done: Done) -> dict[str, Any]:
-        s, cfg = done.stats, self.api.engine.config
-        spec = s.mode != "ar"
-        job = self.job
-        return {
-            "mode": s.ran_as or s.mode, "mode_label": s.label, "draft": self.api.engine.draft.name if spec and self.api.engine.draft is not None else None,
-            "k": cfg.k if spec else None, "new_tokens": s.new_tokens, "rounds": s.rounds,
-            "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length, "cache_hit_rate": s.cache_hit_rate,
-            "per_position_acceptance": list(s.per_position_acceptance) if s.per_position_acceptance is not None else None,
-            "tok_per_s": s.tok_per_s, "ttft_s": s.ttft_s, "elapsed_s": s.elapsed_s,
-            "queue_s": (job.started_s - job.arrived_s) if job.started_s is not None else None, "notices": self.notices,
-        }
-
-    def usage(self, done: Done | None, num_tokens: int) -> dict[str, int]:
-        n = len(done.token_ids) if done is not None else num_tokens
-        return {"prompt_tokens": len(self.job.prompt_ids), "completion_tokens": n, "total_tokens": len(self.job.prompt_ids) + n}
-
-    def _base(self) -> dict[str, Any]:
-        obj = ("chat.completion" if self.chat_api else "text_completion")
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.api.model_id}
-
-    async def whole(self, first: Any) -> dict[str, Any]:
-        item, text, ids, done = first, "", [], None
-        while item is not END:
-            if isinstance(item, Token):
-                text += item.text
-                ids.append(item.id)
-            elif isinstance(item, Error):
-                raise APIError(500, f"{item.message} (after {len(item.token_ids)} tokens)", code="engine_error")
-            elif isinstance(item, Done):
-                done = item
-            item = await self.next()
-        if done is None:  # the engine thread ended the job without a result (it was closed)
-            raise APIError(503, "the server is shutting down", code="shutting_down")
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self._finish_reason(done), "logprobs": None}
-        if self.chat_api:
-            choice["message"] = {"role": "assistant", "content": done.text}
-        else:
-            choice["text"] = done.text
-        if self.req.return_token_ids:
-            choice["token_ids"] = list(done.token_ids)
-        out = {**self._base(), "choices": [choice], "usage": self.usage(done, len(ids)), "ssd_stats": self.ssd_stats(done)}
-        if self.req.return_token_ids:
-            out["prompt_token_ids"] = list(self.job.prompt_ids)
-        return out
-
-    def _chunk(self, text: str | None, token_ids: list[int] | None = None, finish: str | None = None, role: bool = False) -> dict[str, Any]:
-        if self.chat_api:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        if token_ids is not None and self.req.return_token_ids:
-            choice["token_ids"] = token_ids
-        base = self._base()
-        base["object"] = "chat.completion.chunk" if self.chat_api else "text_completion"
-        return {**base, "choices": [choice]}
-
-    async def sse(self, first: Any, watcher: asyncio.Future) -> AsyncIterator[bytes]:
-        def event(obj: Any) -> bytes:
-            return format_sse_event(data_str=json.dumps(obj, ensure_ascii=False))
-
-        try:
-            if self.chat_api:
-                yield event(self._chunk(None, role=True))
-            item, count = first, 0
-            while item is not END:
-                if isinstance(item, Token):
-                    count += 1
-                    if item.text or self.req.return_token_ids:
-                        yield event(self._chunk(item.text, [item.id]))
-                elif isinstance(item, Error):  # mid-reply: what streamed stays; the error closes the stream
-                    yield event(error_body(500, f"{item.message} (after {len(item.token_ids)} tokens)", code="engine_error"))
-                elif isinstance(item, Done):
-                    chunk = self._chunk(None, [] if self.req.return_token_ids else None, self._finish_reason(item))
-                    chunk["ssd_stats"] = self.ssd_stats(item)
-                    yield event(chunk)
-                    if self.req.stream_options is not None and self.req.stream_options.include_usage:
-                        yield event({**self._chunk(None), "choices": [], "usage": self.usage(item, count)})
-                item = await self.next()
-            yield format_sse_event(data_str="[DONE]")
-        finally:  # the client hung up, or the reply ended: either way the engine moves on
-            self.job.stop.set()
-            watcher.cancel()
 
 
 # -- running it ---------------------------------------------------------------------------------

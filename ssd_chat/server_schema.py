@@ -9,10 +9,11 @@ and ours, ``ssd_mode`` (decode this request with another mode the loaded draft a
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from .engine.params import SamplingParams
 
@@ -40,7 +41,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """One sentence (and the offending parameter) for pydantic's errors on a request body."""
-    e = errors[0]
+    # of a union's failed members, the one our own check (a value_error) rejected says the most
+    e = next((x for x in errors if x.get("type") == "value_error"), errors[0])
     loc = [str(p) for p in e.get("loc", ()) if p != "body"]
     if e.get("type") == "json_invalid":
         return f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))})", None
@@ -51,23 +53,79 @@ def describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     return f"{param or 'body'}: {e.get('msg', 'invalid value')}", param or None
 
 
+def _utf8(s: str) -> str:
+    # JSON may carry a lone surrogate ("\\ud800"), which no tokenizer can encode
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text has a lone surrogate ({s[e.start]!r} at character {e.start}), which is not valid Unicode text") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+SEED_MAX = 2**64 - 1  # the engine's seed is a 64-bit unsigned integer (torch.Generator.manual_seed)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
+
+
+class FunctionDef(_Strict):
+    name: Text = Field(min_length=1)
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class CalledFunction(_Strict):
+    name: Text
+    arguments: Text  # JSON, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it ("developer" is the newer name of the system role;
+        a call's arguments as an object, which Qwen's and Llama's templates write out as JSON)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
 
 
 class StreamOptions(_Strict):
@@ -78,12 +136,12 @@ class _Common(_Strict):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)  # vLLM's convention: -1 (or 0) is off
     max_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Text | list[Text] | None = None
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
     n: int = Field(1, ge=1)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -122,7 +180,7 @@ class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolDef] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -130,11 +188,9 @@ class ChatRequest(_Common):
         super().check_supported()
         if self.logprobs:
             raise APIError(400, "logprobs are not supported", "logprobs")
-        # Offered tools are not shown to the model, and it answers in text: under "auto" (the default)
-        # that is a valid answer (the model chose not to call one), which keeps chat clients that
-        # always offer tools working.  A call the client insists on cannot be honoured.
+        # The model decides whether to call a tool (the server cannot force its output to be a call)
         if self.tools and self.tool_choice not in (None, "auto", "none"):
-            raise APIError(400, "tool calls are not supported: the model always answers in text (tool_choice must be auto or none)", "tool_choice")
+            raise APIError(400, "tool_choice must be auto or none: the model chooses whether to call a tool, and nothing forces its output to be a call", "tool_choice")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise APIError(400, "response_format other than text is not supported", "response_format")
         if self.messages[-1].role == "assistant":
@@ -144,16 +200,15 @@ class ChatRequest(_Common):
     def wanted_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def chat(self) -> list[dict[str, str]]:
-        # "developer" is the newer name of the system role
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def chat(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int]
+    prompt: Text | list[Text] | list[int]
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -115,6 +115,14 @@ class EngineWorker:
             self._engines[mode] = Engine(replace(e.config, mode=mode), e.target, e.draft)
         return self._engines[mode]
 
+    def degraded(self) -> str | None:
+        """Why a mode this server decodes is not running as itself (SSD's speculator given up on), or None."""
+        for e in list(self._engines.values()):
+            why = getattr(getattr(e, "_decoder", None), "disabled", None)
+            if why:
+                return why
+        return None
+
     @property
     def closing(self) -> bool:
         return self._closing

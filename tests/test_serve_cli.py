@@ -115,6 +115,24 @@ def test_serve_on_all_interfaces_warns(tiny_chat_dir):
         s.stop()
 
 
+def test_serve_body_limit_and_ignore_tools_options(tiny_chat_dir):
+    s = Serve("--target", str(tiny_chat_dir), "--max-body-mb", "0.01", "--ignore-tools")
+    try:
+        assert get(f"{s.url}/health")[2]["limits"]["max_body_mb"] == 0.01
+        status, _h, out = post(f"{s.url}/v1/completions", {"prompt": "x" * 20_000})  # 20 KB > 10.5 KB
+        assert status == 413 and "--max-body-mb" in out["error"]["message"]
+        tools = [{"type": "function", "function": {"name": "date_time"}}]
+        status, headers, out = post(f"{s.url}/v1/chat/completions", {"messages": MSG, "max_tokens": 2, "tools": tools})
+        assert status == 200 and "--ignore-tools" in headers["x-ssd-chat-tools"]
+        wait_until(lambda: "has no tool support (--ignore-tools)" in s.stderr, 30)
+    finally:
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(120) == 0
+        s.stop()
+    r = cli("serve", "--max-body-mb", "nan", "--port", "0")
+    assert r.returncode == 2 and "--max-body-mb" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_ask_uses_a_running_server_it_finds(tiny_chat_dir):
     target = str(tiny_chat_dir)
     base = Engine.load(EngineConfig(target=target, mode="sd", draft="layers:1"))

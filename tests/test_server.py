@@ -268,11 +268,14 @@ def test_ssd_server_reports_cache_hits_and_leaves_no_speculator(loaded):
     assert not alive
 
 
-def test_offered_tools_are_answered_in_text(sd_server):
-    """Chat clients such as oterm offer tools on every request; with tool_choice auto the model may answer in text."""
+def test_offered_tools_the_template_cannot_show_are_refused_unless_tool_choice_is_none(sd_server):
+    """SmolLM2's template has no tools: answering in text as if they were seen would drop them silently."""
     url, _ = sd_server
     tools = [{"type": "function", "function": {"name": "date_time", "parameters": {"type": "object", "properties": {}}}}]
     for choice in (None, "auto", "none"):
         body = {"messages": MSG, "max_tokens": 3, "tools": tools, **({"tool_choice": choice} if choice else {})}
         status, _h, out = post(f"{url}/v1/chat/completions", body)
-        assert status == 200 and out["usage"]["completion_tokens"] == 3 and "tool_calls" not in out["choices"][0]["message"]
+        if choice == "none":
+            assert status == 200 and out["usage"]["completion_tokens"] == 3 and "tool_calls" not in out["choices"][0]["message"]
+        else:
+            assert status == 400 and out["error"]["param"] == "tools"
