@@ -57,7 +57,7 @@ class CompareActions:
             return
         text = self.compare_prompt()
         if text is None:
-            await self.chat.add_notice("type a prompt first: Ctrl+G answers it in AR, SD and SSD one after another", "warning")
+            await self.chat.add_notice("type a prompt first: Ctrl+G answers it in AR, SD and SSD in turn", "warning")
             return
         try:
             limit = min(int(self.params.get("max_new_tokens") or cmp.DEFAULT_MAX_NEW_TOKENS), cmp.DEFAULT_MAX_NEW_TOKENS)
