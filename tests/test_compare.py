@@ -158,7 +158,7 @@ async def test_ctrl_g_on_the_real_engine_gives_identical_outputs(tiny_chat_dir):
             await wait_until(pilot, lambda: app.switching is None and any(
                 "outputs:" in plain(w) for w in app.chat.query("Static")), timeout=120)
             shown = " ".join(plain(w) for w in app.chat.query("Static"))
-            assert "identical (8 tokens, greedy)" in shown, shown
+            assert "identical (8 tokens, greedy, 9 runs)" in shown, shown
             assert engine.config.mode == "ar"
     finally:
         engine.close()
