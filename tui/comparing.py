@@ -121,8 +121,12 @@ class CompareActions:
                                                           ssd_bound=bound if bound is not None else b.ssd_bound)
         for b in self._compare_same_prompt.values():  # later replies in this chat compare with these rates
             self.panel.set_measured(replace(b, source=f"{b.mode.upper()} runs in the last compare (median)"))
-        if result.finished:  # the last run's figures, against the other modes on the same prompt
-            self.panel.show(result.finished[-1].done.stats, live=False, measured=dict(self._compare_same_prompt))
+        if result.finished:  # the last mode's median run, against the other modes' medians on the same prompt
+            last = result.finished[-1]
+            med = result.median_tok_per_s(last.mode)
+            runs = result.of(last.mode)
+            shown = min(runs, key=lambda r: abs(r.tok_per_s - med)) if runs and med is not None else last
+            self.panel.show(shown.done.stats, live=False, measured=dict(self._compare_same_prompt))
 
     async def stop_compare(self) -> None:
         """Esc / quit: stop the comparison at the next token and wait for the engine to be back."""
