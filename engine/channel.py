@@ -92,7 +92,7 @@ class Reply:
     fallback_s: float  # time the fallback drafting took (on the verifier's critical path)
     predicted: tuple[tuple[int, tuple[int, ...]], ...]  # the cache this lookup searched: ((j, (bonus...)), ...)
     build_s: float  # speculator compute that built that cache (glue + tree)
-    step_s: float  # the speculator's mean single-token draft step (for the SD estimate)
+    step_s: float  # the speculator's median warm single-token draft step (for the SD estimate)
 
 
 class Channel:

@@ -7,6 +7,13 @@
 * per-position acceptance[i] = P(draft position i accepted) over all rounds that drafted it
 * cache-hit rate = hits / verifications (SSD)
 * decode tok/s = (n - 1) / (t_last_token - t_first_token); TTFT = t_first_token
+
+Two physical bounds on a speedup, one rule each for the bench, ``compare``, Ctrl+G and the panel:
+
+* SSD/SD <= 1 + SD's draft time / SD's verify time (over the same rounds): with the same draft and
+  accepted lengths, SSD can at most hide SD's drafting (its verifier has no more hardware than SD's)
+* SD/AR and SSD/AR <= mean accepted length: a round emits that many tokens per target forward on
+  average, and a k+1-row forward costs at least as much as AR's 1-row one
 """
 
 from __future__ import annotations
@@ -14,6 +21,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .events import Event, Notice, Round, Stats, Token, mode_label
+
+
+def ssd_over_sd_bound(sd_draft_s: float | None, sd_verify_s: float | None) -> float | None:
+    """The most SSD can gain over SD: 1 + draft / verify of SD (per round, or totals over the same rounds)."""
+    if sd_draft_s is None or not sd_verify_s or sd_verify_s <= 0:
+        return None
+    return 1 + max(0.0, sd_draft_s) / sd_verify_s
+
+
+def over_ar_bound(mean_accepted_length: float | None) -> float | None:
+    """The most SD or SSD can gain over AR: its mean accepted length (tokens per target forward)."""
+    return mean_accepted_length
 
 
 @dataclass(slots=True)

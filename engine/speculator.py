@@ -31,6 +31,7 @@ acceptance test stays exact for every proposal.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -112,8 +113,11 @@ class Speculator:
         self.gen = make_generator(None if settings.seed is None else settings.seed * 2 + 1, self.device)
         self.ctx = list(prompt_ids)
         self._extend(self.ctx, logits_from=len(self.ctx))
-        if not self.step_times and self.ctx:  # one timed decode step, for the SD estimate and --fallback auto
+        if not self.step_times and self.ctx:  # a timed decode step, for the SD estimate and --fallback auto
             n = self.runner.length
+            self._forward(self.ctx[-1:])  # untimed: the first call pays for compiling and first-touch, SD's steps do not
+            self.runner.truncate(n)
+            del self.kv_ids[n:]
             t0 = time.perf_counter()
             self._forward(self.ctx[-1:])
             self.step_times.append(time.perf_counter() - t0)
@@ -122,7 +126,8 @@ class Speculator:
 
     @property
     def step_s(self) -> float:
-        return sum(self.step_times) / len(self.step_times) if self.step_times else 0.0
+        """The median warm draft step (a stall on a loaded machine does not become every round's cost)."""
+        return statistics.median(self.step_times) if self.step_times else 0.0
 
     # -- serving a request ----------------------------------------------------------------
     def serve(self, req: int, k_prev: int, bonus: int, verify_s: float = 0.0) -> tuple[Reply, torch.Tensor | None]:

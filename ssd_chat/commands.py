@@ -70,22 +70,25 @@ def register(app: typer.Typer) -> None:
         ctx: typer.Context,
         prompt: Annotated[str, typer.Argument(help="The question to answer in each mode.", show_default=False)],
         json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object with every run and the verdict.")] = False,
+        repeats: Annotated[Optional[int], typer.Option("--repeats", min=1, max=20, help="Runs of each mode, interleaved (AR, SD, SSD, AR, ...): the speedups are their medians, with the spread [default: 3].", show_default=False)] = None,
         target: Target = None, draft: Draft = None, k: K = None, max_new_tokens: MaxNew = None,
         target_device: TargetDevice = None, draft_device: DraftDevice = None, dtype: Dtype = None,
         fan_out: FanOut = None, budget: Budget = None, fallback: Fallback = None, compile: Compile = None, trust_remote_code: TrustRemote = None,
         system: System = None,
     ) -> None:
-        """Answer PROMPT greedily in AR, SD and SSD one after another on the same models: the tok/s of each
-        and whether the three outputs are identical (exit 1 if they are not, or a mode failed)."""
+        """Answer PROMPT greedily in AR, SD and SSD in turn, --repeats times over, on the same models: the tok/s
+        of each run, each speedup's median, spread and physical bound, and whether every output is identical
+        (exit 1 if they are not, or a run failed)."""
         import threading
 
         from . import compare as cmp
         from .engine import chat
         from .engine.errors import ParamError, SSDChatError
 
-        local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "prompt", "json_out")}
+        local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "prompt", "json_out", "repeats")}
         merged = merge(ctx, local)
         given_n = merged.get("max_new_tokens")
+        repeats = repeats or cmp.DEFAULT_REPEATS
         prompt = utf8_text(prompt, "the prompt")
         if not prompt.strip():
             raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
@@ -105,7 +108,7 @@ def register(app: typer.Typer) -> None:
         except SSDChatError as e:
             raise _fail(str(e)) from None
         if not json_out:
-            typer.echo(f"AR, SD and SSD one after another, greedy, up to {params.max_new_tokens} tokens "
+            typer.echo(f"AR, SD and SSD in turn, {repeats} time{'' if repeats == 1 else 's'} over, greedy, up to {params.max_new_tokens} tokens "
                        f"(target {engine.target.name}, draft {engine.draft.name if engine.draft else '?'}, k={engine.config.k}):")
         stop = threading.Event()
         try:
@@ -118,7 +121,7 @@ def register(app: typer.Typer) -> None:
 
             result = cmp.run(lambda m: engine.reconfigure(mode=m),
                              lambda n: engine.stream(ids, _with(params, max_new_tokens=n) if n else params, stop), "sd",
-                             on_run=None if json_out else (lambda r: typer.echo(cmp.run_line(r))), stop=stop)
+                             on_run=None if json_out else (lambda r: typer.echo(cmp.run_line(r))), stop=stop, repeats=repeats)
         except KeyboardInterrupt:
             stop.set()
             raise typer.Exit(130) from None

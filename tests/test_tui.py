@@ -425,16 +425,15 @@ class TestPanel:
         sd = speedup_vs(s, "sd")
         this = s.ttft_s + s.verify_s + s.draft_s + s.wait_s
         assert sd.kind == "estimated" and sd.value == pytest.approx(s.sd_estimate_s / this)
-        ar = speedup_vs(s, "ar")
-        assert ar.kind == "estimated"
-        assert ar.value == pytest.approx((s.ttft_s + (s.new_tokens - 1) * s.verify_s / s.rounds) / this)
+        ar = speedup_vs(s, "ar")  # no AR rate measured: no figure (a verify is not an AR step)
+        assert ar.kind == "n/a" and ar.value is None and ar.note == "not measured"
         live = dataclasses.replace(s, sd_estimate_s=None)  # SSD's SD estimate arrives with Done
-        assert speedup_vs(live, "sd").value is None and speedup_vs(live, "ar").value is not None
+        assert speedup_vs(live, "sd").value is None
         sd_reply = dataclasses.replace(s, mode="sd", sd_estimate_s=None)
-        assert speedup_vs(sd_reply, "sd").kind == "n/a" and speedup_vs(sd_reply, "ar").kind == "estimated"
+        assert speedup_vs(sd_reply, "sd").kind == "n/a" and speedup_vs(sd_reply, "ar").kind == "n/a"
         meas = speedup_vs(s, "ar", Baseline("ar", s.tok_per_s / 2, "bench"))
-        assert meas.kind == "measured" and meas.value == pytest.approx(2.0)
-        assert panel_values(s, {"ar": Baseline("ar", s.tok_per_s / 2, "bench")})["vs_ar"] == "2.00× meas."
+        assert meas.kind == "measured" and meas.value == pytest.approx(2.0) and meas.bound == s.mean_accepted_length
+        assert panel_values(s, {"ar": Baseline("ar", s.tok_per_s / 1.5, "bench")})["vs_ar"] == "1.50× meas."
         ar_stats = Metrics("ar").stats(1.0)
         assert speedup_vs(ar_stats, "ar").value is None and panel_values(ar_stats)["vs_ar"] == "—"
 
@@ -646,13 +645,14 @@ async def test_measured_baselines_make_the_speedups_measured(tmp_path):
 
     events = ssd_events(WORDS)
     tps = events[-1].stats.tok_per_s
-    app = ChatApp(FakeBackend([events]), baselines=baselines_from_bench(bench_report(tmp_path, tps / 4, tps / 2)))
+    # under their bounds: this reply's mean accepted length (2.0) and 1 + draft/verify of its SD estimate (1.93)
+    app = ChatApp(FakeBackend([events]), baselines=baselines_from_bench(bench_report(tmp_path, tps / 1.5, tps / 1.25)))
     async with app.run_test(size=(140, 45)) as pilot:
         await wait_until(pilot, lambda: app.ready)
         await app.submit("q")
         await wait_until(pilot, lambda: app.current.finished)
-        assert app.panel.values["vs_ar"] == "4.00× meas."
-        assert app.panel.values["vs_sd"] == "2.00× meas."
+        assert app.panel.values["vs_ar"] == "1.50× meas."
+        assert app.panel.values["vs_sd"] == "1.25× meas."
 
 
 @pytest.mark.asyncio

@@ -1,6 +1,7 @@
 """Ctrl+G in the app: the prompt in the box (or the last one sent) answered greedily in AR, SD and
-SSD one after another on the loaded models, each run's figures as it ends, then whether the three
-outputs are identical and the speedups measured on that prompt.  Mixed into
+SSD in turn, :data:`ssd_chat.compare.DEFAULT_REPEATS` times over, on the loaded models, each run's
+figures as it ends, then whether every output is identical and the speedups measured on that
+prompt (median, spread, physical bound).  Mixed into
 :class:`ssd_chat.tui.app.ChatApp`; the loop itself is :func:`ssd_chat.compare.run`.
 
 The comparison is not part of the conversation: nothing is added to the chat's messages or history.
@@ -56,7 +57,7 @@ class CompareActions:
             return
         text = self.compare_prompt()
         if text is None:
-            await self.chat.add_notice("type a prompt first: Ctrl+G answers it in AR, SD and SSD one after another", "warning")
+            await self.chat.add_notice("type a prompt first: Ctrl+G answers it in AR, SD and SSD in turn", "warning")
             return
         try:
             limit = min(int(self.params.get("max_new_tokens") or cmp.DEFAULT_MAX_NEW_TOKENS), cmp.DEFAULT_MAX_NEW_TOKENS)
@@ -69,8 +70,8 @@ class CompareActions:
         self._compare_stop = threading.Event()
         self._compare_same_prompt = {}
         short = text if len(text) <= 60 else text[:57] + "…"
-        await self.chat.add_notice(f"compare: “{short}” in AR, SD and SSD, greedy, up to {limit} tokens each, "
-                                   "after a short warm-up run in each mode (Esc stops)")
+        await self.chat.add_notice(f"compare: “{short}” in AR, SD and SSD in turn, {cmp.DEFAULT_REPEATS} times over, greedy, "
+                                   f"up to {limit} tokens each, each run after a short warm-up (Esc stops)")
         msgs = messages_for(text, self.system)  # not part of the conversation: no earlier turns, nothing kept
         self._compare_worker = self.run_compare(msgs, params, current, self._compare_stop)
 
@@ -112,10 +113,20 @@ class CompareActions:
             first = result.finished[0]
             await self.chat.add_notice(f"reply ({first.mode.upper()}{', the same in all' if result.identical else ''}): "
                                        f"{first.done.text}")
+        for mode, b in list(self._compare_same_prompt.items()):  # each mode's median over the repeats, not its last run
+            med = result.median_tok_per_s(mode)
+            if med is not None:
+                bound = result.bound("ssd", "sd") if mode == "sd" else None
+                self._compare_same_prompt[mode] = replace(b, tok_per_s=med, source=f"{mode.upper()} runs of the same prompt (compare, median)",
+                                                          ssd_bound=bound if bound is not None else b.ssd_bound)
         for b in self._compare_same_prompt.values():  # later replies in this chat compare with these rates
-            self.panel.set_measured(replace(b, source=f"{b.mode.upper()} run in the last compare"))
-        if result.finished:  # the last run's figures, against the other modes on the same prompt
-            self.panel.show(result.finished[-1].done.stats, live=False, measured=dict(self._compare_same_prompt))
+            self.panel.set_measured(replace(b, source=f"{b.mode.upper()} runs in the last compare (median)"))
+        if result.finished:  # the last mode's median run, against the other modes' medians on the same prompt
+            last = result.finished[-1]
+            med = result.median_tok_per_s(last.mode)
+            runs = result.of(last.mode)
+            shown = min(runs, key=lambda r: abs(r.tok_per_s - med)) if runs and med is not None else last
+            self.panel.show(shown.done.stats, live=False, measured=dict(self._compare_same_prompt))
 
     async def stop_compare(self) -> None:
         """Esc / quit: stop the comparison at the next token and wait for the engine to be back."""

@@ -4,15 +4,21 @@ Each figure names its source.  A speedup is *measured* when there is a measured 
 the other mode on this hardware: a ``bench`` report given with ``--baseline``, else the latest
 reply in this chat that ran in that mode (another prompt: the basis row says so), or, in a
 comparison, the same prompt run in each mode.  Otherwise it is *estimated* from this reply's own
-timings.  Both sides of an estimate are accounted the same way, from the measured time to the
-first token and the rounds' critical path:
+warm timings, or not shown (—) where there is no sound basis:
 
-* this reply      = TTFT + verify_s + draft_s + wait_s
+* this reply      = TTFT + verify_s + draft_s + wait_s   (the critical path)
 * vs SD (est.)    = sd_estimate_s / this reply   (SSD, when the reply ends: the engine's TTFT + per round
-                    verify + k draft steps, i.e. SD on the same rounds)
-* vs AR (est.)    = (TTFT + (tokens - 1) x verify_s / rounds) / this reply
-                    (one target forward per token, costed as one verification: the memory-bound regime)
+                    verify + k warm draft steps, i.e. SD on the same rounds; the speculator times its
+                    draft step after an untimed first call, so compiling is not charged to SD)
+* vs AR           = measured only: AR's cost per token is a 1-row target step, which an SSD or SD
+                    reply never runs (its k+1-row verify costs about two of them on the CPU kernels),
+                    so without an AR rate measured on this machine it shows —
 * vs X (measured) = this reply's tok/s / X's measured tok/s
+
+Every speedup is checked against its physical bound (:mod:`ssd_chat.engine.metrics`): vs SD
+1 + draft/verify of SD (of the SD run measured, else of this reply's SD estimate), vs AR the mean
+accepted length.  A measured ratio above it is shown as noise (the machine was busy during one of
+the runs); an estimate above it is not shown.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine.events import Stats
+from ..engine.metrics import over_ar_bound, ssd_over_sd_bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +39,7 @@ class Baseline:
     tok_per_s: float
     source: str  # e.g. "bench cpu.json (smollm2, equal)", "AR reply 2 (another prompt)"
     explicit: bool = False  # given by the user (--baseline): replies in the chat do not replace it
+    ssd_bound: float | None = None  # an SD rate: 1 + draft/verify of that SD run, the most SSD can gain over it
 
 
 MIN_BASELINE_TOKENS = 8  # a reply shorter than this has too few token gaps to be a decode rate
@@ -47,7 +55,8 @@ def baseline_from_reply(s: Stats, label: str, min_tokens: int = MIN_BASELINE_TOK
     (``min_tokens=2`` for runs of the same prompt, whose lengths are the same)."""
     if s.tok_per_s is None or s.new_tokens < min_tokens or s.switched_after:
         return None  # a reply that switched modes half-way is no mode's baseline
-    return Baseline(ran_as(s), s.tok_per_s, label)
+    mode = ran_as(s)
+    return Baseline(mode, s.tok_per_s, label, ssd_bound=ssd_over_sd_bound(s.draft_s, s.verify_s) if mode == "sd" else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +64,12 @@ class Speedup:
     value: float | None
     kind: str  # "measured" | "estimated" | "n/a"
     note: str = ""
+    bound: float | None = None  # the physical bound on this ratio (None: not known)
+
+    @property
+    def noise(self) -> bool:
+        """Above its physical bound: not a speedup but timing noise (a busy machine during one of the runs)."""
+        return self.value is not None and self.bound is not None and self.value > self.bound
 
 
 def critical_path_s(s: Stats) -> float | None:
@@ -64,6 +79,22 @@ def critical_path_s(s: Stats) -> float | None:
     return (s.ttft_s if s.ttft_s is not None else s.prefill_s) + s.verify_s + (s.draft_s or 0.0) + (s.wait_s or 0.0)
 
 
+def sd_draft_estimate_s(s: Stats) -> float | None:
+    """What SD would have spent drafting this reply's rounds (the engine's estimate less its TTFT and verifies)."""
+    if s.sd_estimate_s is None or s.verify_s is None:
+        return None
+    return s.sd_estimate_s - (s.ttft_s if s.ttft_s is not None else s.prefill_s) - s.verify_s
+
+
+def bound_vs(s: Stats, baseline_mode: str, measured: Baseline | None = None) -> float | None:
+    """The physical bound on this reply's speedup over ``baseline_mode``."""
+    if baseline_mode == "ar":
+        return over_ar_bound(s.mean_accepted_length)
+    if measured is not None and measured.ssd_bound is not None:
+        return measured.ssd_bound
+    return ssd_over_sd_bound(sd_draft_estimate_s(s), s.verify_s)
+
+
 def speedup_vs(s: Stats | None, baseline_mode: str, measured: Baseline | None = None) -> Speedup:
     """Speedup of this reply over ``baseline_mode`` ("ar" or "sd")."""
     if s is None:
@@ -71,17 +102,18 @@ def speedup_vs(s: Stats | None, baseline_mode: str, measured: Baseline | None = 
     mode = ran_as(s)
     if mode == baseline_mode or (baseline_mode == "sd" and mode == "ar"):
         return Speedup(None, "n/a", f"this reply is {mode.upper()}")
+    bound = bound_vs(s, baseline_mode, measured)
     if measured is not None and measured.tok_per_s > 0 and s.tok_per_s is not None:
-        return Speedup(s.tok_per_s / measured.tok_per_s, "measured", measured.source)
+        return Speedup(s.tok_per_s / measured.tok_per_s, "measured", measured.source, bound)
+    if baseline_mode == "ar":
+        return Speedup(None, "n/a", "not measured")  # no 1-row target step on this machine to cost AR with
     crit = critical_path_s(s)
     if not crit or crit <= 0 or not s.rounds:
         return Speedup(None, "n/a", "no rounds yet")
-    if baseline_mode == "sd":
-        if s.sd_estimate_s is None:
-            return Speedup(None, "n/a", "estimated when the reply ends")
-        return Speedup(s.sd_estimate_s / crit, "estimated", "from round timings")
-    ttft = s.ttft_s if s.ttft_s is not None else s.prefill_s
-    return Speedup((ttft + max(0, s.new_tokens - 1) * s.verify_s / s.rounds) / crit, "estimated", "from round timings")
+    if s.sd_estimate_s is None:
+        return Speedup(None, "n/a", "estimated when the reply ends")
+    est = Speedup(s.sd_estimate_s / crit, "estimated", "from round timings", bound)
+    return Speedup(None, "n/a", "estimate above its bound") if est.noise else est
 
 
 def baselines_from_bench(path: str | Path) -> list[Baseline]:
@@ -96,9 +128,13 @@ def baselines_from_bench(path: str | Path) -> list[Baseline]:
         target = report.get("models", {}).get("target", {}).get("name", "?")
         out = []
         for mode in ("ar", "sd"):
-            med = (p["modes"].get(mode) or {}).get("tok_per_s", {}).get("median")
+            m = p["modes"].get(mode) or {}
+            med = m.get("tok_per_s", {}).get("median")
+            bound = None
+            if mode == "sd":  # the bench's own bound, else the same rule from its SD's draft/verify per round
+                bound = (p.get("bound") or {}).get("ssd_over_sd_max") or ssd_over_sd_bound(m.get("draft_s_per_round"), m.get("verify_s_per_round"))
             if med:
-                out.append(Baseline(mode, float(med), f"bench {path.name} ({target}, {proto})", explicit=True))
+                out.append(Baseline(mode, float(med), f"bench {path.name} ({target}, {proto})", explicit=True, ssd_bound=bound))
     except FileNotFoundError:
         raise ValueError(f"no bench report at {path}") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration) as e:
@@ -127,6 +163,8 @@ def fmt(v: float | None, spec: str, suffix: str = "", na: str = "—") -> str:
 def fmt_speedup(sp: Speedup) -> str:
     if sp.value is None:
         return "—"
+    if sp.noise:  # only measured ratios get here: an estimate above its bound has no value
+        return f"{sp.value:.2f}× noise (> bound {sp.bound:.2f}×)"
     return f"{sp.value:.2f}× {'meas.' if sp.kind == 'measured' else 'est.'}"
 
 
@@ -139,6 +177,8 @@ def basis(s: Stats | None, measured: dict[str, Baseline]) -> str:
             parts.append(f"{mode.upper()}: {sp.note}")
         elif sp.kind == "estimated":
             parts.append(f"{mode.upper()}: estimate")
+        elif sp.note in ("not measured", "estimate above its bound"):
+            parts.append(f"{mode.upper()}: {sp.note}")
     return " · ".join(parts) or "—"
 
 

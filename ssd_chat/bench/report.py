@@ -27,6 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ..engine.metrics import ssd_over_sd_bound
 from .machine import Pinning
 from .prompts import BenchPrompt
 from .protocols import Plan
@@ -173,8 +174,9 @@ def summarize_protocol(name: str, runs_by_mode: dict[str, list[dict[str, Any]]],
     if name == "paper" and "sd" in modes and modes["sd"]["verify_s_per_round"]:
         d, v = modes["sd"]["draft_s_per_round"], modes["sd"]["verify_s_per_round"]
         sd_med = modes["sd"]["tok_per_s"]["median"]
-        bound = {"sd_draft_s_per_round": d, "sd_verify_s_per_round": v, "ssd_over_sd_max": 1 + d / v,
-                 "ssd_tok_per_s_max": sd_med * (1 + d / v) if sd_med else None, "measured_over_bound": None}
+        mx = ssd_over_sd_bound(d, v)
+        bound = {"sd_draft_s_per_round": d, "sd_verify_s_per_round": v, "ssd_over_sd_max": mx,
+                 "ssd_tok_per_s_max": sd_med * mx if sd_med else None, "measured_over_bound": None}
         if "ssd/sd" in ratios and ratios["ssd/sd"]["of_medians"] is not None:
             bound["measured_over_bound"] = ratios["ssd/sd"]["of_medians"] / bound["ssd_over_sd_max"]
     return {
