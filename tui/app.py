@@ -108,6 +108,7 @@ class ChatApp(ReplyActions, CompareActions, ChatActions, App[int]):
         self.clipboard_text: str | None = None
         self._reply_worker: Any = None
         self.switching: str | None = None  # an engine change in progress ("mode sd"): prompts wait for it
+        self.pending_settings: dict[str, Any] = {}  # changed while the model loads: applied once it is ready
         self._token_text: dict[int, str] = {}
         self._seen_ids: set[int] = set()
         self._quitting = False
@@ -219,6 +220,7 @@ class ChatApp(ReplyActions, CompareActions, ChatActions, App[int]):
         load.display = False
         self.ready = True
         self._update_info()
+        await self.apply_pending()
         if self.script:
             self.type_next_prompt()
 

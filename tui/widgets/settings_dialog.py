@@ -31,8 +31,7 @@ class SettingsDialog(ModalScreen[dict | None]):
             yield Label("Settings for the next reply (models stay loaded)", classes="dialog-title")
             with Grid(id="settings-grid"):
                 yield Label("mode")
-                yield Select([(m.upper(), m) for m in ("ar", "sd", "ssd")], value=self.current.get("mode") or "ar",
-                             allow_blank=False, id="mode")
+                yield Select(self._modes(), value=self.current.get("mode") or "ar", allow_blank=False, id="mode")
                 for key, label in FIELDS:
                     yield Label(label)
                     v = self.current.get(key)
@@ -42,11 +41,19 @@ class SettingsDialog(ModalScreen[dict | None]):
                 yield Button("Apply", variant="primary", id="apply")
                 yield Button("Cancel", id="cancel")
 
+    def _modes(self) -> list[tuple[str, str]]:
+        modes = [(m.upper(), m) for m in ("ar", "sd", "ssd")]
+        mode = self.current.get("mode")
+        if mode and mode not in dict(modes).values():  # `auto` until the model has loaded and it resolves
+            modes.insert(0, (f"{mode.upper()} (unchanged)", mode))
+        return modes
+
     def action_cancel(self) -> None:
         self.dismiss(None)
 
     def _apply(self) -> None:
-        raw = {"mode": str(self.query_one("#mode", Select).value)}
+        mode = str(self.query_one("#mode", Select).value)
+        raw = {"mode": "" if mode == self.current.get("mode") else mode}  # kept as is, even a mode not switched to
         raw.update({key: self.query_one(f"#{key}", Input).value for key, _ in FIELDS})
         try:
             values = parse_settings(raw)
