@@ -88,7 +88,7 @@ class ChatActions:
         While the model loads they are remembered and applied once it is ready (:meth:`apply_pending`)."""
         if not self.ready:
             if self.load_error:
-                await self.chat.add_notice(f"settings cannot change: the model did not load ({self.load_error})", "warning")
+                await self.chat.add_notice("settings cannot change: the model did not load (Ctrl+C quits)", "warning")
                 return False
             self.pending_settings.update(changes)
             desc = ", ".join(f"{k.replace('_', '-')} {v if v is not None else 'default'}" for k, v in changes.items())
@@ -120,8 +120,8 @@ class ChatActions:
     async def apply_pending(self) -> None:
         """The settings changed while the model loaded, now that it is ready."""
         changes, self.pending_settings = self.pending_settings, {}
-        if changes:
-            await self.apply_settings(changes)
+        self.switching = None  # apply_settings takes it over before its first await
+        await self.apply_settings(changes)
 
     def action_chats(self) -> None:
         def done(cid: int | None) -> None:

@@ -220,7 +220,9 @@ class ChatApp(ReplyActions, CompareActions, ChatActions, App[int]):
         load.display = False
         self.ready = True
         self._update_info()
-        await self.apply_pending()
+        if self.pending_settings:  # prompts wait for the switch, as after /mode; keys are not held up by it
+            self.switching = "the settings chosen while loading"
+            self.run_worker(self.apply_pending(), exclusive=False)
         if self.script:
             self.type_next_prompt()
 
