@@ -1,0 +1,107 @@
+"""The chat app in a real pseudo-terminal, without a model: what only a terminal can show.
+
+* A long paste from a terminal without bracketed paste arrives as one key event per character; the
+  prompt box once spent O(length) per key on it (re-wrapping the whole line), so 200k characters froze
+  the app for minutes.
+* SIGTERM / SIGHUP: the app restores the terminal (leaves the alternate screen, turns mouse tracking
+  off), exits, and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect")
+
+from test_pty import screen_text  # noqa: E402
+
+TESTS = str(Path(__file__).parent)
+
+# The app's real driver in a pty, with the scripted backend of test_tui; on quit it writes the prompts
+# the backend was sent (and what is left in the box) to the file named by argv[1].
+APP = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_tui import FakeBackend, ssd_events
+from ssd_chat.history import History
+from ssd_chat.tui.app import ChatApp
+
+quit_app = ChatApp.action_quit
+
+
+async def quit_and_tell(self):
+    with open(sys.argv[1], "w") as f:
+        json.dump({{"sent": [m[-1]["content"] for m in self.backend.calls]}}, f)
+    await quit_app(self)
+
+
+ChatApp.action_quit = quit_and_tell  # (a subclass made in `python -c` has no file for Textual's CSS path)
+app = ChatApp(FakeBackend([ssd_events(["got", " it"])]), history=History(None))
+app.run()
+sys.exit(app.return_code)
+"""
+
+
+def spawn(tmp_path, *, timeout: float):
+    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"),
+               SSD_CHAT_DATA_DIR=str(tmp_path / "data"))
+    return pexpect.spawn(sys.executable, ["-c", APP.format(tests=TESTS), str(tmp_path / "out.json")], env=env,
+                         dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=timeout)
+
+
+class Screen:
+    def __init__(self, child) -> None:
+        self.child, self.raw = child, []
+
+    def pump(self, seconds: float = 0.05) -> None:
+        end = time.monotonic() + seconds
+        while True:
+            try:
+                self.raw.append(self.child.read_nonblocking(1 << 20, timeout=0.05))
+            except pexpect.TIMEOUT:
+                pass
+            except pexpect.EOF:
+                return
+            if time.monotonic() >= end:
+                return
+
+    def until(self, needle: str, seconds: float) -> bool:
+        end = time.monotonic() + seconds
+        while needle not in self.text() and time.monotonic() < end and self.child.isalive():
+            self.pump(0.5)
+        return needle in self.text()
+
+    def text(self) -> str:
+        return " ".join(screen_text("".join(self.raw)[-400_000:]).split())
+
+
+def test_a_long_paste_typed_key_by_key_keeps_the_app_answering(tmp_path):
+    """200k characters without bracketed paste, then Enter: the whole text is sent and the reply shows.
+    The one bound is a hang timeout; before the fix this took hours (10k characters alone took minutes)."""
+    words = "lorem ipsum dolor sit amet consectetur adipiscing elit "
+    text = (words * (200_000 // len(words) + 1))[:199_990] + " THE-END"
+    child = spawn(tmp_path, timeout=60)
+    screen = Screen(child)
+    try:
+        assert screen.until("Speculation", 60), screen.text()[-2000:]
+        for i in range(0, len(text), 4096):  # as a terminal delivers a paste: plain characters, no ESC[200~
+            child.send(text[i:i + 4096])
+            screen.pump()
+        child.send("\r")
+        assert screen.until("got it", 900), screen.text()[-2000:]
+        child.send("\x03")
+        child.expect(pexpect.EOF, timeout=60)
+    finally:
+        if child.isalive():
+            child.terminate(force=True)
+    child.close()
+    assert child.exitstatus == 0
+    sent = json.loads((tmp_path / "out.json").read_text())["sent"]
+    assert sent == [text], [len(s) for s in sent]
