@@ -105,3 +105,71 @@ def test_a_long_paste_typed_key_by_key_keeps_the_app_answering(tmp_path):
     assert child.exitstatus == 0
     sent = json.loads((tmp_path / "out.json").read_text())["sent"]
     assert sent == [text], [len(s) for s in sent]
+
+
+def shipped_recording() -> str:
+    import ssd_chat.assets
+
+    folder = Path(ssd_chat.assets.__file__).parent / "recordings"
+    return str(sorted(folder.iterdir())[0])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_restores_the_terminal_and_ends_every_process(tmp_path, sig):
+    """`kill` (or a closed terminal window) while a replayed session streams: the real `ssd-chat demo` leaves
+    the alternate screen and turns mouse tracking off as its last output, exits 128+N, and leaves nothing."""
+    psutil = pytest.importorskip("psutil")
+    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"),
+               SSD_CHAT_DATA_DIR=str(tmp_path / "data"))
+    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--db", str(tmp_path / "h.db"), "demo", "--replay",
+                                           shipped_recording(), "--speed", "0.5", "--type-delay", "0.02"],
+                          env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=60)
+    screen = Screen(child)
+    try:
+        assert screen.until("(replay)", 60), screen.text()[-2000:]
+        screen.pump(2.0)  # a prompt types itself, a reply streams
+        assert "\x1b[?1049h" in "".join(screen.raw) and "\x1b[?1000h" in "".join(screen.raw)
+        family = [psutil.Process(child.pid), *psutil.Process(child.pid).children(recursive=True)]
+        os.kill(child.pid, sig)
+        end = time.monotonic() + 60
+        while child.isalive() and time.monotonic() < end:
+            screen.pump(0.2)
+        screen.pump(0.2)
+    finally:
+        if child.isalive():
+            child.terminate(force=True)
+    child.close()
+    raw = "".join(screen.raw)
+    tail = raw[raw.rfind("\x1b[?1049h"):]  # from entering the alternate screen on
+    assert "\x1b[?1000l" in tail and "\x1b[?1006l" in tail, repr(raw[-300:])  # mouse tracking off
+    assert "\x1b[?1049l" in tail, repr(raw[-300:])  # the alternate screen left
+    assert not screen_text(raw[raw.rfind("\x1b[?1049l"):]).strip(), repr(raw[-300:])  # nothing after but modes
+    assert child.exitstatus == 128 + sig, (child.exitstatus, child.signalstatus)
+    gone, alive = psutil.wait_procs(family, timeout=10)
+    assert not alive, [p.pid for p in alive]
+    assert "Traceback" not in screen_text(raw)
+
+
+def test_a_closed_terminal_ends_the_app_and_every_process(tmp_path):
+    """The terminal window closes (the pty hangs up): nothing can be restored or shown, but the app must not
+    hang on its dead output (Textual's writer blocks then) or spin; it exits 128+SIGHUP and leaves nothing."""
+    psutil = pytest.importorskip("psutil")
+    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"),
+               SSD_CHAT_DATA_DIR=str(tmp_path / "data"))
+    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--db", str(tmp_path / "h.db"), "demo", "--replay",
+                                           shipped_recording(), "--speed", "0.5", "--type-delay", "0.02"],
+                          env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=60)
+    screen = Screen(child)
+    try:
+        assert screen.until("(replay)", 60), screen.text()[-2000:]
+        screen.pump(2.0)
+        app = psutil.Process(child.pid)
+        family = [app, *app.children(recursive=True)]
+        child.ptyproc.fileobj.close()  # the terminal goes away: the kernel hangs up the app's tty
+        gone, alive = psutil.wait_procs(family, timeout=60)  # (this reaps the app: its exit status is here)
+    finally:
+        for p in family:
+            if p.is_running():
+                p.kill()
+    assert not alive, [p.pid for p in alive]
+    assert [p.returncode for p in gone if p.pid == child.pid] == [128 + signal.SIGHUP]

@@ -27,6 +27,7 @@ from ..engine.events import Event, Notice
 from ..history import History
 from ..session import Session
 from ..terminal import printable
+from . import signals
 from .actions import ChatActions
 from .backend import Backend, readable
 from .comparing import CompareActions
@@ -112,6 +113,7 @@ class ChatApp(ReplyActions, CompareActions, ChatActions, App[int]):
         self._token_text: dict[int, str] = {}
         self._seen_ids: set[int] = set()
         self._quitting = False
+        self.signalled: int | None = None  # SIGTERM / SIGHUP that made the app quit
 
     # -- the conversation: a Session over the backend --------------------------------------
     def new_session(self, system: str | None, messages: list[dict[str, str]] | None = None) -> Session:
@@ -183,6 +185,7 @@ class ChatApp(ReplyActions, CompareActions, ChatActions, App[int]):
             self.panel.set_measured(b)
         self.cache.token_text = self._lookup_text
         self.prompt.focus()
+        signals.catch(self)  # SIGTERM / SIGHUP quit as Ctrl+C does
         self._flush_lock = asyncio.Lock()
         self._frames = self.set_interval(FRAME_S, self._flush_pending, pause=True)  # runs only while a reply streams
         if self.history.warning:
