@@ -184,7 +184,7 @@ class ChatActions:
     def action_toggle_colour(self) -> None:
         self.colour = not self.colour
         self.chat.set_colour(self.colour)
-        self.notify("token colours " + ("on: green = accepted draft tokens, yellow = target (bonus) tokens" if self.colour else "off"))
+        self.notify("token colours " + ("on: green = accepted draft tokens, orange = target (bonus) tokens" if self.colour else "off"))
 
     # -- slash commands ------------------------------------------------------------------
     async def command(self, line: str) -> None:
