@@ -1,5 +1,6 @@
 """Settings while the model loads, and after it failed to load: Ctrl+O, /mode, /k and the palette's mode
-switch never crash the app; a change made while loading is remembered and applied once the engine is ready."""
+switch never crash the app; a change made while loading is remembered and applied once the engine is ready.
+And a history warning found at start is said once."""
 
 from __future__ import annotations
 
@@ -147,3 +148,24 @@ async def test_settings_dialog_opens_on_a_mode_it_does_not_list():
         assert backend.info_["mode"] == "auto"
         await pilot.press("ctrl+c")
     assert app.return_code == 0
+
+
+@pytest.mark.asyncio
+async def test_a_history_warning_from_the_start_is_shown_once(tmp_path):
+    """A database that cannot open (here: its folder is a file) is said once, at start, not again at the first prompt."""
+    from test_tui import FakeBackend
+
+    from ssd_chat.history import History
+
+    (tmp_path / "not-a-folder").write_text("")
+    history = History(tmp_path / "not-a-folder" / "h.db")
+    assert history.warning
+    app = ChatApp(FakeBackend([ssd_events(["a"]), ssd_events(["b"])]), history=history)
+    async with app.run_test(size=(140, 44)) as pilot:
+        await wait_until(pilot, lambda: app.ready)
+        for prompt in ("one", "two"):
+            await app.submit(prompt)
+            await wait_until(pilot, lambda: app.current is not None and app.current.finished)
+        said = [t for t in notices(app) if "could not open the chat history" in t]
+        assert len(said) == 1, said
+        await pilot.press("ctrl+c")

@@ -188,8 +188,7 @@ class ChatApp(ReplyActions, CompareActions, ChatActions, App[int]):
         signals.catch(self)  # SIGTERM / SIGHUP quit as Ctrl+C does
         self._flush_lock = asyncio.Lock()
         self._frames = self.set_interval(FRAME_S, self._flush_pending, pause=True)  # runs only while a reply streams
-        if self.history.warning:
-            await self._warn(self.history.warning)
+        await self._check_history()  # a history that could not open: said once, not again at the first prompt
         if self.resume_id is not None:
             await self.resume(self.resume_id)
         self.load_backend()
