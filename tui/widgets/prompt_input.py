@@ -38,6 +38,7 @@ class PromptInput(TextArea):
         if self._typed:
             typed, self._typed = "".join(self._typed), []
             self._replace_via_keyboard(typed, *self.selection)
+            self.call_after_refresh(self.scroll_cursor_visible)  # once the box knows its new height
 
     def _check_typed(self) -> None:
         if not self._typed:
