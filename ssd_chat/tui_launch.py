@@ -69,6 +69,8 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
             recorder.close()
     if app.history.warning:
         sys.stderr.write(f"ssd-chat: warning: {app.history.warning}\n")
+    if app.signalled is not None:  # quit cleanly on SIGTERM / SIGHUP; the status still says which
+        return 128 + app.signalled
     if app.load_error:
         sys.stderr.write(f"ssd-chat: error: {app.load_error}\n")
         return 1

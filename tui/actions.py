@@ -73,7 +73,10 @@ class ChatActions:
         await self.chat.add_notice(f"system prompt: {self.system}" if self.system else "system prompt cleared")
 
     def action_settings(self) -> None:
-        current = {**self.backend.info(), **self.params}
+        if self.load_error:
+            self.run_worker(self.apply_settings({}), exclusive=False)  # says why nothing can change
+            return
+        current = {**self.backend.info(), **self.params, **self.pending_settings}
 
         def done(changes: dict | None) -> None:
             if changes:
@@ -82,7 +85,16 @@ class ChatActions:
         self.push_screen(SettingsDialog(current), done)
 
     async def apply_settings(self, changes: dict[str, Any]) -> bool:
-        """Apply mode / k / fan-out (engine, no reload) and sampling settings from the next reply on."""
+        """Apply mode / k / fan-out (engine, no reload) and sampling settings from the next reply on.
+        While the model loads they are remembered and applied once it is ready (:meth:`apply_pending`)."""
+        if not self.ready:
+            if self.load_error:
+                await self.chat.add_notice("settings cannot change: the model did not load (Ctrl+C quits)", "warning")
+                return False
+            self.pending_settings.update(changes)
+            desc = ", ".join(f"{k.replace('_', '-')} {v if v is not None else 'default'}" for k, v in changes.items())
+            await self.chat.add_notice(f"the model is still loading; {desc} will apply once it is ready")
+            return True
         if self.current is not None and not self.current.finished:
             await self.chat.add_notice("settings change between replies: stop this one first (Esc)", "warning")
             return False
@@ -105,6 +117,12 @@ class ChatActions:
         desc = ", ".join(f"{k.replace('_', '-')} {v if v is not None else 'default'}" for k, v in changes.items())
         await self.chat.add_notice(f"from the next reply: {desc}")
         return True
+
+    async def apply_pending(self) -> None:
+        """The settings changed while the model loaded, now that it is ready."""
+        changes, self.pending_settings = self.pending_settings, {}
+        self.switching = None  # apply_settings takes it over before its first await
+        await self.apply_settings(changes)
 
     def action_chats(self) -> None:
         def done(cid: int | None) -> None:
@@ -167,7 +185,7 @@ class ChatActions:
     def action_toggle_colour(self) -> None:
         self.colour = not self.colour
         self.chat.set_colour(self.colour)
-        self.notify("token colours " + ("on: green = accepted draft tokens, yellow = target (bonus) tokens" if self.colour else "off"))
+        self.notify("token colours " + ("on: green = accepted draft tokens, orange = target (bonus) tokens" if self.colour else "off"))
 
     # -- slash commands ------------------------------------------------------------------
     async def command(self, line: str) -> None:

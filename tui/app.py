@@ -27,6 +27,7 @@ from ..engine.events import Event, Notice
 from ..history import History
 from ..session import Session
 from ..terminal import printable
+from . import signals
 from .actions import ChatActions
 from .backend import Backend, readable
 from .comparing import CompareActions
@@ -110,9 +111,11 @@ class ChatApp(RerunActions, ReplyActions, CompareActions, ChatActions, App[int])
         self.clipboard_text: str | None = None
         self._reply_worker: Any = None
         self.switching: str | None = None  # an engine change in progress ("mode sd"): prompts wait for it
+        self.pending_settings: dict[str, Any] = {}  # changed while the model loads: applied once it is ready
         self._token_text: dict[int, str] = {}
         self._seen_ids: set[int] = set()
         self._quitting = False
+        self.signalled: int | None = None  # SIGTERM / SIGHUP that made the app quit
 
     # -- the conversation: a Session over the backend --------------------------------------
     def new_session(self, system: str | None, messages: list[dict[str, str]] | None = None) -> Session:
@@ -184,6 +187,7 @@ class ChatApp(RerunActions, ReplyActions, CompareActions, ChatActions, App[int])
             self.panel.set_measured(b)
         self.cache.token_text = self._lookup_text
         self.prompt.focus()
+        signals.catch(self)  # SIGTERM / SIGHUP quit as Ctrl+C does
         self._flush_lock = asyncio.Lock()
         self._frames = self.set_interval(FRAME_S, self._flush_pending, pause=True)  # runs only while a reply streams
         await self._check_history()  # the start's warning: shown once, not again at the first prompt
@@ -221,6 +225,9 @@ class ChatApp(RerunActions, ReplyActions, CompareActions, ChatActions, App[int])
         load.display = False
         self.ready = True
         self._update_info()
+        if self.pending_settings:  # prompts wait for the switch, as after /mode; keys are not held up by it
+            self.switching = "the settings chosen while loading"
+            self.run_worker(self.apply_pending(), exclusive=False)
         if self.script:
             self.type_next_prompt()
 

@@ -43,6 +43,7 @@ class CompareActions:
     _compare_same_prompt: dict[str, Baseline]
 
     def compare_prompt(self) -> str | None:
+        self.prompt.flush_typed()
         typed = self.prompt.text.strip()
         if typed and not typed.startswith("/"):
             return typed

@@ -18,7 +18,7 @@ from ...terminal import printable
 
 # token colouring (off by default): accepted draft tokens vs the target's own (bonus / AR) tokens
 DRAFT_STYLE = "green"
-TARGET_STYLE = "bold yellow"
+TARGET_STYLE = "bold yellow"  # drawn orange: the app's dark theme maps ANSI yellow to orange (the docs say orange)
 
 
 class UserMessage(Static, can_focus=True):

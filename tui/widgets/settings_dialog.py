@@ -42,8 +42,8 @@ class SettingsDialog(ModalScreen[dict | None]):
             yield Label("Settings for the next reply (models stay loaded)", classes="dialog-title")
             with Grid(id="settings-grid"):
                 yield Label("mode")
-                yield Select([(m.upper(), m) for m in ("ar", "sd", "ssd")], value=self.current.get("mode") or "ar",
-                             allow_blank=False, id="mode", compact=True)
+                yield Select(self._modes(), value=self.current.get("mode") or "ar", allow_blank=False, id="mode",
+                             compact=True)
                 for key, (label, _) in FIELDS.items():
                     yield Label(label)
                     yield Input(self.shown[key], id=key, compact=True)
@@ -52,13 +52,20 @@ class SettingsDialog(ModalScreen[dict | None]):
                 yield Button("Apply", variant="primary", id="apply")
                 yield Button("Cancel", id="cancel")
 
+    def _modes(self) -> list[tuple[str, str]]:
+        modes = [(m.upper(), m) for m in ("ar", "sd", "ssd")]
+        mode = self.current.get("mode")
+        if mode and mode not in dict(modes).values():  # `auto` until the model has loaded and it resolves
+            modes.insert(0, (f"{mode.upper()} (unchanged)", mode))
+        return modes
+
     def action_cancel(self) -> None:
         self.dismiss(None)
 
     def _apply(self) -> None:
         mode = str(self.query_one("#mode", Select).value)
         raw = {key: text for key in FIELDS if (text := self.query_one(f"#{key}", Input).value) != self.shown[key]}
-        if mode != self.current.get("mode"):
+        if mode != self.current.get("mode"):  # kept as is, even a mode not switched to yet (AUTO while loading)
             raw["mode"] = mode
         try:
             values = parse_settings(raw)
