@@ -37,6 +37,10 @@ class Backend:
     def stream(self, messages: list[dict[str, str]], params: SamplingParams, stop: threading.Event) -> Iterator[Event]:
         raise NotImplementedError
 
+    def sampling_defaults(self) -> dict[str, Any]:
+        """Sampling settings for the ones the user left unset (the loaded model's; none: SamplingParams')."""
+        return {}
+
     def reconfigure(self, **changes: Any) -> None:
         """Switch mode / k / fan_out between replies without reloading models."""
         raise ValueError("this session cannot change its settings")
@@ -84,6 +88,9 @@ class EngineBackend(Backend):
         if self.engine is None:
             return {"mode": self.values.get("mode"), "target": self.values.get("target")}
         return self.engine.describe()
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        return self.engine.sampling_defaults if self.engine is not None else {}
 
     def stream(self, messages: list[dict[str, str]], params: SamplingParams, stop: threading.Event) -> Iterator[Event]:
         from ..session import stream_messages  # a chat longer than the context leaves out its oldest turns

@@ -75,7 +75,7 @@ class ReplyActions:
                     await self.chat.add_notice("the previous reply has not stopped yet; try again in a moment", "warning")
                     return
         try:
-            params = SamplingParams(**self.params)
+            params = SamplingParams(**{**self.backend.sampling_defaults(), **self.params})  # the model's where unset
         except ValueError as e:
             await self.chat.add_notice(str(e), "error")
             return
