@@ -191,6 +191,12 @@ def register(app: typer.Typer) -> None:
                 shown = f"{v} → {engine['precision']}"
             elif key in engine and v is None:
                 shown = f"{engine[key]} (engine default)"
+            elif v is None and key in ("temperature", "top_p", "top_k", "repetition_penalty"):  # engine/gen_defaults.py
+                from .engine.gen_defaults import CHAT_DEFAULT
+
+                shown = f"the model's generation_config, else {CHAT_DEFAULT[key]}"
+            elif v is None and key in ("frequency_penalty", "presence_penalty"):
+                shown = "0 (off)"
             table.add_row(key, shown, config.describe_source(key, sources[key]))
         console().print(table)
         if invalid is not None:
