@@ -114,3 +114,33 @@ def test_ask_json_reports_the_sampling_it_used(plain_chat_dir, tiny_chat_dir):  
     assert out["sampling"]["temperature"] == 0.0 and out["sampling"]["repetition_penalty"] == 1.0
     assert out["sampling"]["presence_penalty"] == 0.5 and out["sampling"]["top_k"] == 40
     assert _ask_json("--target", str(tiny_chat_dir))["sampling"]["temperature"] == 0.0  # it declares do_sample: false
+
+
+@pytest.mark.asyncio
+async def test_the_panel_shows_the_sampling_and_the_reply_uses_it():
+    """The panel's sampling line: the backend's model defaults under the settings the user set; a reply is
+    sent with exactly those; /temp 0 changes both."""
+    from test_tui import FakeBackend, plain, ssd_events, wait_until
+    from ssd_chat.tui.app import ChatApp
+
+    class ModelDefaults(FakeBackend):
+        def sampling_defaults(self):
+            return dict(gen_defaults.CHAT_DEFAULT)
+
+        def stream(self, messages, params, stop):
+            self.params = params
+            return super().stream(messages, params, stop)
+
+    backend = ModelDefaults([ssd_events(["a"]), ssd_events(["b"])])
+    app = ChatApp(backend, settings={"frequency_penalty": 0.3})
+    async with app.run_test(size=(140, 40)) as pilot:
+        await wait_until(pilot, lambda: app.ready)
+        assert "sampling T 0.8 top-p 0.9 top-k 40 rep 1.1 freq 0.3" in plain(app.panel.query_one("#setup"))
+        await app.submit("hi")
+        await wait_until(pilot, lambda: app.current is not None and app.current.finished)
+        p = backend.params
+        assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.frequency_penalty) == (0.8, 0.9, 40, 1.1, 0.3)
+        await app.submit("/temp 0")
+        assert "sampling greedy rep 1.1 freq 0.3" in plain(app.panel.query_one("#setup"))
+        await app.submit("again")
+        await wait_until(pilot, lambda: app.current is not None and app.current.finished and backend.params.temperature == 0.0)

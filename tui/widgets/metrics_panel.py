@@ -161,4 +161,4 @@ def sampling_line(s: dict) -> str:
     for key, label, off in (("repetition_penalty", "rep", 1.0), ("frequency_penalty", "freq", 0.0), ("presence_penalty", "pres", 0.0)):
         if s.get(key, off) != off:
             parts.append(f"{label} {s[key]:g}")
-    return " · ".join(parts)
+    return " ".join(parts)
