@@ -144,3 +144,24 @@ async def test_the_panel_shows_the_sampling_and_the_reply_uses_it():
         assert "sampling greedy rep 1.1 freq 0.3" in plain(app.panel.query_one("#setup"))
         await app.submit("again")
         await wait_until(pilot, lambda: app.current is not None and app.current.finished and backend.params.temperature == 0.0)
+
+
+def test_ask_through_a_server_sends_the_penalties_it_was_given(monkeypatch, capsys):
+    """`ask` answered by a running server forwards the sampling settings the user set, penalties included."""
+    import io
+
+    from ssd_chat import server_client
+
+    sent = {}
+    done = {"choices": [{"delta": {"content": "ok"}, "token_ids": [5], "finish_reason": "stop"}], "ssd_stats": {}}
+
+    def fake_request(url, body, timeout=None):
+        sent.update(body)
+        return io.BytesIO(f"data: {json.dumps(done)}\n\ndata: [DONE]\n".encode())
+
+    monkeypatch.setattr(server_client, "_request", fake_request)
+    server = server_client.Server("http://127.0.0.1:9", {"id": "m", "ssd": {"config": {"target": "m"}}}, None)
+    values = {"max_new_tokens": 8, "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": -0.5, "top_k": None}
+    assert server_client.answer(server, "hi", values, set(), False, None) == 0
+    assert (sent["repetition_penalty"], sent["frequency_penalty"], sent["presence_penalty"]) == (1.3, 0.5, -0.5)
+    assert "top_k" not in sent and capsys.readouterr().out == "ok\n"
