@@ -72,7 +72,7 @@ class ChatActions:
         await self.chat.add_notice(f"system prompt: {self.system}" if self.system else "system prompt cleared")
 
     def action_settings(self) -> None:
-        current = {**self.backend.info(), **self.params}
+        current = {**self.backend.info(), **self.backend.sampling_defaults(), **self.params}  # the temperature in force
 
         def done(changes: dict | None) -> None:
             if changes:
