@@ -16,6 +16,13 @@ from ..engine.events import Event
 from ..engine.params import SamplingParams
 
 Progress = Callable[[str, "float | None"], None]
+SAMPLING = ("temperature", "top_p", "top_k", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def sampling_of(settings: Any) -> dict[str, Any]:
+    """The sampling settings among ``settings`` (SamplingParams or a dict), for the panel and recordings."""
+    get = settings.get if isinstance(settings, dict) else (lambda k: getattr(settings, k, None))
+    return {k: get(k) for k in SAMPLING if get(k) is not None}
 
 
 class Backend:
@@ -157,6 +164,9 @@ class ReplayBackend(Backend):
 
     def load(self, progress: Progress) -> None:
         progress("replaying a recorded session (no model loaded)", 1.0)
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        return sampling_of(self.info())  # what the recorded turn sampled with
 
     def info(self) -> dict[str, Any]:
         i = dict(self.recording.info)
