@@ -17,6 +17,7 @@ from .events import Done, Error, Event, Notice, Token
 from .metrics import Metrics
 from .models import LoadedModel
 from .params import SamplingParams
+from .penalties import Penalties
 from .sampling import make_generator, sample_next
 from .errors import ModelError, ParamError, TPError
 
@@ -63,6 +64,7 @@ class ARDecoder:
         builder = ReplyBuilder(self.target.tokenizer, self.target.eos_ids, params.stop, budget, params.ignore_eos)
         metrics = Metrics(self.mode)
         gen = make_generator(params.seed, dev)
+        pen = Penalties.of(params, prompt_ids)
         reason = None
         try:
             # prefill: the whole prompt in one forward
@@ -76,7 +78,8 @@ class ARDecoder:
                     reason = "cancelled"
                     break
                 # sample one token, then feed it back
-                tok = sample_next(logits, params.temperature, params.top_k, params.top_p, gen)
+                tok = sample_next(pen.with_extra(logits, None), params.temperature, params.top_k, params.top_p, gen)
+                pen.add([tok])
                 delta = builder.push(tok)
                 if builder.reason != "eos":
                     ev = Token(tok, delta, "target", time.perf_counter() - t0)

@@ -36,6 +36,10 @@ class Settings:
     top_p: float
     seed: int | None
     saguaro_c: float
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    prompt_len: int | None = None  # tokens of Begin.prompt_ids that are prompt (the rest: reply so far); None: all
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,6 +98,13 @@ class Engine:
     def prompt_ids(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[str, ...]]:
         return chat.prompt_ids(self.tokenizer, messages)
 
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The sampling settings of a reply whose user set none (:mod:`gen_defaults`)."""
+        from .gen_defaults import for_model
+
+        return for_model(self.target.folder)[0]
+
     def describe(self) -> dict[str, Any]:
         """What is in use now, for a status panel: mode, k, fan-out, the models and where they run (for SSD,
         where its placement puts the speculator and pins the verifier), and why ``auto`` chose the mode while

@@ -25,6 +25,11 @@ class SamplingParams:
     max_new_tokens: int = 512
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks only: generate exactly max_new_tokens
+    # penalties, as vLLM: repetition (CTRL / transformers) over prompt + reply, frequency and presence
+    # (OpenAI) over the reply's tokens; 1.0 / 0.0 / 0.0 are off
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
@@ -39,7 +44,16 @@ class SamplingParams:
             raise ParamError(f"max-new-tokens must be at least 1, got {self.max_new_tokens}")
         if any(not s for s in self.stop):
             raise ParamError("stop strings must not be empty")
+        if not (0.0 < self.repetition_penalty < float("inf")):
+            raise ParamError(f"repetition-penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
+        for name, v in (("frequency", self.frequency_penalty), ("presence", self.presence_penalty)):
+            if not (-2.0 <= v <= 2.0):
+                raise ParamError(f"{name}-penalty must be in [-2, 2] (0 = off), got {v}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

@@ -30,6 +30,7 @@ from .channel import Begin, Channel, Close, Ready, Reply, Settings
 from .drafting import ModelDrafter
 from .errors import SpeculatorError
 from .fanout import FanOut
+from .penalties import Penalties
 from .sampling import logits_to_probs, make_generator, sample
 from .spec_worker import Recipe, worker_main
 
@@ -127,6 +128,8 @@ class LocalProposer:
         self.drafter = ModelDrafter(self.model, self.vocab, self.device, self.compile, (1, self.k + 1))
         self.drafter.prefill(list(prompt_ids))
         self.ctx = list(prompt_ids)  # tokens the target has committed
+        n = len(self.ctx) if settings.prompt_len is None else settings.prompt_len
+        self.pen = Penalties.of(settings, self.ctx[:n], self.ctx[n:])
         self.pending: int | None = None
         self.last: tuple[int, ...] = ()
 
@@ -134,7 +137,9 @@ class LocalProposer:
         t0 = time.perf_counter()
         if k_prev >= 0:
             self.ctx += [self.pending, *self.last[:k_prev]]  # type: ignore[list-item]
+            self.pen.add([self.pending, *self.last[:k_prev]])  # type: ignore[list-item]
         self.pending = bonus
+        self._drawn = [bonus]  # this round's uncommitted tokens, for the penalties
         self.drafter.rollback(len(self.ctx))
         tokens, qs = self.drafter.propose(self.ctx + [bonus], self.k, self._choose)
         self.last = tuple(tokens)
@@ -144,10 +149,15 @@ class LocalProposer:
 
     def _choose(self, logits: torch.Tensor, i: int) -> tuple[int, torch.Tensor | None]:
         s = self.settings
+        del self._drawn[1 + i:]
+        logits = self.pen.rows(logits[None], self._drawn, 1 + i)[0]
         if s.temperature == 0.0:
-            return int(logits.argmax()), None
-        q = logits_to_probs(logits[None], s.temperature, s.top_k, s.top_p)
-        return int(sample(q, self.gen)[0]), q[0]
+            tok, q = int(logits.argmax()), None
+        else:
+            probs = logits_to_probs(logits[None], s.temperature, s.top_k, s.top_p)
+            tok, q = int(sample(probs, self.gen)[0]), probs[0]
+        self._drawn.append(tok)
+        return tok, q
 
 
 class NoProposer:

@@ -50,6 +50,24 @@ def apply_top_k_top_p(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Ten
     return logits
 
 
+def apply_penalties(logits: Tensor, seen: Tensor, counts: Tensor, repetition: float = 1.0,
+                    frequency: float = 0.0, presence: float = 0.0) -> Tensor:
+    """Penalized logits [..., V] (float32), as vLLM and transformers apply them, before temperature.
+
+    seen:   [..., V] bool, the token occurs in the prompt or the reply so far (repetition penalty,
+            CTRL: a positive logit is divided by it, a negative one multiplied);
+    counts: [..., V] occurrences in the reply so far (OpenAI: ``- frequency * count - presence * [count > 0]``).
+    """
+    logits = logits.float()
+    if repetition != 1.0:
+        logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+    if frequency != 0.0:
+        logits = logits - frequency * counts
+    if presence != 0.0:
+        logits = logits - presence * (counts > 0).float()
+    return logits
+
+
 def logits_to_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """Next-token distributions [..., V] (float32) under the sampling settings.
 

@@ -31,6 +31,7 @@ from .events import Done, Event, Notice, Round, Token
 from .metrics import Metrics
 from .models import LoadedModel
 from .params import SamplingParams
+from .penalties import Penalties
 from .sampling import logits_to_probs, make_generator, sample, verify
 
 
@@ -55,12 +56,20 @@ def emit_block(
     return emitted, bonus_id
 
 
-def plain_choice(params: SamplingParams, gen: torch.Generator) -> Choose:
+def plain_choice(params: SamplingParams, gen: torch.Generator, pen: Penalties | None = None) -> Choose:
     """SD's rule for drawing a draft token: q is the draft's distribution under the target's
-    temperature / top-k / top-p (a point mass on the argmax under greedy)."""
+    penalties / temperature / top-k / top-p (a point mass on the argmax under greedy).  The i-th
+    draft token is penalized for the committed tokens plus the i drawn before it this round."""
+    drawn: list[int] = []
+
     def choose(logits: torch.Tensor, i: int) -> tuple[int, torch.Tensor]:
+        del drawn[i:]
+        if pen is not None:
+            logits = pen.rows(logits[None], drawn, i)[0]
         q = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # [V]
-        return (int(q.argmax()) if params.temperature == 0.0 else int(sample(q, gen))), q
+        tok = int(q.argmax()) if params.temperature == 0.0 else int(sample(q, gen))
+        drawn.append(tok)
+        return tok, q
     return choose
 
 
@@ -87,7 +96,10 @@ class SDDecoder:
         gen = make_generator(params.seed, tdev)
         # the draft samples with its own generator on its own device (a different stream of the same seed)
         dgen = gen if ddev == tdev else make_generator(None if params.seed is None else params.seed + 1, ddev)
-        choose = plain_choice(params, dgen)
+        # the penalties' reply counts, on each model's device (the same tokens)
+        tpen = Penalties.of(params, prompt_ids)
+        dpen = tpen if ddev == tdev else Penalties.of(params, prompt_ids)
+        choose = plain_choice(params, dgen, dpen)
         reason = None
         try:
             mode = self.engine.config.compile
@@ -118,7 +130,8 @@ class SDDecoder:
                 # verify: one target forward over [last, d1..dk], then accept a prefix and sample the bonus
                 t_verify = time.perf_counter()
                 out = target.append([seq[-1], *drafts], hidden=features)  # logits [k+1, V]
-                p = logits_to_probs(out.logits, params.temperature, params.top_k, params.top_p)  # [k+1, V]
+                # row i follows seq + drafts[:i]: penalized for exactly that prefix, as AR would
+                p = logits_to_probs(tpen.rows(out.logits, drafts), params.temperature, params.top_k, params.top_p)  # [k+1, V]
                 q = torch.stack(qs).to(tdev) if k else p[:0]  # [k, V]
                 num_accepted, bonus = verify(torch.tensor(drafts, dtype=torch.long, device=tdev), q, p, gen)
                 # roll back: both keep [.., last, d1..dn]
@@ -129,6 +142,8 @@ class SDDecoder:
                 # emit the accepted drafts and the bonus; EOS / stop / length end the reply at that token
                 emitted, bonus_id = yield from emit_block(builder, metrics, drafts, num_accepted, bonus, t0)
                 seq += [*drafts[:num_accepted], bonus]  # only read again if the reply goes on
+                for pen in {id(tpen): tpen, id(dpen): dpen}.values():
+                    pen.add([*drafts[:num_accepted], bonus])
                 rnd = Round(index, tuple(drafts), num_accepted, bonus_id, emitted, draft_s, verify_s, time.perf_counter() - t0)
                 metrics.add(rnd)
                 yield rnd

@@ -43,6 +43,7 @@ from . import forward
 from .channel import Reply, Settings
 from .drafting import fit_vocab
 from .fanout import FanOut
+from .penalties import Penalties
 from .sampling import logits_to_probs, make_generator, sample, saguaro_reshape
 
 Entry = tuple[tuple[int, ...], torch.Tensor | None]  # (k tokens, q' rows [k, V] or None for point masses)
@@ -91,6 +92,7 @@ class Speculator:
         self.kv_ids: list[int] = []  # the tokens the runner has committed
         self.step_times: deque = deque(maxlen=64)
         self.fb_stats = _FallbackStats()
+        self.pen = Penalties()  # per reply, from begin()
         self._reset()
 
     def _reset(self) -> None:
@@ -112,6 +114,8 @@ class Speculator:
         self.settings = settings
         self.gen = make_generator(None if settings.seed is None else settings.seed * 2 + 1, self.device)
         self.ctx = list(prompt_ids)
+        n = len(self.ctx) if settings.prompt_len is None else settings.prompt_len
+        self.pen = Penalties.of(settings, self.ctx[:n], self.ctx[n:])  # counts the reply's tokens in ctx
         self._extend(self.ctx, logits_from=len(self.ctx))
         if not self.step_times and self.ctx:  # a timed decode step, for the SD estimate and --fallback auto
             n = self.runner.length
@@ -135,6 +139,7 @@ class Speculator:
         Returns the reply and q' rows [k, V] (None: point masses)."""
         if self.spec is not None and k_prev >= 0:
             self.ctx += [self.pending] + list(self.spec[:k_prev])  # type: ignore[list-item]
+            self.pen.add([self.pending, *self.spec[:k_prev]])  # type: ignore[list-item]
             if self.fan is not None:
                 self.fan.observe(k_prev, self.spec_hit)
             st = self.fb_stats
@@ -188,8 +193,9 @@ class Speculator:
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(self.k):
-            q = self._proposal(g[-1][None], miss_list[i] if miss_list else 0)  # [1, V]
-            tok = self._draw(g[-1][None], q)[0]
+            logits = self.pen.rows(g[-1][None], [self.pending, *tokens], 1 + i)  # type: ignore[list-item]
+            q = self._proposal(logits, miss_list[i] if miss_list else 0)  # [1, V]
+            tok = self._draw(logits, q)[0]
             tokens.append(tok)
             if q is not None:
                 qs.append(q[0])
@@ -228,7 +234,7 @@ class Speculator:
         hit_list, miss_list = self._lists()
         fan = hit_list if self.spec_hit else miss_list
         # candidate bonus tokens: top-F_j of g_j, never the token drafted there
-        rows = g.float().clone()
+        rows = self.pen.rows(g.float(), [self.pending, *spec], 1).clone()  # type: ignore[list-item]  # row j: after [bonus, d_1..d_j]
         for j in range(k):
             rows[j, spec[j]] = float("-inf")
         predicted: list[tuple[int, tuple[int, ...]]] = []
@@ -257,6 +263,9 @@ class Speculator:
         toks = torch.empty(B, k, dtype=torch.long, device=dev)
         qs: list[torch.Tensor] = []
         depth_logits: list[torch.Tensor] = []
+        # each branch is penalized for its own prefix: [bonus, d_1..d_j, c] and its tree tokens so far
+        prefixes = [[self.pending, *self.spec[:j], c] for j, c in zip(js, cands)]  # type: ignore[index]
+        extra: torch.Tensor | None = None
         for d in range(k):
             if abort():
                 return None
@@ -266,8 +275,13 @@ class Speculator:
             positions = [L + 1 + d + j for j in js]  # RoPE positions of the hypothesised sequences
             logits = fit_vocab(self.runner.tree(x, positions, slots, ancestors, prefix=L).logits, self.vocab)  # [B, V]
             depth_logits.append(logits)
+            if self.pen.active:
+                extra = self.pen.extra_for(prefixes, logits) if extra is None else extra
+                logits = self.pen.with_extra(logits, extra)
             q = self._proposal(logits, hit_list[d] if hit_list else 0)
             x = torch.tensor(self._draw(logits, q), device=dev)
+            if extra is not None:
+                extra.scatter_add_(1, x[:, None], torch.ones(B, 1, device=extra.device))
             toks[:, d] = x
             if q is not None:
                 qs.append(q)

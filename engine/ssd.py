@@ -54,6 +54,7 @@ from .errors import ParamError, SpeculatorError
 from .events import Done, Event, Notice, Round, Token
 from .metrics import Metrics
 from .params import SamplingParams
+from .penalties import Penalties
 from .proposers import LocalProposer, NoProposer, RemoteProposer
 from .sampling import logits_to_probs, make_generator, sample_next, verify
 from .sd import emit_block
@@ -76,6 +77,7 @@ class _Reply:
     stop: threading.Event | None
     seq: list[int]
     pending: int  # the last bonus token
+    pen: Penalties  # counts the reply's tokens in `seq` (not `pending`)
     k_prev: int = -1  # drafts accepted last round (-1: no round yet)
     verify_s: float = 0.0  # the last verification's time (the speculator's --fallback auto reads it)
     index: int = 0
@@ -171,7 +173,8 @@ class SSDDecoder:
         budget = context_budget(target, len(prompt_ids), params, lookahead=self.k + 1)
         builder = ReplyBuilder(target.tokenizer, target.eos_ids, params.stop, budget, params.ignore_eos)
         metrics = Metrics(self.mode)
-        settings = Settings(params.temperature, params.top_k, params.top_p, params.seed, cfg.saguaro_c)
+        settings = Settings(params.temperature, params.top_k, params.top_p, params.seed, cfg.saguaro_c,
+                            params.repetition_penalty, params.frequency_penalty, params.presence_penalty, len(prompt_ids))
         spec: Any = self._remote()
         t0 = time.perf_counter()
         if spec is None:
@@ -233,13 +236,14 @@ class SSDDecoder:
         runner = forward.runner(target.model, "target", self.engine.config.compile, (self.k + 1,), target.device, title=target.name)
         logits = runner.append(prompt_ids, logits="last").logits[-1]
         metrics.prefill_s = time.perf_counter() - t0
-        pending = sample_next(logits, params.temperature, params.top_k, params.top_p, gen)
+        pen = Penalties.of(params, prompt_ids)
+        pending = sample_next(pen.with_extra(logits, None), params.temperature, params.top_k, params.top_p, gen)
         delta = builder.push(pending)
         if builder.reason != "eos":
             ev = Token(pending, delta, "target", time.perf_counter() - t0)
             metrics.add(ev)
             yield ev
-        return _Reply(runner, builder, metrics, params, gen, t0, stop, list(prompt_ids), pending)
+        return _Reply(runner, builder, metrics, params, gen, t0, stop, list(prompt_ids), pending, pen)
 
     def _round(self, st: _Reply, spec: Any) -> Generator[Event, None, bool]:
         """One SSD round: the drafts for the last outcome, one target forward over [bonus, d_1..d_k],
@@ -255,7 +259,8 @@ class SSDDecoder:
         # 2. verify [pending, d_1..d_k] with one target forward and the one acceptance routine
         t_verify = time.perf_counter()
         logits = st.target.append([st.pending, *drafts]).logits  # [k+1, V]
-        p = logits_to_probs(logits, st.params.temperature, st.params.top_k, st.params.top_p)  # [k+1, V]
+        # row i follows seq + [pending, d_1..d_i]: penalized for exactly that prefix, as AR would
+        p = logits_to_probs(st.pen.rows(logits, [st.pending, *drafts], 1), st.params.temperature, st.params.top_k, st.params.top_p)
         d = torch.tensor(drafts, dtype=torch.long, device=p.device)
         q = prop.q.to(p.device) if prop.q is not None else F.one_hot(d, p.shape[-1]).float()  # [k, V]; point masses
         n, bonus = verify(d, q, p, st.gen)
@@ -264,6 +269,7 @@ class SSDDecoder:
 
         # 3. commit: accepted drafts, then the bonus; EOS / stop / length end the reply there
         st.seq += [st.pending, *drafts[:n]]
+        st.pen.add([st.pending, *drafts[:n]])
         emitted, bonus_id = yield from emit_block(st.builder, st.metrics, drafts, n, bonus, st.t0)
         if drafts:  # without a draft the round was a plain target step (AR after a failure): no Round
             rnd = Round(st.index, prop.tokens, n, bonus_id, emitted, prop.draft_s, st.verify_s,

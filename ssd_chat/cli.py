@@ -25,7 +25,7 @@ from .config import sampling_params
 from .draft_cmd import draft_app
 from .loading import load_engine
 from .options import (Budget, Draft, DraftDevice, Dtype, Compile, Fallback, FanOut, K, MaxNew, Mode, SaguaroC, Seed, System, Target,
-                      TargetDevice, Temperature, TopK, TopP, TrustRemote, console, fail, merge, settings, utf8_text)
+                      TargetDevice, Temperature, TopK, TopP, TrustRemote, RepetitionPenalty, FrequencyPenalty, PresencePenalty, console, fail, merge, settings, utf8_text)
 from .serve_cmd import register as register_serve
 from .tui.figures import format_stats, ran_as
 
@@ -66,6 +66,7 @@ def main_callback(
     ctx: typer.Context,
     target: Target = None, draft: Draft = None, mode: Mode = None, k: K = None,
     temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
+    repetition_penalty: RepetitionPenalty = None, frequency_penalty: FrequencyPenalty = None, presence_penalty: PresencePenalty = None,
     max_new_tokens: MaxNew = None, target_device: TargetDevice = None, draft_device: DraftDevice = None,
     dtype: Dtype = None, fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None,
     fallback: Fallback = None, compile: Compile = None, trust_remote_code: TrustRemote = None, system: System = None,
@@ -99,6 +100,7 @@ def ask(
     no_server: Annotated[bool, typer.Option("--no-server", help="Load the models here even if a matching `ssd-chat serve` is running.")] = False,
     target: Target = None, draft: Draft = None, mode: Mode = None, k: K = None,
     temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
+    repetition_penalty: RepetitionPenalty = None, frequency_penalty: FrequencyPenalty = None, presence_penalty: PresencePenalty = None,
     max_new_tokens: MaxNew = None, target_device: TargetDevice = None, draft_device: DraftDevice = None,
     dtype: Dtype = None, fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None,
     fallback: Fallback = None, compile: Compile = None, trust_remote_code: TrustRemote = None, system: System = None,
@@ -136,6 +138,7 @@ def ask(
         raise fail(str(e)) from None
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+    params = sampling_params(values, engine.sampling_defaults)  # the model's own where the user set none
     code = 0
     try:
         code = _answer(engine, prompt, values, params, json_out, stats)
@@ -156,6 +159,9 @@ def precision_of(engine) -> dict[str, str | None]:
 
     uses_draft = engine.draft is not None and engine.config.mode != "ar"
     return {"target": of(engine.target), "draft": of(engine.draft) if uses_draft else None}
+
+
+SAMPLING_SHOWN = ("temperature", "top_p", "top_k", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed")
 
 
 def _answer(engine, prompt: str, values: dict[str, Any], params, json_out: bool, stats: bool) -> int:
@@ -193,6 +199,7 @@ def _answer(engine, prompt: str, values: dict[str, Any], params, json_out: bool,
                     **{key: info[key] for key in ("forward", "draft_forward") for info in [engine.describe()]},
                     "precision": precision_of(engine),  # what the linears computed in: "gguf Q4_1", "float32"
                     "finish_reason": ev.reason,
+                    "sampling": {key: getattr(params, key) for key in SAMPLING_SHOWN},
                     "stats": {
                         "new_tokens": s.new_tokens, "rounds": s.rounds, "tok_per_s": s.tok_per_s, "ttft_s": s.ttft_s,
                         "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,

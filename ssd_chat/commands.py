@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from .options import (Budget, Draft, DraftDevice, Dtype, Compile, Fallback, FanOut, K, MaxNew, Mode, SaguaroC, Seed, System, Target,
-                      TargetDevice, Temperature, TopK, TopP, TrustRemote, console, merge, settings, utf8_text)
+                      TargetDevice, Temperature, TopK, TopP, TrustRemote, RepetitionPenalty, FrequencyPenalty, PresencePenalty, console, merge, settings, utf8_text)
 from .options import fail as _fail
 
 
@@ -27,6 +27,7 @@ def register(app: typer.Typer) -> None:
         headless: Annotated[bool, typer.Option("--headless", help="Run the scripted session without the app (prints the replies; with --record, makes a replayable recording).")] = False,
         target: Target = None, draft: Draft = None, mode: Mode = None, k: K = None,
         temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
+        repetition_penalty: RepetitionPenalty = None, frequency_penalty: FrequencyPenalty = None, presence_penalty: PresencePenalty = None,
         max_new_tokens: MaxNew = None, target_device: TargetDevice = None, draft_device: DraftDevice = None,
         dtype: Dtype = None, fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None,
         fallback: Fallback = None, compile: Compile = None, trust_remote_code: TrustRemote = None, system: System = None,
@@ -198,6 +199,12 @@ def register(app: typer.Typer) -> None:
                 shown = engine["draft_label"] + (" (engine default)" if v is None else "")
             elif key in engine and v is None:
                 shown = f"{engine[key]} (engine default)" if engine[key] is not None else "— (AR loads none)"
+            elif v is None and key in ("temperature", "top_p", "top_k", "repetition_penalty"):  # engine/gen_defaults.py
+                from .engine.gen_defaults import CHAT_DEFAULT
+
+                shown = f"the model's generation_config, else {CHAT_DEFAULT[key]}"
+            elif v is None and key in ("frequency_penalty", "presence_penalty"):
+                shown = "0 (off)"
             if ("file", key) in problems:  # the file's unusable value, left out (the error says why)
                 shown += f" (file: {problems['file', key][0]!r}, not used)"
             table.add_row(key, shown, config.describe_source(key, sources[key]))

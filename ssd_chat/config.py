@@ -29,9 +29,13 @@ DEFAULTS: dict[str, Any] = {
     "draft": None,
     "mode": "auto",  # SSD where it can run (engine/preflight.py), else AR with the reason
     "k": None,
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "top_k": 0,
+    # sampling: unset (None) takes the model's generation_config, else the chat default (engine/gen_defaults.py)
+    "temperature": None,
+    "top_p": None,
+    "top_k": None,
+    "repetition_penalty": None,
+    "frequency_penalty": None,
+    "presence_penalty": None,
     "seed": None,
     "max_new_tokens": 512,
     "target_device": "auto",
@@ -53,6 +57,7 @@ DEFAULTS: dict[str, Any] = {
 TYPES: dict[str, type] = {
     "k": int, "top_k": int, "seed": int, "max_new_tokens": int, "budget": int,
     "temperature": float, "top_p": float, "saguaro_c": float,
+    "repetition_penalty": float, "frequency_penalty": float, "presence_penalty": float,
     "trust_remote_code": bool, "colour_tokens": bool,
 }
 
@@ -65,8 +70,10 @@ def sampling_settings(values: dict[str, Any]) -> dict[str, Any]:
     return {k: values[k] for k in SAMPLING_KEYS if values.get(k) is not None}
 
 
-def sampling_params(values: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(**sampling_settings(values))
+def sampling_params(values: dict[str, Any], model_defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """The settings that are set, over ``model_defaults`` (the loaded model's: ``Engine.sampling_defaults``),
+    over SamplingParams' own (greedy, no penalty: what bench and compare use)."""
+    return SamplingParams(**{**(model_defaults or {}), **sampling_settings(values)})
 
 
 def engine_config(values: dict[str, Any]) -> EngineConfig:

@@ -38,6 +38,7 @@ def run_headless(values: dict, prompts: list[str]) -> int:
         params = sampling_params(values)
         backend = EngineBackend(values)
         backend.engine = load_engine(values)
+        params = sampling_params(values, backend.engine.sampling_defaults)
     except SSDChatError as e:
         raise fail(str(e)) from None
     rec = None

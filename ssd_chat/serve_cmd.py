@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from .options import (Budget, Draft, DraftDevice, Dtype, Compile, Fallback, FanOut, K, MaxNew, Mode, SaguaroC, Seed, Target, TargetDevice,
-                      Temperature, TopK, TopP, TrustRemote, fail, merge, settings)
+                      Temperature, TopK, TopP, TrustRemote, RepetitionPenalty, FrequencyPenalty, PresencePenalty, fail, merge, settings)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -50,6 +50,7 @@ def register(app: typer.Typer) -> None:
         ignore_tools: Annotated[bool, typer.Option("--ignore-tools", help="When the model's chat template has no tool support, answer requests that offer tools in text (a log line says so) instead of refusing them with 400.")] = False,
         target: Target = None, draft: Draft = None, mode: Mode = None, k: K = None,
         temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
+        repetition_penalty: RepetitionPenalty = None, frequency_penalty: FrequencyPenalty = None, presence_penalty: PresencePenalty = None,
         max_new_tokens: MaxNew = None, target_device: TargetDevice = None, draft_device: DraftDevice = None,
         dtype: Dtype = None, fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None,
         fallback: Fallback = None, compile: Compile = None, trust_remote_code: TrustRemote = None,
@@ -115,6 +116,7 @@ def register(app: typer.Typer) -> None:
                 remove_state(path)
             typer.echo("ssd-chat: stopping: finishing the reply in progress", err=True)
 
+        defaults = sampling_params(values, engine.sampling_defaults)  # the model's own where the user set none
         app_ = create_app(engine, defaults, api_key=api_key, max_queue=max_queue, on_ready=ready,
                           max_body_mb=max_body_mb, ignore_tools=ignore_tools)
         try:

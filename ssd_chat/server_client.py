@@ -226,7 +226,7 @@ def answer(server: Server, prompt: str, values: dict[str, Any], explicit: set[st
     messages = ([{"role": "system", "content": values["system"]}] if values.get("system") else []) + [{"role": "user", "content": prompt}]
     body: dict[str, Any] = {"model": server.card["id"], "messages": messages, "stream": True, "return_token_ids": True,
                             "stream_options": {"include_usage": True}, "max_tokens": values.get("max_new_tokens")}
-    for key in ("temperature", "top_p", "top_k", "seed"):
+    for key in ("temperature", "top_p", "top_k", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty"):
         if values.get(key) is not None:
             body[key] = values[key]
     if server.ssd_mode:

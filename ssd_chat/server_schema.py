@@ -1,9 +1,9 @@
 """The OpenAI request bodies the server accepts, and OpenAI-style error objects.
 
 Requests are validated strictly (a string where a number belongs is an error, not coerced),
-and what the engine cannot do (several choices, log-probs, tools, penalties) is refused with
+and what the engine cannot do (several choices, log-probs, tool calls) is refused with
 a 400 that says so, rather than silently ignored.  Unknown fields are ignored: clients send
-many optional ones.  Extensions, as in vLLM: ``top_k``, ``ignore_eos``, ``return_token_ids``,
+many optional ones.  Extensions, as in vLLM: ``top_k``, ``repetition_penalty``, ``ignore_eos``, ``return_token_ids``,
 and ours, ``ssd_mode`` (decode this request with another mode the loaded draft allows).
 """
 
@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from .engine.params import SamplingParams
+from .engine.params import SEED_MAX, SamplingParams
 
 
 class APIError(Exception):
@@ -63,7 +63,6 @@ def _utf8(s: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_utf8)]
-SEED_MAX = 2**64 - 1  # the engine's seed is a 64-bit unsigned integer (torch.Generator.manual_seed)
 
 
 class _Strict(BaseModel):
@@ -143,8 +142,10 @@ class _Common(_Strict):
     stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
     n: int = Field(1, ge=1)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # OpenAI's range; applied exactly in every mode (the verifier penalizes each row for its own prefix)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)  # vLLM's extension (1 = off)
     logit_bias: dict[str, float] | None = None
     ssd_mode: str | None = None
     ignore_eos: bool = False
@@ -153,9 +154,6 @@ class _Common(_Strict):
     def check_supported(self) -> None:
         if self.n != 1:
             raise APIError(400, "n must be 1: the engine decodes one reply per request", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported (only 0): it would change the model's distribution, which speculative decoding reproduces exactly", name)
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", "logit_bias")
         if self.stop == "" or (isinstance(self.stop, list) and any(not s for s in self.stop)):
@@ -170,6 +168,7 @@ class _Common(_Strict):
             top_p=defaults.top_p if self.top_p is None else self.top_p,
             top_k=defaults.top_k if self.top_k is None else max(0, self.top_k),
             seed=defaults.seed if self.seed is None else self.seed,
+            **{k: getattr(self, k) for k in ("repetition_penalty", "frequency_penalty", "presence_penalty") if getattr(self, k) is not None},
             max_new_tokens=max_new_tokens,
             stop=stop + tuple(extra_stop),
             ignore_eos=self.ignore_eos,

@@ -29,7 +29,7 @@ def test_ask_paris_greedy():
 
 @pytest.mark.slow
 def test_ask_json_and_stdin():
-    r = cli("ask", "--json", "--mode", "ar", "-n", "12", "-", input="What is the capital of France?")
+    r = cli("ask", "--json", "--mode", "ar", "-n", "12", "--temperature", "0", "-", input="What is the capital of France?")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out) >= {"text", "token_ids", "mode", "target", "draft", "stats"}
@@ -43,7 +43,7 @@ def test_ask_json_says_which_forward_ran_and_both_give_the_same_tokens():
     """AR on the compact core (eager) and on transformers' modules: the same tokens, each labelled."""
     outs = {}
     for forward in ("off", "transformers"):
-        r = cli("ask", "--json", "--mode", "ar", "-n", "24", "--compile", forward, "What is the capital of France?")
+        r = cli("ask", "--json", "--mode", "ar", "-n", "24", "--temperature", "0", "--compile", forward, "What is the capital of France?")
         assert r.returncode == 0, r.stderr
         outs[forward] = json.loads(r.stdout)
     assert outs["off"]["forward"] == "core eager" and outs["transformers"]["forward"] == "transformers"
@@ -55,7 +55,7 @@ def test_ask_json_says_which_forward_ran_and_both_give_the_same_tokens():
 def test_ask_json_reports_the_mode_auto_ran(cores):
     """The default mode is auto: SSD with a core for the speculator (and the shipped draft), AR on one core."""
     preexec = (lambda: os.sched_setaffinity(0, cores)) if cores else None
-    r = subprocess.run([sys.executable, "-m", "ssd_chat", "ask", "--json", "-n", "12", "What is the capital of France?"],
+    r = subprocess.run([sys.executable, "-m", "ssd_chat", "ask", "--json", "-n", "12", "--temperature", "0", "What is the capital of France?"],
                        capture_output=True, text=True, timeout=300, preexec_fn=preexec)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

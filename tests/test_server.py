@@ -279,3 +279,25 @@ def test_offered_tools_the_template_cannot_show_are_refused_unless_tool_choice_i
             assert status == 200 and out["usage"]["completion_tokens"] == 3 and "tool_calls" not in out["choices"][0]["message"]
         else:
             assert status == 400 and out["error"]["param"] == "tools"
+
+
+
+@pytest.mark.parametrize("field,bad", [("frequency_penalty", 2.5), ("presence_penalty", -3), ("repetition_penalty", 0),
+                                       ("repetition_penalty", -1.0), ("frequency_penalty", "high")])
+def test_penalties_out_of_range_are_400(sd_server, field, bad):
+    url, _ = sd_server
+    status, _h, out = post(f"{url}/v1/chat/completions", {"messages": MSG, "max_tokens": 2, field: bad})
+    assert status == 400 and out["error"]["param"] == field, out
+
+
+def test_penalties_over_the_api_are_exact(sd_server, loaded):
+    """frequency / presence (OpenAI) and repetition (vLLM) penalties are accepted, and greedy SD with them
+    reproduces penalized greedy AR token for token."""
+    url, _ = sd_server
+    pen = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.3}
+    e = engine(loaded, "ar", with_draft=False)
+    ids, _ = e.prompt_ids(MSG)
+    ref = [ev for ev in e.stream(ids, SamplingParams(max_new_tokens=16, **pen)) if isinstance(ev, Done)][0].token_ids
+    assert list(ref) != ar_reference(loaded, MSG, 16)  # the penalties change the reply
+    status, _h, out = post(f"{url}/v1/chat/completions", {"messages": MSG, "max_tokens": 16, "temperature": 0, "return_token_ids": True, **pen})
+    assert status == 200 and out["choices"][0]["token_ids"] == list(ref), out

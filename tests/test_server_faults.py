@@ -36,6 +36,7 @@ def chat_raw(body: str) -> bytes:
     (chat_raw('"temperature": NaN'), "temperature"),
     (chat_raw('"top_p": Infinity'), "top_p"),
     (chat_raw('"top_p": NaN'), "top_p"),
+    (chat_raw('"seed": 9223372036854775808'), "seed"),  # 2**63: the decoders also seed with 2 * seed + 1
     (chat_raw('"seed": 18446744073709551616'), "seed"),  # 2**64
     (chat_raw('"seed": -1'), "seed"),
     (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),

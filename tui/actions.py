@@ -76,7 +76,7 @@ class ChatActions:
         if self.load_error:
             self.run_worker(self.apply_settings({}), exclusive=False)  # says why nothing can change
             return
-        current = {**self.backend.info(), **self.params, **self.pending_settings}
+        current = {**self.backend.info(), **self.backend.sampling_defaults(), **self.params, **self.pending_settings}  # the temperature in force
 
         def done(changes: dict | None) -> None:
             if changes:

@@ -233,14 +233,14 @@ class ChatApp(RerunActions, ReplyActions, CompareActions, ChatActions, App[int])
 
     def _update_info(self) -> None:
         info = dict(self.backend.info())
-        info.setdefault("temperature", self.params.get("temperature", 0.0))
+        info.setdefault("sampling", {**self.backend.sampling_defaults(), **self.params})  # what a reply samples with
         self.panel.set_info(info)
         self.sub_title = printable(f"{(info.get('mode') or '?').upper()} · {info.get('target') or ''}", one_line=True)
 
     def _show_mode(self, label: str) -> None:
         """The status line and the panel name the mode that is really running this reply."""
         info = dict(self.backend.info())
-        info.setdefault("temperature", self.params.get("temperature", 0.0))
+        info.setdefault("sampling", {**self.backend.sampling_defaults(), **self.params})  # what a reply samples with
         info["mode_label"] = label
         self.panel.set_info(info)
         self.sub_title = f"{label} · {info.get('target') or ''}"

@@ -15,6 +15,13 @@ from ..engine.events import Event
 from ..engine.params import SamplingParams
 
 Progress = Callable[[str, "float | None"], None]
+SAMPLING = ("temperature", "top_p", "top_k", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def sampling_of(settings: Any) -> dict[str, Any]:
+    """The sampling settings among ``settings`` (SamplingParams or a dict), for the panel and recordings."""
+    get = settings.get if isinstance(settings, dict) else (lambda k: getattr(settings, k, None))
+    return {k: get(k) for k in SAMPLING if get(k) is not None}
 
 
 class Backend:
@@ -35,6 +42,10 @@ class Backend:
 
     def stream(self, messages: list[dict[str, str]], params: SamplingParams, stop: threading.Event) -> Iterator[Event]:
         raise NotImplementedError
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """Sampling settings for the ones the user left unset (the loaded model's; none: SamplingParams')."""
+        return {}
 
     def reconfigure(self, **changes: Any) -> None:
         """Switch mode / k / fan_out between replies without reloading models."""
@@ -84,6 +95,9 @@ class EngineBackend(Backend):
             return {"mode": self.values.get("mode"), "target": self.values.get("target")}
         return self.engine.describe()
 
+    def sampling_defaults(self) -> dict[str, Any]:
+        return self.engine.sampling_defaults if self.engine is not None else {}
+
     def stream(self, messages: list[dict[str, str]], params: SamplingParams, stop: threading.Event) -> Iterator[Event]:
         from ..session import stream_messages  # a chat longer than the context leaves out its oldest turns
 
@@ -119,6 +133,9 @@ class ReplayBackend(Backend):
 
     def load(self, progress: Progress) -> None:
         progress("replaying a recorded session (no model loaded)", 1.0)
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        return sampling_of(self.info())  # what the recorded turn sampled with
 
     def info(self) -> dict[str, Any]:
         i = dict(self.recording.info)

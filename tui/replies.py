@@ -22,7 +22,7 @@ from ..engine.metrics import Metrics
 from ..engine.params import SamplingParams
 from ..history import metrics_line
 from ..session import Session
-from .backend import readable
+from .backend import readable, sampling_of
 from .figures import baseline_from_reply, ran_as
 from .widgets.chat_log import AssistantMessage
 
@@ -75,7 +75,7 @@ class ReplyActions:
                     await self.chat.add_notice("the previous reply has not stopped yet; try again in a moment", "warning")
                     return
         try:
-            params = SamplingParams(**self.params)
+            params = SamplingParams(**{**self.backend.sampling_defaults(), **self.params})  # the model's where unset
         except ValueError as e:
             await self.chat.add_notice(str(e), "error")
             return
@@ -99,7 +99,7 @@ class ReplyActions:
         self.panel.show(None, live=True)
         self.cache.new_reply()
         if self.recorder is not None:
-            self.recorder.turn(text, self.system, {**info, **self.params})
+            self.recorder.turn(text, self.system, {**info, **self.params, **sampling_of(params)})  # a replay shows them
         self._reply_worker = self.run_reply(turn.index, self.session, text, params, turn.stop)
 
     @work(thread=True, group="reply", exit_on_error=False)

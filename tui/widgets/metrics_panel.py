@@ -108,7 +108,9 @@ class MetricsPanel(Vertical):
         if i.get("forward"):  # which forward runs the models: the compact core (eager/compiled) or transformers
             fwd = i["forward"] if i.get("draft_forward") in (None, i["forward"]) else f"target {i['forward']}, draft {i['draft_forward']}"
             t.add_row("forward", Text(printable(fwd)))
-        if i.get("temperature") is not None:
+        if i.get("sampling") is not None:
+            t.add_row("sampling", Text(sampling_line(i["sampling"])))
+        elif i.get("temperature") is not None:  # a recording made before the sampling line
             t.add_row("temp", f"{i['temperature']:g}")
         if self.is_mounted:
             self.query_one("#setup", Static).update(t)
@@ -146,3 +148,17 @@ class MetricsPanel(Vertical):
         if self.is_mounted:
             self.query_one("#sparkline", Sparkline).data = []
             self.query_one("#histogram", Static).update("")
+
+
+def sampling_line(s: dict) -> str:
+    """``greedy`` or ``T 0.8 · top-p 0.9 · top-k 40``, then the penalties that are on."""
+    parts = ["greedy" if not s.get("temperature") else f"T {s['temperature']:g}"]
+    if s.get("temperature"):
+        if s.get("top_p", 1.0) < 1.0:
+            parts.append(f"top-p {s['top_p']:g}")
+        if s.get("top_k"):
+            parts.append(f"top-k {s['top_k']}")
+    for key, label, off in (("repetition_penalty", "rep", 1.0), ("frequency_penalty", "freq", 0.0), ("presence_penalty", "pres", 0.0)):
+        if s.get(key, off) != off:
+            parts.append(f"{label} {s[key]:g}")
+    return " ".join(parts)
