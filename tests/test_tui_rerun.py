@@ -205,6 +205,7 @@ class TestSettingsFields:
                                     ("top_p", "nan", "top-p must be a finite number, got 'nan'"),
                                     ("top_k", "-3", "top-k must be >= 0"), ("top_k", "2.5", "top-k must be a whole number"),
                                     ("seed", "-1", "seed must be a whole number from 0 to"), ("seed", str(2**70), "seed must be a whole number from 0 to"),
+                                    ("repetition_penalty", "0", "repetition"), ("repetition_penalty", "inf", "finite"),
                                     ("fan_out", "9,9", "fan-out list '9,9' has 2 entries but k=3 needs")):
                 field[key].value = bad
                 field[key].focus()
@@ -212,11 +213,13 @@ class TestSettingsFields:
                 await pilot.pause()
                 assert isinstance(app.screen, SettingsDialog)
                 assert words in str(app.screen.query_one("#settings-error").content), (key, bad)
-                field[key].value = {"fan_out": "geometric", "top_p": "1.0", "top_k": "0", "seed": ""}[key]
+                field[key].value = {"fan_out": "geometric", "top_p": "1.0", "top_k": "0", "seed": "",
+                                    "repetition_penalty": "1.0"}[key]
             field["top_p"].value, field["top_k"].value, field["seed"].value = "0.9", "40", "7"
+            field["repetition_penalty"].value = "1.2"
             await pilot.click("#apply")
             await wait_until(pilot, lambda: not isinstance(app.screen, SettingsDialog))
-            assert app.params == {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7}
+            assert app.params == {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7, "repetition_penalty": 1.2}
             assert backend.info_.get("fan_out") is None  # untouched fields are not re-applied
             await chat(app, pilot, "hi")
             await pilot.press("ctrl+o")
@@ -229,6 +232,7 @@ class TestSettingsFields:
 
     def test_slash_commands_for_sampling_and_one_table_for_the_fields(self):
         assert parse_settings({"top_p": "0.5", "top_k": "4", "seed": "3"}) == {"top_p": 0.5, "top_k": 4, "seed": 3}
+        assert parse_settings({"repetition_penalty": "1.1"}) == {"repetition_penalty": 1.1}
         with pytest.raises(ValueError, match="temperature must be a finite number, got 'inf'"):
             parse_settings({"temperature": "inf"})
         assert list(FIELDS)[:2] == ["k", "fan_out"] and {"top_p", "top_k", "seed"} <= set(FIELDS)

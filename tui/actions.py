@@ -27,7 +27,7 @@ Ctrl+N new chat · Ctrl+Y copy last reply · Ctrl+S system prompt · Ctrl+O sett
 F5 regenerate the last reply · Shift+Tab to one of your messages, then e: edit it and re-run the chat from there ·
 Ctrl+G compare (the prompt in the box, or the last one, in AR, SD and SSD: tok/s and identical outputs) ·
 Ctrl+R chats · Ctrl+T token colours · Ctrl+P command palette · Ctrl+C quit.
-Commands: /mode ar|sd|ssd · /k N · /fan-out SPEC · /temp X · /top-p X · /top-k N · /seed N · /max N · /system TEXT ·
+Commands: /mode ar|sd|ssd · /k N · /fan-out SPEC · /temp X · /top-p X · /top-k N · /seed N · /repeat-penalty X · /max N · /system TEXT ·
 /compare [PROMPT] · /regen · /edit [N] (your Nth message; none: the last) · /new · /copy · /chats · /colour · /help"""
 
 
@@ -227,7 +227,7 @@ class ChatActions:
         yield SystemCommand("New chat", "Start a new conversation (Ctrl+N)", self.action_new_chat)
         yield SystemCommand("Copy last reply", "Copy the last reply to the clipboard (Ctrl+Y)", self.action_copy_reply)
         yield SystemCommand("System prompt", "Change the system prompt (Ctrl+S)", self.action_system_prompt)
-        yield SystemCommand("Settings", "Mode, k, fan-out, temperature, top-p, top-k, seed, max tokens (Ctrl+O)", self.action_settings)
+        yield SystemCommand("Settings", "Mode, k, fan-out, temperature, top-p, top-k, seed, repeat penalty, max tokens (Ctrl+O)", self.action_settings)
         for m in ("ar", "sd", "ssd"):
             yield SystemCommand(f"Switch to {m.upper()}", f"Decode the next reply with {m.upper()} (models stay loaded)",
                                 lambda m=m: self.run_worker(self.apply_settings({"mode": m})))

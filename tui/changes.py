@@ -11,7 +11,8 @@ from ..config import SAMPLING_KEYS
 # /command -> setting (the demo script's command files use the same names)
 SLASH_KEYS = {"mode": "mode", "k": "k", "fan-out": "fan_out", "fanout": "fan_out", "temp": "temperature",
               "temperature": "temperature", "max": "max_new_tokens", "max-new-tokens": "max_new_tokens",
-              "top-p": "top_p", "top-k": "top_k", "seed": "seed"}
+              "top-p": "top_p", "top-k": "top_k", "seed": "seed",
+              "repeat-penalty": "repetition_penalty", "repetition-penalty": "repetition_penalty"}
 # the settings that change the engine (no reload); the others are sampling settings for the next reply
 ENGINE_CHANGES = ("mode", "k", "fan_out")
 
@@ -24,6 +25,7 @@ FIELDS: dict[str, tuple[str, type]] = {
     "top_p": ("top-p (1 = off)", float),
     "top_k": ("top-k (0 = off)", int),
     "seed": ("seed (empty: a new one each reply)", int),
+    "repetition_penalty": ("repetition penalty (1 = off)", float),
     "max_new_tokens": ("max new tokens", int),
 }
 # an empty field means the default (None) for these, "unchanged" for the others
