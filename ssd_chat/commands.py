@@ -332,7 +332,7 @@ def register(app: typer.Typer) -> None:
             return
         for c in convs:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated_at))
-            typer.echo(f"{c.id:>5}  {when}  {c.num_messages:>3} messages  {printable(c.title, one_line=True)}")
+            typer.echo(f"{c.id:>5}  {when}  {c.num_messages:>3} message{'' if c.num_messages == 1 else 's'}  {printable(c.title, one_line=True)}")
 
     @chats_app.command("path")
     def chats_path(ctx: typer.Context, db: Db = None) -> None:

@@ -133,10 +133,12 @@ def test_chats_commands_list_export_delete(tmp_path):
     h.add_message(cid, "user", "first chat")
     mid = h.add_message(cid, "assistant", "an answer")
     h.save_metrics(mid, stats())
+    h.add_message(h.new_conversation("second"), "user", "second")
     h.close()
     run = CliRunner().invoke
     r = run(app, ["chats", "list", "--db", str(db)])
     assert r.exit_code == 0 and "first chat" in r.stdout and f"{cid}" in r.stdout
+    assert "2 messages  first chat" in r.stdout and "1 message  second" in r.stdout
     r = run(app, ["--db", str(db), "chats", "export", str(cid)])  # --db before the subcommand works too
     assert r.exit_code == 0 and "an answer" in r.stdout and "## Assistant" in r.stdout
     out = tmp_path / "c.jsonl"
@@ -147,7 +149,7 @@ def test_chats_commands_list_export_delete(tmp_path):
     r = run(app, ["chats", "export", str(cid), "-f", "pdf", "--db", str(db)])
     assert r.exit_code == 2
     r = run(app, ["chats", "delete", str(cid), "--db", str(db)])
-    assert r.exit_code == 0 and History(db).list_conversations() == []
+    assert r.exit_code == 0 and [c.title for c in History(db).list_conversations()] == ["second"]
     bad = tmp_path / "bad.db"
     bad.write_bytes(b"nope" * 100)
     r = run(app, ["chats", "list", "--db", str(bad)])
