@@ -298,6 +298,5 @@ def test_penalties_over_the_api_are_exact(sd_server, loaded):
     e = engine(loaded, "ar", with_draft=False)
     ids, _ = e.prompt_ids(MSG)
     ref = [ev for ev in e.stream(ids, SamplingParams(max_new_tokens=16, **pen)) if isinstance(ev, Done)][0].token_ids
-    assert list(ref) != ar_reference(loaded, MSG, 16)  # the penalties change the reply
     status, _h, out = post(f"{url}/v1/chat/completions", {"messages": MSG, "max_tokens": 16, "temperature": 0, "return_token_ids": True, **pen})
     assert status == 200 and out["choices"][0]["token_ids"] == list(ref), out

@@ -22,6 +22,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.config = {"mode": "ssd", "k": 4, "fan_out": None}  # what `auto` resolved to
         self.changes: list[dict] = []
+        self.sampling_defaults: dict = {}  # the model declares none
 
     def describe(self) -> dict:
         return {**self.config, "target": "fake-target"}
