@@ -67,7 +67,7 @@ def register(app: typer.Typer) -> None:
         local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "host", "port", "api_key", "max_queue", "max_body_mb", "ignore_tools")}
         values = settings(merge(ctx, local))
         try:
-            defaults = sampling_params(values)
+            sampling_params(values)  # checked before loading; the model's own defaults join after it loads
             engine_config(values)
         except ParamError as e:
             raise fail(str(e), 2) from None
