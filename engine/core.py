@@ -93,6 +93,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention written out for inductor (CPU graphs): ``q`` [T, Hq, D], ``k``/``v`` [Hkv, W, D],
+    ``mask`` bool [T, W] -> [T, Hq, D].  Every sum runs over a fixed axis (D, or the window W with
+    masked slots adding exact zeros), so a row's result does not depend on the other rows: a verify
+    of k + 1 rows computes the very numbers of k + 1 one-row steps (the window is padded alike by
+    the compiler).  SDPA's blocked kernels do not have that property."""
+    T, hq, d = q.shape
+    hkv, W = k.shape[0], k.shape[1]
+    qh = q.reshape(T, hkv, hq // hkv, d).permute(1, 0, 2, 3)  # [Hkv, T, G, D]
+    s = (qh[:, :, :, None, :] * k[:, None, None, :, :]).sum(-1) * scale  # [Hkv, T, G, W]
+    s = s.masked_fill(~mask[None, :, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    o = (p[..., None] * v[:, None, None, :, :]).sum(-2)  # [Hkv, T, G, D]
+    return o.permute(1, 0, 2, 3).reshape(T, hq, d)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -308,6 +324,8 @@ class Core:
             vc[:, slots] = v.transpose(0, 1)
             if rowwise and rowattn.usable(q, kc):  # each row computed as if alone (see rowattn)
                 o = rowattn.attend(q, kc, vc, mask, L.scaling).reshape(T, hq * d)
+            elif x.device.type == "cpu" and torch.compiler.is_compiling():
+                o = attend_rows(q, kc[:, :W], vc[:, :W], mask, L.scaling).reshape(T, hq * d)
             else:
                 qf = q.transpose(0, 1).reshape(1, hkv, groups * T, d)
                 o = F.scaled_dot_product_attention(qf, kc[None, :, :W], vc[None, :, :W], attn_mask=fmask, scale=L.scaling)

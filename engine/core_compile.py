@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 MODES = ("off", "on", "auto")
 AUTO_REPEATS = 7  # timed calls per formulation under compile="auto" (the median counts)
 AUTO_WIDTH = 256  # attention window of the timing calls
+WIDTH_STEP = 16  # CPU graphs attend over windows padded to a multiple of this (see Compiler._cpu_width)
 
 
 def _compile(fn: Callable, cuda: bool) -> Callable:
@@ -111,7 +112,7 @@ class Compiler:
     # -- internals ---------------------------------------------------------------------------------
     def _pad(self, r: int, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> tuple:
         n, kv = ids.shape[0], self.core.kv
-        width = kv.capacity + 1 if self.cuda else mask.shape[1]  # CUDA graphs: the whole buffer
+        width = kv.capacity + 1 if self.cuda else self._cpu_width(mask.shape[1])  # CUDA graphs: the whole buffer
         if n == r and width == mask.shape[1]:
             return ids, pos, slots, mask
         m = torch.zeros(r, width, dtype=torch.bool, device=mask.device)
@@ -120,6 +121,19 @@ class Compiler:
         pad = r - n
         z = ids.new_zeros(pad)
         return (torch.cat([ids, z]), torch.cat([pos, z]), torch.cat([slots, z + kv.trash]), m)
+
+    def _cpu_width(self, w: int) -> int:
+        """The attention window of a CPU graph: ``w`` rounded up to a multiple of WIDTH_STEP, so that a
+        row sees the same window (its extra slots masked) in a one-row step and in a verify of k + 1
+        rows, and :func:`core.attend_rows` sums the same terms in the same order (row invariance)."""
+        kv = self.core.kv
+        want = -(-w // WIDTH_STEP) * WIDTH_STEP
+        if want > kv.capacity + 1:
+            try:
+                kv.reserve(want)
+            except ValueError:  # the last slots of the context: the window is the whole buffer
+                pass
+        return min(want, kv.capacity + 1)
 
     def _dummy(self, r: int) -> tuple:
         kv, dev = self.core.kv, self.core.device
@@ -146,7 +160,7 @@ class Compiler:
             if not self.cuda:
                 torch._dynamo.mark_dynamic(mask, 1)
             t0 = time.perf_counter()
-            lg, h, mid = fn(kv.k, kv.v, ids, pos, slots, mask)
+            lg, h, mid = self._guarded(fn, first, (kv.k, kv.v, ids, pos, slots, mask))
             if first:
                 self.compile_s[r] = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - any compiler failure means: run eagerly, say so once
@@ -155,6 +169,20 @@ class Compiler:
         if self.cuda:  # a later replay of this graph overwrites its outputs
             lg, h, mid = lg.clone(), h.clone(), None if mid is None else mid.clone()
         return lg, h, mid
+
+    def _guarded(self, fn: Callable, first: bool, args: tuple) -> tuple:
+        """``fn(*args)``; on CPU, once the graph has run, without evaluating dynamo's guards (1-2 ms a
+        call on a 30-layer model, an eighth of a step): where a call does need a new graph, dynamo
+        says so and the call runs again with the guards."""
+        if first or self.cuda:
+            return fn(*args)
+        try:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return fn(*args)
+        except RuntimeError as e:
+            if "skip_guard_eval_unsafe" not in str(e):
+                raise
+            return fn(*args)
 
     def _fail(self, e: BaseException) -> None:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""

@@ -21,6 +21,8 @@ draft need not reproduce anything, and SD/SSD stay exact because the target veri
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,12 @@ from . import qkernels
 from .errors import ModelError
 
 TILE, BLOCK = qkernels.TILE, qkernels.BLOCK
+# SSD_CHAT_CPU_KERNELS=int4: Q4 blocks go through torch's int4 CPU GEMM with bfloat16 activations
+# (_int4pack; AVX2 or better).  Not the default: its outputs are bfloat16, and on the eager core (SDPA)
+# greedy SD then drifts from AR on the packaged model; the compiled CPU core is row-invariant with it
+# (docs/performance-cpu.md, "int4 GEMM and the compiled core").
+INT4 = [os.environ.get("SSD_CHAT_CPU_KERNELS", "").strip().lower() == "int4"
+        and torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512", "AMX"))]
 KERNEL_MAX_ROWS = 16  # above this many rows, dequantize and use F.linear (a prompt)
 SUPPORTED = ("Q4_0", "Q4_1", "Q8_0")
 KEPT = ("F32", "F16", "BF16")  # already float in the model: its nn.Linear stays
@@ -173,6 +181,7 @@ class GGUFLinear(nn.Module):
         self.bias = nn.Parameter(bias.detach().float(), requires_grad=False) if bias is not None else None
         self._arrays = (tiles["q"], tiles["d"], tiles.get("m"))  # numpy views of the buffers, for the eager kernels
         self.dense = dense  # not a parameter: the caller's tensor, never copied
+        self.int4 = _int4pack(kind, tiles, out_features) if kind != "Q8_0" and INT4[0] else None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}, bias={self.bias is not None}"
@@ -224,6 +233,11 @@ class GGUFLinear(nn.Module):
         if rows > KERNEL_MAX_ROWS or x2.device.type != "cpu" or rows == 0:
             w = self.dense if self.dense is not None else self.dequantized()
             y = F.linear(x2.float(), w.to(x2.device))
+        elif self.int4 is not None and INT4[0]:
+            packed, sz = self.int4
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), packed, BLOCK, sz).float()
+            if y.shape[1] != self.out_features:
+                y = y[:, :self.out_features]
         elif torch.compiler.is_compiling():
             y = torch.ops.ssd_chat.gguf_mm(x2.float().contiguous(), self.q, self.d, self.d if self.m is None else self.m,
                                            self.out_features)
@@ -232,6 +246,21 @@ class GGUFLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features).to(dtype)
+
+
+def _int4pack(kind: str, tiles: dict[str, np.ndarray], out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4 blocks -> torch's int4 CPU GEMM operands: the nibbles packed, and per 32-block (scale, zero)
+    in bfloat16 [in / 32, out, 2], ``w = (q - 8) * d + (m + 8 d) = d q + m``; rows padded to 16."""
+    q, d, m = unpack(tiles, out_features)
+    pad = (-out_features) % 16
+    d32, m32 = _f32(d), _f32(m)
+    q32 = torch.from_numpy(np.ascontiguousarray(q, dtype=np.int32))
+    sz = torch.from_numpy(np.stack([d32, m32 + 8 * d32], axis=-1))  # [out, blocks, 2]
+    if pad:
+        q32 = torch.cat([q32, q32.new_zeros(pad, q32.shape[1])])
+        sz = torch.cat([sz, sz.new_zeros(pad, *sz.shape[1:])])
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q32, 1)
+    return packed, sz.transpose(0, 1).contiguous().to(torch.bfloat16)
 
 
 _threads = [1]  # numba's thread count last set (setting it costs a call into the threading layer)

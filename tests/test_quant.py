@@ -16,6 +16,15 @@ from gguf.quants import dequantize
 from ssd_chat.engine import gguf_map, quant
 from ssd_chat.engine.quant import GGUFLinear, QuantError
 
+
+@pytest.fixture(autouse=True)
+def _float32_kernels():
+    """These tests are about the numba kernels' float32 products (test_int4.py: the int4 path)."""
+    old, quant.INT4[0] = quant.INT4[0], False
+    yield
+    quant.INT4[0] = old
+
+
 EPS = torch.finfo(torch.float32).eps
 
 
