@@ -69,7 +69,7 @@ class ARDecoder:
         try:
             # prefill: the whole prompt in one forward
             runner = forward.runner(model, "target", self.compile, (1,), dev, title=self.target.name)
-            logits = runner.append(prompt_ids, logits="last").logits[-1]
+            logits = forward.prefill(runner, prompt_ids)
             metrics.prefill_s = time.perf_counter() - t0
             while True:
                 for note in forward.take_notices(model):  # on transformers, or a compile that failed

@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import rowattn
 from .errors import ModelError
 from .static_kv import StaticKV
+
+ROW_MAX = 16  # row_attention: eager CPU forwards of up to this many rows (decode steps, verifies)
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at init (no length-dependent rescaling)
@@ -158,10 +159,11 @@ class Core:
     (default: the module itself); ``compile``: ``off`` | ``on`` | ``auto`` (see core_compile).
     ``notify(text)`` gets one line when compiling fails and the core runs uncompiled;
     ``progress(text)`` gets "compiling <name> for <T> rows (once)" before each first compile.
-    ``row_attention``: eager float32 CPU forwards of up to 16 rows attend with :mod:`rowattn`, where
-    a row's result does not depend on the other rows; with row-independent projections (GGUF
-    linears) a verify of k + 1 rows then equals k + 1 one-row steps bit for bit.  It costs up to
-    2-3x SDPA's time for several rows over long contexts, hence off by default."""
+    ``row_attention``: CPU forwards of up to ROW_MAX rows attend with :func:`attend_rows` over a
+    padded window, where a row's result does not depend on the other rows: with row-independent
+    projections (GGUF linears) a verify of k + 1 rows equals k + 1 one-row steps bit for bit.
+    Compiled CPU graphs always attend that way; eager, it costs more than SDPA.
+    """
 
     def __init__(self, model: nn.Module, name: str = "model", compile: str = "off", rows: tuple[int, ...] = (),
                  mid_layer: int | None = None, lookahead: int = 0, linear: Callable[[nn.Module], Linear] | None = None,
@@ -272,11 +274,15 @@ class Core:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, logits: str,
                  hidden: bool) -> CoreOutput:
-        got = self.compiler.run(ids, pos, slots, mask)
+        # compiled graphs serve decode-time forwards (every row's logits); a prefill (last/none) runs
+        # eagerly, so a prompt is computed one way whatever row shapes a decoder compiled
+        got = self.compiler.run(ids, pos, slots, mask) if logits == "all" else None
         if got is not None:  # compiled: logits of every row
             lg, h, mid = got
             lg = None if logits == "none" else lg[-1:] if logits == "last" else lg
         else:
+            if self.row_attention and self.device.type == "cpu" and ids.shape[0] <= ROW_MAX:
+                mask = self.compiler.pad_width(mask)  # the window a compiled graph would see
             h, mid = self.trunk(self.kv.k, self.kv.v, ids, pos, slots, mask, [L.proj for L in self.layers])
             rows = None if logits == "none" else h[-1:] if logits == "last" else h
             lg = None if rows is None else self.head(rows)
@@ -322,9 +328,7 @@ class Core:
             kc, vc = ks[i], vs[i]  # [hkv, C+1, D]
             kc[:, slots] = k.transpose(0, 1)
             vc[:, slots] = v.transpose(0, 1)
-            if rowwise and rowattn.usable(q, kc):  # each row computed as if alone (see rowattn)
-                o = rowattn.attend(q, kc, vc, mask, L.scaling).reshape(T, hq * d)
-            elif x.device.type == "cpu" and torch.compiler.is_compiling():
+            if x.device.type == "cpu" and (torch.compiler.is_compiling() or (rowwise and T <= ROW_MAX)):
                 o = attend_rows(q, kc[:, :W], vc[:, :W], mask, L.scaling).reshape(T, hq * d)
             else:
                 qf = q.transpose(0, 1).reshape(1, hkv, groups * T, d)

@@ -8,12 +8,11 @@ padding rows write to the cache's trash slot and are dropped), a call with more 
 * CUDA: ``mode="reduce-overhead"`` (CUDA graphs).  The graph's shapes are fully static: the
   attention window is the whole cache buffer, which is marked a static address so its
   in-place K/V writes stay inside the graph.  Outputs are cloned (a replay overwrites them).
-* CPU: inductor, with the attention window dynamic (one graph per row count, whatever the
-  context length).  ``compile="auto"`` times each compiled shape against eager on the first
-  use and keeps the faster; the verdict is stored in ``core-compile.json`` in the cache dir
-  (keyed by CPU, torch version, threads and model shape), so later starts skip compiling
-  shapes that lost.  Compiled kernels themselves land in inductor's on-disk cache,
-  ``TORCHINDUCTOR_CACHE_DIR`` (default: ``inductor/`` in the ssd-chat cache dir).
+* CPU: an AOTInductor package per row shape (:mod:`aoti`), the attention window and the cache
+  capacity dynamic; built once per machine and model (minutes on a small CPU), then loaded in a
+  fraction of a second.  ``on`` and ``auto`` both compile every shape: eager and compiled forwards
+  differ in the last bits, and a verify must compute what one-row steps compute.  The graphs
+  attend with :func:`core.attend_rows` over a window padded to WIDTH_STEP slots.
 
 Any failure while compiling or running a graph (no C++ compiler, an inductor error, a CUDA
 graph capture failure) turns compiling off for this core, sends one ``notify`` line and
@@ -22,11 +21,7 @@ reruns the call eagerly: the caller sees the eager result, never a traceback.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import platform
-import statistics
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -38,16 +33,19 @@ if TYPE_CHECKING:
     from .core import Core
 
 MODES = ("off", "on", "auto")
-AUTO_REPEATS = 7  # timed calls per formulation under compile="auto" (the median counts)
-AUTO_WIDTH = 256  # attention window of the timing calls
+AUTO_WIDTH = 256  # attention window of the warm-up calls
 WIDTH_STEP = 16  # CPU graphs attend over windows padded to a multiple of this (see Compiler._cpu_width)
 
 
 def _compile(fn: Callable, cuda: bool) -> Callable:
-    """torch.compile for one row shape (a seam: tests inject failures here)."""
+    """torch.compile for one row shape (a seam: tests inject failures here; CPU graphs otherwise
+    become AOTInductor packages, :mod:`aoti`)."""
     if cuda:
         return torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
     return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+_default_compile = _compile
 
 
 class Compiler:
@@ -61,7 +59,6 @@ class Compiler:
         self.notify = notify or (lambda s: None)
         self.progress = progress or (lambda s: None)
         self.failed: str | None = None  # why compiling was turned off
-        self.verdicts: dict[int, str] = {}  # rows -> "compiled" | "eager" (auto on CPU)
         self.compile_s: dict[int, float] = {}  # rows -> seconds the first call took (compile + run)
         self._fns: dict[tuple[int, int], Callable] = {}  # (rows, threads) -> compiled graph
         self._static: int = -1  # kv.version last marked a static address
@@ -76,7 +73,7 @@ class Compiler:
         """The compiled row count that serves ``n`` rows (None: run eagerly)."""
         for r in self.rows:
             if r >= n:
-                return None if self.verdicts.get(r) == "eager" else r
+                return r
         return None
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> tuple | None:
@@ -87,10 +84,6 @@ class Compiler:
         r = self.shape_for(n)
         if r is None:
             return None
-        if self.mode == "auto" and not self.cuda and r not in self.verdicts:
-            self._decide(r)
-            if self.verdicts.get(r) == "eager" or not self.active:
-                return None
         got = self._call(r, *self._pad(r, ids, pos, slots, mask))
         if got is None:
             return None
@@ -99,14 +92,12 @@ class Compiler:
 
     @torch.inference_mode()
     def warm(self) -> None:
-        """Compile (and under auto, time) every row shape now."""
+        """Compile (or load) every row shape now."""
         if not self.active:
             return
         self.core.kv.reserve(AUTO_WIDTH)
         for r in self.rows:
-            if self.mode == "auto" and not self.cuda:
-                self._decide(r)
-            elif not self._call(r, *self._dummy(r)):
+            if not self._call(r, *self._dummy(r)):
                 return
 
     # -- internals ---------------------------------------------------------------------------------
@@ -135,6 +126,15 @@ class Compiler:
                 pass
         return min(want, kv.capacity + 1)
 
+    def pad_width(self, mask: torch.Tensor) -> torch.Tensor:
+        """``mask`` [T, W] with False columns up to :meth:`_cpu_width` (W)."""
+        width = self._cpu_width(mask.shape[1])
+        if width == mask.shape[1]:
+            return mask
+        m = torch.zeros(mask.shape[0], width, dtype=torch.bool, device=mask.device)
+        m[:, : mask.shape[1]] = mask
+        return m
+
     def _dummy(self, r: int) -> tuple:
         kv, dev = self.core.kv, self.core.device
         width = min(AUTO_WIDTH, kv.capacity)
@@ -142,7 +142,7 @@ class Compiler:
         mask = torch.zeros(r, width, dtype=torch.bool, device=dev)
         mask[:, :width] = True
         mask = self._pad(r, ids, ids, ids, mask)[3]
-        return ids, ids, ids + kv.trash, mask
+        return ids, ids.clone(), ids + kv.trash, mask  # distinct tensors: an export would take ids and pos for one input
 
     def _call(self, r: int, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> tuple | None:
         key = (r, torch.get_num_threads())  # CPU kernels are generated for a thread count
@@ -150,17 +150,19 @@ class Compiler:
         try:
             fn = self._fns.get(key)
             first = fn is None
-            if first:
+            if first and not self.cuda and _compile is _default_compile:  # CPU: an AOTInductor package (aoti)
+                from . import aoti
+
+                fn = self._fns[key] = aoti.load_or_build(self.core, r, (kv.k, kv.v, ids, pos, slots, mask), self.progress)
+            elif first:
                 self.progress(f"compiling {self.core.name} for {r} rows (once)")
                 fn = self._fns[key] = _compile(self.core.graph_for(r), self.cuda)
-            if self._static != kv.version:  # new cache tensors: CUDA graphs write them in place; CPU: any length
+            if self._static != kv.version and self.cuda:  # new cache tensors: CUDA graphs write them in place
                 for t in kv.k + kv.v:
-                    torch._dynamo.mark_static_address(t) if self.cuda else torch._dynamo.mark_dynamic(t, 1)
+                    torch._dynamo.mark_static_address(t)
                 self._static = kv.version
-            if not self.cuda:
-                torch._dynamo.mark_dynamic(mask, 1)
             t0 = time.perf_counter()
-            lg, h, mid = self._guarded(fn, first, (kv.k, kv.v, ids, pos, slots, mask))
+            lg, h, mid = fn(kv.k, kv.v, ids, pos, slots, mask)
             if first:
                 self.compile_s[r] = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - any compiler failure means: run eagerly, say so once
@@ -170,57 +172,11 @@ class Compiler:
             lg, h, mid = lg.clone(), h.clone(), None if mid is None else mid.clone()
         return lg, h, mid
 
-    def _guarded(self, fn: Callable, first: bool, args: tuple) -> tuple:
-        """``fn(*args)``; on CPU, once the graph has run, without evaluating dynamo's guards (1-2 ms a
-        call on a 30-layer model, an eighth of a step): where a call does need a new graph, dynamo
-        says so and the call runs again with the guards."""
-        if first or self.cuda:
-            return fn(*args)
-        try:
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                return fn(*args)
-        except RuntimeError as e:
-            if "skip_guard_eval_unsafe" not in str(e):
-                raise
-            return fn(*args)
-
     def _fail(self, e: BaseException) -> None:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         self.failed = f"{type(e).__name__}: {first}"
         self._fns.clear()
         self.notify(f"compiling {self.core.name} failed ({self.failed}); it runs uncompiled")
-
-    def _decide(self, r: int) -> None:
-        """compile="auto" on CPU: keep the compiled graph for ``r`` rows only where it is faster."""
-        key = _auto_key(self.core, r)
-        stored = _load_verdicts().get(key)
-        if stored in ("compiled", "eager"):
-            self.verdicts[r] = stored
-            return
-        self.core.kv.reserve(AUTO_WIDTH)
-        args = self._dummy(r)
-        if self._call(r, *args) is None:  # compiles (the progress line) or fails (notice, eager)
-            return
-        kv = self.core.kv
-        with torch.inference_mode():
-            eager = [L.proj for L in self.core.layers]
-            t_eager = _median_time(lambda: self.core.head(self.core.trunk(kv.k, kv.v, *args, eager)[0]))
-            t_comp = _median_time(lambda: self._call(r, *args))
-        if not self.active:
-            return
-        self.verdicts[r] = "compiled" if t_comp < t_eager else "eager"
-        _store_verdict(key, self.verdicts[r], t_eager, t_comp)
-
-
-def _median_time(f: Callable[[], Any]) -> float:
-    """Seconds per call of ``f`` (median of AUTO_REPEATS, after one untimed call)."""
-    f()
-    ts = []
-    for _ in range(AUTO_REPEATS):
-        t0 = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def _use_disk_cache() -> None:
@@ -232,50 +188,3 @@ def _use_disk_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
     # several models x row shapes x cache reallocations recompile the same code object
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _auto_key(core: "Core", r: int) -> str:
-    cfg = core.model.config
-    shape = [type(core.head).__name__, type(core.layers[0].proj["q"]).__name__, len(core.layers), cfg.hidden_size,
-             core.heads, core.kv_heads, core.head_dim, getattr(cfg, "intermediate_size", 0), getattr(cfg, "vocab_size", 0)]
-    ident = [_cpu_name(), torch.__version__, torch.get_num_threads(), str(core.dtype), shape, r, "v1"]
-    return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
-
-
-def _store_path() -> Any:
-    return cache_dir() / "core-compile.json"
-
-
-def _load_verdicts() -> dict[str, str]:
-    try:
-        got = json.loads(_store_path().read_text())
-    except (OSError, ValueError):
-        return {}
-    return {k: v.get("verdict") for k, v in got.items() if isinstance(v, dict)} if isinstance(got, dict) else {}
-
-
-def _store_verdict(key: str, verdict: str, t_eager: float, t_comp: float) -> None:
-    path = _store_path()
-    try:
-        got = json.loads(path.read_text())
-        got = got if isinstance(got, dict) else {}
-    except (OSError, ValueError):
-        got = {}
-    got[key] = {"verdict": verdict, "eager_ms": round(t_eager * 1e3, 3), "compiled_ms": round(t_comp * 1e3, 3)}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(got, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache dir: decide again next start

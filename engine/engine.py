@@ -10,6 +10,7 @@ from typing import Any
 from . import chat, drafts, forward, models, precision, tp_load
 from .ar import ARDecoder
 from .config import CONFIG_MODES, MODES, EngineConfig
+from .drafting import is_feature_draft
 from .drafts import check_draft_for_mode, default_draft
 from .errors import ParamError
 from .events import Event
@@ -88,7 +89,28 @@ class Engine:
         except BaseException:
             forward.close(target.model)  # no rank outlives a load that failed
             raise
-        return cls(config, target, draft, pre.reason if pre.auto else None)
+        engine = cls(config, target, draft, pre.reason if pre.auto else None)
+        engine.warm(progress)
+        return engine
+
+    def warm(self, progress: models.ProgressFn = models._no_progress) -> None:
+        """On CPU, compile (the first time on this machine) or load the target's graphs for this mode
+        now, behind the load's progress, so that the first reply does not wait for them."""
+        cfg = self.config
+        if cfg.compile not in ("on", "auto") or self.target.device.type != "cpu" or forward.attached(self.target.model):
+            return
+        if cfg.mode == "sd" and self.draft is not None and is_feature_draft(self.draft.model):
+            return  # SD's target runner then also returns hidden states: its own core, made at the first reply
+        rows = (1,) if cfg.mode == "ar" else (cfg.k + 1,)
+        core = getattr(forward.runner(self.target.model, "target", cfg.compile, rows, title=self.target.name), "core", None)
+        if core is None:
+            return
+        said = core.compiler.progress
+        core.compiler.progress = lambda text: progress(text, None)
+        try:
+            core.warm()
+        finally:
+            core.compiler.progress = said
 
     # -- use ----------------------------------------------------------------------------
     @property

@@ -4,7 +4,7 @@
 ``compile`` is the ``--compile`` setting:
 
 * ``off``: the core, eager; ``on``: the core, every row shape compiled; ``auto``: the core,
-  compiled where :mod:`core_compile` decides (CUDA: always; CPU: where it timed faster);
+  compiled on GPUs; on CPU the target compiled (AOTInductor packages, :mod:`aoti`) and drafts eager;
 * ``transformers``: the transformers modules on a ``DynamicCache`` (the reference path).
 
 A model the core does not run (:func:`core.supports`: another architecture, a feature draft, a
@@ -85,17 +85,37 @@ def runner(model: torch.nn.Module, name: str, compile: str = "off", rows: tuple[
     if compile != "transformers":
         ok, why = supports(model)
         if ok:
+            cpu = _device(model).type == "cpu"
+            if compile == "auto" and cpu and name != "target":
+                compile = "off"  # on CPU auto compiles the target (its row-invariant graphs); a draft runs eagerly
             key = (name, mid_layer, compile, () if compile == "off" else tuple(sorted(set(rows))))
             core = st.cores.get(key)
             if core is None:
+                # the target on CPU: row-invariant attention, so AR, SD and SSD compute the same numbers
                 core = st.cores[key] = Core(model, title or name, compile=compile, rows=key[3], mid_layer=mid_layer,
-                                            notify=st.say, progress=st.say)
+                                            notify=st.say, progress=st.say, row_attention=cpu and name == "target")
             core.reset()
             st.runners[name, compile] = kv.CoreRunner(core)
             return st.runners[name, compile]
         st.say(f"the {name} runs on transformers, not the compact core: {why}")
     st.runners[name, compile] = kv.Runner(model, device, mid_layer=mid_layer)
     return st.runners[name, compile]
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def prefill(runner: Any, ids: list[int]) -> torch.Tensor:
+    """Feed a prompt; the logits after its last token.  Every decoder computes a prompt this way: all
+    but the last token in one forward (eager: :meth:`core.Core._forward`), the last as a decode-time
+    row, which SD's first verify also computes as its row 0.  With row-invariant forwards (the
+    compiled CPU core) AR, SD and SSD then see the very same numbers."""
+    if len(ids) > 1:
+        runner.append(ids[:-1], logits="none")
+    return runner.append(ids[-1:]).logits[-1]
 
 
 def attach(model: torch.nn.Module, sharded: Any) -> None:

@@ -214,7 +214,7 @@ class CoreRunner:
     def label(self) -> str:
         """What forwards this runner: "core compiled" while any row shape runs compiled, else "core eager"."""
         c = self.core.compiler
-        compiled = c.active and any(c.verdicts.get(r) != "eager" for r in c.rows)
+        compiled = c.active
         return tp_label("core compiled" if compiled else "core eager", getattr(self.core, "world", 1))
 
     def reset(self) -> None:

@@ -234,7 +234,7 @@ class SSDDecoder:
         target = self.engine.target
         gen = make_generator(params.seed, target.device)
         runner = forward.runner(target.model, "target", self.engine.config.compile, (self.k + 1,), target.device, title=target.name)
-        logits = runner.append(prompt_ids, logits="last").logits[-1]
+        logits = forward.prefill(runner, prompt_ids)
         metrics.prefill_s = time.perf_counter() - t0
         pen = Penalties.of(params, prompt_ids)
         pending = sample_next(pen.with_extra(logits, None), params.temperature, params.top_k, params.top_p, gen)

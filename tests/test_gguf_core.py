@@ -1,5 +1,5 @@
 """The compact core over GGUF-precision linears (quant.GGUFLinear) and row-independent attention
-(rowattn): close to the float32 core, and a verify of k + 1 rows, a tree step and any thread count
+(core.attend_rows): close to the float32 core, and a verify of k + 1 rows, a tree step and any thread count
 computing bit for bit what one-row forwards compute."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ssd_chat.engine import core_compile, gguf_map, quant, rowattn
+from ssd_chat.engine import core_compile, gguf_map, quant
 from ssd_chat.engine.core import Core
 
 from test_quant import load_gguf, write_tiny_gguf
@@ -110,23 +110,6 @@ def test_without_row_attention_the_core_still_agrees_closely(swapped):
     a = Core(swapped, "sdpa", row_attention=False).append(PROMPT + [4, 40]).logits
     b = Core(swapped, "rows", row_attention=True).append(PROMPT).logits
     assert (a[: len(PROMPT)] - b).abs().max().item() < 1e-4 * b.abs().max().item()
-
-
-def test_row_attention_equals_sdpa_up_to_rounding_and_is_row_independent():
-    gen = torch.Generator().manual_seed(0)
-    k, v = torch.randn(2, 40, 16, generator=gen), torch.randn(2, 40, 16, generator=gen)
-    q = torch.randn(5, 6, 16, generator=gen)
-    mask = torch.rand(5, 37, generator=gen) < 0.6
-    mask[:, 0] = True
-    got = rowattn.attend(q, k, v, mask, 0.25)
-    qf = q.transpose(0, 1).reshape(1, 2, 3 * 5, 16)
-    fm = mask[None].expand(3, 5, 37).reshape(1, 1, 15, 37)
-    ref = torch.nn.functional.scaled_dot_product_attention(qf, k[None, :, :37], v[None, :, :37], attn_mask=fm, scale=0.25)
-    ref = ref.reshape(6, 5, 16).transpose(0, 1)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    for r in range(5):
-        width = int(mask[r].nonzero().max()) + 1  # a narrower window with the same allowed slots
-        assert torch.equal(rowattn.attend(q[r:r + 1], k, v, mask[r:r + 1, :width], 0.25)[0], got[r])
 
 
 def test_a_compiled_graph_calls_the_kernels_as_a_custom_op(swapped, monkeypatch):
