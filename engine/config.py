@@ -49,7 +49,7 @@ class EngineConfig:
     speculator_timeout_s: float = 30.0
     # which forward runs the models (engine/forward.py): the compact core eager (off), compiled (on),
     # auto (GPUs: compiled; CPU: the target compiled, drafts eager), or transformers' modules (the reference)
-    compile: str = "auto"
+    compile: str = "off"
 
     def __post_init__(self) -> None:
         if self.mode not in CONFIG_MODES:

@@ -91,9 +91,8 @@ def runner(model: torch.nn.Module, name: str, compile: str = "off", rows: tuple[
             key = (name, mid_layer, compile, () if compile == "off" else tuple(sorted(set(rows))))
             core = st.cores.get(key)
             if core is None:
-                # the target on CPU: row-invariant attention, so AR, SD and SSD compute the same numbers
                 core = st.cores[key] = Core(model, title or name, compile=compile, rows=key[3], mid_layer=mid_layer,
-                                            notify=st.say, progress=st.say, row_attention=cpu and name == "target")
+                                            notify=st.say, progress=st.say)
             core.reset()
             st.runners[name, compile] = kv.CoreRunner(core)
             return st.runners[name, compile]

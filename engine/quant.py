@@ -32,10 +32,11 @@ from . import qkernels
 from .errors import ModelError
 
 TILE, BLOCK = qkernels.TILE, qkernels.BLOCK
-# Q4 blocks go through torch's int4 CPU GEMM with bfloat16 activations (_int4pack) on CPUs with AVX2
-# or better: a verify of 3 rows costs little more than one row (docs/performance-cpu.md).
-# SSD_CHAT_CPU_KERNELS=numba keeps the numba kernels' float32 products.
-INT4 = [os.environ.get("SSD_CHAT_CPU_KERNELS", "").strip().lower() != "numba"
+# SSD_CHAT_CPU_KERNELS=int4: Q4 blocks go through torch's int4 CPU GEMM with bfloat16 activations
+# (_int4pack; AVX2 or better), a verify of 3 rows costing little more than one row.  Opt-in, with
+# --compile on: eager (SDPA) forwards are not row-invariant, and with bfloat16 outputs greedy SD
+# then drifts from AR (docs/performance-cpu.md).
+INT4 = [os.environ.get("SSD_CHAT_CPU_KERNELS", "").strip().lower() == "int4"
         and torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512", "AMX"))]
 KERNEL_MAX_ROWS = 16  # above this many rows, dequantize and use F.linear (a prompt)
 SUPPORTED = ("Q4_0", "Q4_1", "Q8_0")
