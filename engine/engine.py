@@ -88,7 +88,24 @@ class Engine:
         except BaseException:
             forward.close(target.model)  # no rank outlives a load that failed
             raise
-        return cls(config, target, draft, pre.reason if pre.auto else None)
+        engine = cls(config, target, draft, pre.reason if pre.auto else None)
+        if pre.probe:  # auto with a draft: the mode that measured fastest here (engine/probe.py)
+            from .probe import settle
+
+            try:
+                settle(engine, draft_name, pre.probe, progress)
+            except BaseException:
+                engine.close()
+                raise
+        return engine
+
+    def settle(self, mode: str, reason: str, decoder: Any = None) -> None:
+        """Take ``auto``'s measured choice: ``mode``, why, and the probe's decoder for it (a started speculator)."""
+        if self._decoder is not None and self._decoder is not decoder and hasattr(self._decoder, "close"):
+            self._decoder.close()
+        self.config = replace(self.config, mode=mode)
+        self.loaded_mode, self.mode_reason = mode, reason
+        self._decoder, self._decoder_key = (decoder, (mode, self.config)) if decoder is not None else (None, None)
 
     # -- use ----------------------------------------------------------------------------
     @property

@@ -192,7 +192,7 @@ def register(app: typer.Typer) -> None:
             v = values[key]
             shown = "—" if v is None else str(v)
             if key == "mode" and v == "auto" and "mode" in engine:
-                shown = f"auto → {engine['mode']}"
+                shown = f"auto → {engine['mode'] or 'measured at the first start'}"
             elif key == "dtype" and engine.get("precision") not in (None, v):
                 shown = f"{v} → {engine['precision']}"
             elif key == "draft" and engine.get("draft_label"):
@@ -233,6 +233,17 @@ def register(app: typer.Typer) -> None:
             return {"mode_error": str(e)}
         out = dict(in_force(pre.config))
         out.update(mode=pre.config.mode, mode_reason=pre.reason, warnings=list(pre.warnings))
+        if pre.probe:  # auto with a draft: what the probe measured here, else the first start measures
+            from dataclasses import replace
+
+            from .engine.probe import cached_choice, listed
+
+            got = cached_choice(pre.config, pre.draft)
+            if got:
+                out.update(in_force(replace(pre.config, mode=got[0])), mode=got[0], mode_reason=got[1])
+            else:
+                out.update(mode=None, mode_reason=f"the first start measures {listed(pre.probe)} "
+                                                  f"on this machine and keeps the fastest ({pre.reason})")
         c = pre.config
         out["precision"] = planned(c.target, c.target_device, c.dtype) or str(parse_placement(c.target_device, c.dtype).dtype).removeprefix("torch.")
         return out
