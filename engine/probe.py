@@ -248,6 +248,15 @@ def cached_choice(config: "EngineConfig", draft: str | None, path: Path | None =
     return mode, reason(r, mode)
 
 
+def in_config(pre: Any) -> tuple[str | None, str]:
+    """What ``ssd-chat config`` says a :class:`preflight.Preflight` resolves to, without loading: for a probed
+    ``auto``, the cached choice, else ``None`` and that the first start measures."""
+    if not pre.probe:
+        return pre.config.mode, pre.reason
+    return cached_choice(pre.config, pre.draft) or (
+        None, f"the first start measures {listed(pre.probe)} on this machine and keeps the fastest ({pre.reason})")
+
+
 # -- measuring ---------------------------------------------------------------------------------------
 def measure(engine: "Engine", modes: tuple[str, ...], progress: Callable[[str, float | None], None], run: Run = run_decoder,
             repeats: int = REPEATS, tokens: int = TOKENS, decoders: dict[str, Any] | None = None) -> Result:

@@ -3,6 +3,7 @@
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -226,24 +227,15 @@ def register(app: typer.Typer) -> None:
         from .engine.models import parse_placement
         from .engine.precision import planned
         from .engine.preflight import check, in_force
+        from .engine.probe import in_config
 
         try:
             pre = check(engine_config(values))
         except (SSDChatError, ValueError) as e:
             return {"mode_error": str(e)}
-        out = dict(in_force(pre.config))
-        out.update(mode=pre.config.mode, mode_reason=pre.reason, warnings=list(pre.warnings))
-        if pre.probe:  # auto with a draft: what the probe measured here, else the first start measures
-            from dataclasses import replace
-
-            from .engine.probe import cached_choice, listed
-
-            got = cached_choice(pre.config, pre.draft)
-            if got:
-                out.update(in_force(replace(pre.config, mode=got[0])), mode=got[0], mode_reason=got[1])
-            else:
-                out.update(mode=None, mode_reason=f"the first start measures {listed(pre.probe)} "
-                                                  f"on this machine and keeps the fastest ({pre.reason})")
+        mode, why = in_config(pre)  # auto with a draft: what the probe measured here, else that the first start measures
+        out = dict(in_force(replace(pre.config, mode=mode or pre.config.mode)))
+        out.update(mode=mode, mode_reason=why, warnings=list(pre.warnings))
         c = pre.config
         out["precision"] = planned(c.target, c.target_device, c.dtype) or str(parse_placement(c.target_device, c.dtype).dtype).removeprefix("torch.")
         return out
