@@ -3,11 +3,11 @@ any weight loads: which mode ``auto`` picks and why, the devices asked for, whet
 the mode, and models too large for this machine.  Loading a 135M model takes seconds and a 70B one
 minutes to hours: a mistake found here costs the user nothing.
 
-``auto`` picks SSD when the machine has somewhere to put the speculator (a core set of its own
+``auto`` loads for SSD when the machine has somewhere to put the speculator (a core set of its own
 next to the target's, or a GPU of its own) and there is a draft for the target (one named with
-``--draft``, or a trained one shipped for it); otherwise AR, with a reason that says what would
-enable SSD.  It never picks SD: on the CPUs measured, SD with the shipped draft is slower than AR
-(README, "Training a draft").
+``--draft``, or a trained one shipped for it); once loaded, :mod:`probe` keeps the mode that measured
+fastest here (``Preflight.probe``: the modes it times).  Otherwise AR, with a reason that says what
+would enable SSD.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 FILE = "mode-probe.json"
 PROMPT = "Explain in a few sentences how a bicycle works."
-TOKENS = 28  # new tokens per timed run
+TOKENS = 24  # new tokens per timed run
 WARMUP_TOKENS = 6
 REPEATS = 3
 MARGIN = 0.05  # a speculative mode must beat AR by more than this to be chosen
