@@ -258,7 +258,7 @@ def in_config(pre: Any) -> tuple[str | None, str]:
 
 
 # -- measuring ---------------------------------------------------------------------------------------
-def measure(engine: "Engine", modes: tuple[str, ...], progress: Callable[[str, float | None], None], run: Run = run_decoder,
+def measure(engine: "Engine", modes: tuple[str, ...], progress: Callable[[str, float | None], None], run: Run | None = None,
             repeats: int = REPEATS, tokens: int = TOKENS, decoders: dict[str, Any] | None = None) -> Result:
     """Time ``modes`` (AR first) with the engine's models; ``decoders`` receives the decoders it makes
     (the caller keeps the chosen one and closes the rest)."""
@@ -271,6 +271,7 @@ def measure(engine: "Engine", modes: tuple[str, ...], progress: Callable[[str, f
     warm = SamplingParams(temperature=0.0, max_new_tokens=WARMUP_TOKENS, ignore_eos=True)
     params = SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
     decoders = {} if decoders is None else decoders
+    run = run or run_decoder
     samples: dict[str, list[Sample]] = {m: [] for m in modes}
     failed: dict[str, str] = {}
     steps, done = len(modes) * (repeats + 1), 0
@@ -306,7 +307,7 @@ def measure(engine: "Engine", modes: tuple[str, ...], progress: Callable[[str, f
 
 
 def settle(engine: "Engine", draft: str | None, modes: tuple[str, ...], progress: Callable[[str, float | None], None],
-           run: Run = run_decoder, path: Path | None = None) -> Result:
+           run: Run | None = None, path: Path | None = None) -> Result:
     """Give ``engine`` auto's measured mode: from the cache for this setup, else measured now and stored."""
     fields = key_fields(engine.config, draft)
     result = cached(fields, path)

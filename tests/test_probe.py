@@ -235,3 +235,29 @@ def test_config_shows_the_probes_figures_from_the_cache(figures, mode, tmp_path,
     data = json.loads(CliRunner().invoke(app, ["config", "--json"]).stdout)
     assert data["mode"]["resolved"] == mode and data["mode"]["reason"].startswith(line.removeprefix("mode: "))
     assert (data["draft"]["in_force"] is None) == (mode == "ar")  # AR loads no draft
+
+
+@pytest.mark.parametrize("winner", ["ar", "ssd"])
+def test_the_real_speculator_is_closed_unless_ssd_wins(winner, tiny_chat_dir, tmp_path, monkeypatch):  # noqa: F811
+    """The real decoders and speculator process, with the measured rates scaled so ``winner`` wins."""
+    psutil = pytest.importorskip("psutil")
+    real = probe.run_decoder
+
+    def run(decoder, prompt_ids, params):
+        s = real(decoder, prompt_ids, params)
+        return replace(s, tok_s=s.tok_s * (1000.0 if decoder.mode == winner else 1.0)) if not s.failed else s
+
+    monkeypatch.setattr(probe, "run_decoder", run)
+    monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(probe, "TOKENS", 8)
+    cfg = EngineConfig(target=str(tiny_chat_dir), draft="layers:1", mode="auto", target_device="cpu", dtype="float32")
+    with Engine.load(cfg) as e:
+        assert e.config.mode == winner and e.describe()["mode"] == winner
+        speculators = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+        if winner == "ar":
+            assert not speculators and e.decoder().mode == "ar"
+        else:  # the probe's speculator serves the replies: not started a second time
+            pid = e.decoder().worker_pid
+            assert pid is not None and [p.pid for p in speculators] == [pid]
+    assert not psutil.wait_procs(speculators, timeout=30)[1]  # none outlives the engine
