@@ -42,7 +42,7 @@ class Engine:
         self.target = target
         self.draft = draft
         self.loaded_mode = config.mode
-        self.mode_reason = mode_reason  # why ``auto`` chose this mode (see preflight); shown while the mode is unchanged
+        self.mode_reason = mode_reason  # why ``auto`` chose this mode (preflight, probe); shown while the mode is unchanged
         self._decoder: Any = None
         self._decoder_key: tuple | None = None
 
