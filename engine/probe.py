@@ -9,7 +9,7 @@ verification (the mean accepted length) and a verification's cost in AR steps.
 
 A speculative mode is chosen only when it beat AR by more than :data:`MARGIN` (noise is not a reason
 to run a draft).  Results live in ``mode-probe.json`` in the cache dir, one entry per :func:`key_fields`
-(this machine's CPU and cores, torch and ssd-chat versions, the target file, the draft, k, dtype,
+(this machine's CPU, cores and GPUs, torch and ssd-chat versions, the target file, the draft, k, dtype,
 compile, placement, ``SSD_CHAT_CPU_KERNELS``): any change measures again.  An unreadable or corrupt
 file means measuring again; an unwritable one, measuring at every start.
 """
@@ -194,9 +194,12 @@ def _model_identity(name: str) -> list[Any]:
 
 def key_fields(config: "EngineConfig", draft: str | None) -> dict[str, Any]:
     """Everything that can change which mode is fastest here."""
+    import torch
+
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     return {
-        "cpu": _cpu_name(), "cores": cores, "torch": _version("torch"), "ssd-chat": _version("ssd-chat"),
+        "cpu": _cpu_name(), "cores": cores, "gpus": gpus, "torch": _version("torch"), "ssd-chat": _version("ssd-chat"),
         "target": _model_identity(config.target), "draft": _model_identity(draft) if draft else None, "k": config.k,
         "dtype": config.dtype, "compile": config.compile, "target_device": config.target_device,
         "draft_device": config.draft_device, "fan_out": config.fan_out, "budget": config.budget,
