@@ -185,7 +185,7 @@ def _model_identity(name: str) -> list[Any]:
 
     try:
         spec = models.resolve(name)
-    except ModelError:  # a derived draft ("int8", "layers:6", "trained"): the name is all there is
+    except (ModelError, OSError, ValueError):  # a derived draft ("int8", "layers:6", "trained"): the name is all there is
         return [name]
     if spec.kind in ("folder", "gguf"):
         return [spec.kind, *_file_identity(Path(spec.source))]
