@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -107,7 +108,7 @@ class Result:
 
             def floats(x: Any) -> dict[str, float]:
                 out = {str(m): float(v) for m, v in x.items()}
-                if not all(v >= 0 and v == v for v in out.values()):
+                if not all(math.isfinite(v) and v >= 0 for v in out.values()):
                     raise ValueError("bad figure")
                 return out
 
@@ -147,8 +148,13 @@ def reason(r: Result, mode: str, margin: float = MARGIN) -> str:
         noise = f", within the {margin:.0%} noise margin" if mode == "ar" and ratio > 1 else ""
         line += f"; {m.upper()} {ratio:.2f}x AR{noise}" + (f": {', '.join(why)}" if why else "")
     for m, why_failed in (r.failed or {}).items():
-        line += f"; {m.upper()} did not run ({why_failed})"
+        line += f"; {m.upper()} did not run ({_short(why_failed)})"
     return line
+
+
+def _short(text: str, limit: int = 100) -> str:
+    first = " ".join(str(text).split())
+    return first if len(first) <= limit else first[:limit - 1] + "…"
 
 
 # -- the cache -------------------------------------------------------------------------------------
@@ -310,18 +316,22 @@ def measure(engine: "Engine", modes: tuple[str, ...], progress: Callable[[str, f
 
 
 def settle(engine: "Engine", draft: str | None, modes: tuple[str, ...], progress: Callable[[str, float | None], None],
-           run: Run | None = None, path: Path | None = None) -> Result:
-    """Give ``engine`` auto's measured mode: from the cache for this setup, else measured now and stored."""
+           run: Run | None = None, path: Path | None = None) -> Result | None:
+    """Give ``engine`` auto's measured mode: from the cache for this setup, else measured now and stored
+    (None: measuring failed, and the engine runs AR, the one mode that needs nothing else)."""
     fields = key_fields(engine.config, draft)
     result = cached(fields, path)
     decoders: dict[str, Any] = {}
     if result is None:
         try:
             result = measure(engine, modes, progress, run, decoders=decoders)
-        except BaseException:
+        except BaseException as e:
             for d in decoders.values():
                 getattr(d, "close", lambda: None)()
-            raise
+            if not isinstance(e, Exception):
+                raise
+            engine.settle("ar", f"AR: measuring the modes failed ({_short(f'{type(e).__name__}: {e}')})")
+            return None
         store(fields, result, path)
     mode = choose(result)
     for m, d in decoders.items():

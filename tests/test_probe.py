@@ -261,3 +261,13 @@ def test_the_real_speculator_is_closed_unless_ssd_wins(winner, tiny_chat_dir, tm
             pid = e.decoder().worker_pid
             assert pid is not None and [p.pid for p in speculators] == [pid]
     assert not psutil.wait_procs(speculators, timeout=30)[1]  # none outlives the engine
+
+
+def test_a_probe_that_fails_leaves_the_engine_in_ar_and_stores_nothing(eng, fakes, tmp_path):
+    def broken(decoder, prompt_ids, params):
+        raise RuntimeError("boom\nwith a second line")
+
+    path = tmp_path / "p.json"
+    assert probe.settle(eng, "layers:1", MODES, lambda s, f: None, run=broken, path=path) is None
+    assert eng.config.mode == "ar" and eng.mode_reason.startswith("AR: measuring the modes failed (SSDChatError: ")
+    assert "\n" not in eng.mode_reason and fakes["ssd"].closed and not path.exists()
