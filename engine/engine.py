@@ -43,7 +43,7 @@ class Engine:
         self.target = target
         self.draft = draft
         self.loaded_mode = config.mode
-        self.mode_reason = mode_reason  # why ``auto`` chose this mode (see preflight); shown while the mode is unchanged
+        self.mode_reason = mode_reason  # why ``auto`` chose this mode (preflight, probe); shown while the mode is unchanged
         self._decoder: Any = None
         self._decoder_key: tuple | None = None
 
@@ -90,8 +90,24 @@ class Engine:
             forward.close(target.model)  # no rank outlives a load that failed
             raise
         engine = cls(config, target, draft, pre.reason if pre.auto else None)
+        if pre.probe:  # auto with a draft: the mode that measured fastest here (engine/probe.py)
+            from .probe import settle
+
+            try:
+                settle(engine, draft_name, pre.probe, progress)
+            except BaseException:
+                engine.close()
+                raise
         engine.warm(progress)
         return engine
+
+    def settle(self, mode: str, reason: str, decoder: Any = None) -> None:
+        """Take ``auto``'s measured choice: ``mode``, why, and the probe's decoder for it (a started speculator)."""
+        if self._decoder is not None and self._decoder is not decoder and hasattr(self._decoder, "close"):
+            self._decoder.close()
+        self.config = replace(self.config, mode=mode)
+        self.loaded_mode, self.mode_reason = mode, reason
+        self._decoder, self._decoder_key = (decoder, (mode, self.config)) if decoder is not None else (None, None)
 
     def warm(self, progress: models.ProgressFn = models._no_progress) -> None:
         """On CPU, compile (the first time on this machine) or load the target's graphs for this mode

@@ -3,11 +3,11 @@ any weight loads: which mode ``auto`` picks and why, the devices asked for, whet
 the mode, and models too large for this machine.  Loading a 135M model takes seconds and a 70B one
 minutes to hours: a mistake found here costs the user nothing.
 
-``auto`` picks SSD when the machine has somewhere to put the speculator (a core set of its own
+``auto`` loads for SSD when the machine has somewhere to put the speculator (a core set of its own
 next to the target's, or a GPU of its own) and there is a draft for the target (one named with
-``--draft``, or a trained one shipped for it); otherwise AR, with a reason that says what would
-enable SSD.  It never picks SD: on the CPUs measured, SD with the shipped draft is slower than AR
-(README, "Training a draft").
+``--draft``, or a trained one shipped for it); once loaded, :mod:`probe` keeps the mode that measured
+fastest here (``Preflight.probe``: the modes it times).  Otherwise AR, with a reason that says what
+would enable SSD.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class Preflight:
     reason: str  # one line: why this mode (for AR chosen by auto: what would enable SSD)
     auto: bool  # the mode was chosen by auto
     warnings: tuple[str, ...] = ()
+    probe: tuple[str, ...] = ()  # auto with a draft: the modes to time once loaded (engine/probe.py)
 
 
 def draft_kind(name: str, target: str) -> str | None:
@@ -116,8 +117,9 @@ def check(config: "EngineConfig") -> Preflight:
             mode, reason = ("ssd", f"SSD: {where}, draft {draft}") if ok else ("ar", f"AR: {where}")
         config = replace(config, mode=mode)
         auto = True
+        probe = ("ar", "sd", "ssd") if mode == "ssd" else ("ar", "sd") if mode == "sd" else ()
     else:
-        auto = False
+        auto, probe = False, ()
         reason = f"{config.mode.upper()}: set with --mode or in the settings"
     draft = (named or default_draft(config.target)) if config.needs_draft else None
     if draft is not None:
@@ -135,7 +137,7 @@ def check(config: "EngineConfig") -> Preflight:
         if kind == "model":
             dplace = models.parse_placement(config.draft_device, config.dtype, "--draft-device")
             warnings += _memory_warnings(models.resolve(draft), dplace)
-    return Preflight(config, draft, reason, auto, tuple(warnings))
+    return Preflight(config, draft, reason, auto, tuple(warnings), probe)
 
 
 def _memory_warnings(spec: models.ModelSpec, place: models.Placement) -> list[str]:

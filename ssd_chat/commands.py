@@ -3,6 +3,7 @@
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -192,7 +193,7 @@ def register(app: typer.Typer) -> None:
             v = values[key]
             shown = "—" if v is None else str(v)
             if key == "mode" and v == "auto" and "mode" in engine:
-                shown = f"auto → {engine['mode']}"
+                shown = f"auto → {engine['mode'] or 'measured at the first start'}"
             elif key == "dtype" and engine.get("precision") not in (None, v):
                 shown = f"{v} → {engine['precision']}"
             elif key == "draft" and engine.get("draft_label"):
@@ -226,13 +227,15 @@ def register(app: typer.Typer) -> None:
         from .engine.models import parse_placement
         from .engine.precision import planned
         from .engine.preflight import check, in_force
+        from .engine.probe import in_config
 
         try:
             pre = check(engine_config(values))
         except (SSDChatError, ValueError) as e:
             return {"mode_error": str(e)}
-        out = dict(in_force(pre.config))
-        out.update(mode=pre.config.mode, mode_reason=pre.reason, warnings=list(pre.warnings))
+        mode, why = in_config(pre)  # auto with a draft: what the probe measured here, else that the first start measures
+        out = dict(in_force(replace(pre.config, mode=mode or pre.config.mode)))
+        out.update(mode=mode, mode_reason=why, warnings=list(pre.warnings))
         c = pre.config
         out["precision"] = planned(c.target, c.target_device, c.dtype) or str(parse_placement(c.target_device, c.dtype).dtype).removeprefix("torch.")
         return out

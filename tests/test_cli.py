@@ -53,15 +53,19 @@ def test_ask_json_says_which_forward_ran_and_both_give_the_same_tokens():
 @pytest.mark.slow
 @pytest.mark.parametrize("cores", [None, {0}])
 def test_ask_json_reports_the_mode_auto_ran(cores):
-    """The default mode is auto: SSD with a core for the speculator (and the shipped draft), AR on one core."""
+    """The default mode is auto: with a core for the speculator (and the shipped draft) the mode that measured
+    fastest here (engine/probe.py), AR on one core."""
     preexec = (lambda: os.sched_setaffinity(0, cores)) if cores else None
     r = subprocess.run([sys.executable, "-m", "ssd_chat", "ask", "--json", "-n", "12", "--temperature", "0", "What is the capital of France?"],
                        capture_output=True, text=True, timeout=300, preexec_fn=preexec)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    if cores is None and len(os.sched_getaffinity(0)) >= 2:
-        assert out["mode"] == "ssd" and out["stats"]["rounds"] > 0 and out["draft"].startswith("trained (")
-        assert out["mode_reason"].startswith("SSD: speculator on cpu")
+    if cores is None and len(os.sched_getaffinity(0)) >= 2:  # SSD can run: auto keeps what measured fastest here
+        assert out["mode_reason"].startswith(f"{out['mode'].upper()}: measured fastest here (AR "), out["mode_reason"]
+        if out["mode"] == "ar":
+            assert out["stats"]["rounds"] == 0 and out["draft"] is None
+        else:
+            assert out["stats"]["rounds"] > 0 and out["draft"].startswith("trained (")
     else:
         assert out["mode"] == "ar" and out["stats"]["rounds"] == 0 and out["draft"] is None
         assert "1 CPU core" in out["mode_reason"]
