@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -123,8 +124,15 @@ class Engine:
             return
         said = core.compiler.progress
         core.compiler.progress = lambda text: progress(text, None)
+        where = contextlib.nullcontext()
+        if cfg.mode == "ssd":  # the verifier's cores and threads: a graph is built for a thread count
+            from .ssd_plan import pinned, plan
+
+            p = plan(cfg, self.target.device, self.target.placement.cores)
+            where = pinned(p.target_cores, p.target_threads)
         try:
-            core.warm()
+            with where:
+                core.warm()
         finally:
             core.compiler.progress = said
 

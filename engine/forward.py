@@ -149,6 +149,8 @@ def label(model: torch.nn.Module, name: str, compile: str) -> str:
     """What forwards ``model`` in the role ``name``: its last runner's label, else :func:`predict`."""
     got = _own(model)
     r = got.runners.get((name, compile)) if got is not None else None
+    if r is None and compile == "auto" and name != "target" and _device(model).type == "cpu":
+        compile = "off"  # what runner() makes of it
     return r.label if r is not None else predict(model, compile)
 
 
