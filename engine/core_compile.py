@@ -69,6 +69,11 @@ class Compiler:
     def active(self) -> bool:
         return self.mode != "off" and self.failed is None and bool(self.rows)
 
+    def forget(self) -> None:
+        """Drop the graphs made so far: CPU packages bake the weights in (:mod:`aoti`), so a caller that
+        changes them in place must call this; the next call loads or builds a package for the new ones."""
+        self._fns.clear()
+
     def shape_for(self, n: int) -> int | None:
         """The compiled row count that serves ``n`` rows (None: run eagerly)."""
         for r in self.rows:

@@ -85,6 +85,9 @@ def test_a_compile_failure_runs_eagerly_with_one_notice(pair, monkeypatch):
         raise RuntimeError("InductorError: no C++ compiler\nmore detail")
 
     monkeypatch.setattr(torch, "compile", broken)
+    from ssd_chat.engine import aoti
+
+    monkeypatch.setattr(aoti, "load_or_build", broken)  # CPU graphs are AOTInductor packages
     with Engine(EngineConfig(mode="ar", compile="on"), target) as eng:
         got, notices = [], []
         for p in PROMPTS[:2]:

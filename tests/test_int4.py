@@ -108,3 +108,26 @@ def test_the_compiled_cpu_core_verifies_bit_for_bit_like_one_row_steps(tmp_path_
         assert core.compiler.active and set(core.compiler._fns) == {(1, threads), (3, threads)}
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+def test_a_cpu_graph_is_built_once_then_loaded(tmp_path, monkeypatch):
+    """The AOTInductor package is stored under the cache dir; a second core over the same weights
+    loads it (no 'compiling' line) and computes the same logits; other weights get a package of their own."""
+    monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path))
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", layers=1, seed=9)
+    model = load_gguf(path)
+    quant.swap_modules(model, gguf_map.gguf_linears(model, path, check_rows=10**6))
+    said: list[str] = []
+    first = Core(model, "pkg", compile="on", rows=(1,), progress=said.append)
+    first.append(PROMPT, logits="none")
+    a = first.append([4]).logits
+    assert said == ["compiling pkg for 1 rows (once)"] and len(list((tmp_path / "aoti").glob("*.pt2"))) == 1
+    again: list[str] = []
+    second = Core(model, "pkg", compile="on", rows=(1,), progress=again.append)
+    second.append(PROMPT, logits="none")
+    assert torch.equal(second.append([4]).logits, a) and again == []
+    from ssd_chat.engine import aoti
+
+    same, other = load_gguf(path), load_gguf(write_tiny_gguf(tmp_path / "other.gguf", layers=1, seed=10))
+    assert aoti.fingerprint(same) == aoti.fingerprint(load_gguf(path)) != aoti.fingerprint(other)
