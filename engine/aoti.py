@@ -13,28 +13,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from .config import cache_dir
+from .devices import cpu_name
 
 if TYPE_CHECKING:
     from .core import Core
 
 VERSION = "v1"  # bump when the graph's code changes in a way the key does not see
-
-
-def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def fingerprint(model: torch.nn.Module) -> str:
@@ -55,7 +45,7 @@ def fingerprint(model: torch.nn.Module) -> str:
 
 
 def path_for(core: "Core", rows: int) -> Path:
-    ident = [_cpu_name(), torch.__version__, torch.get_num_threads(), rows, fingerprint(core.model),
+    ident = [cpu_name(), torch.__version__, torch.get_num_threads(), rows, fingerprint(core.model),
              core.mid_layer, os.environ.get("SSD_CHAT_CPU_KERNELS", ""), VERSION]
     key = hashlib.sha256(json.dumps(ident, default=str).encode()).hexdigest()[:20]
     return cache_dir() / "aoti" / f"{core.name.replace('/', '_')}-{rows}rows-{key}.pt2"

@@ -111,8 +111,7 @@ class Compiler:
         width = kv.capacity + 1 if self.cuda else self._cpu_width(mask.shape[1])  # CUDA graphs: the whole buffer
         if n == r and width == mask.shape[1]:
             return ids, pos, slots, mask
-        m = torch.zeros(r, width, dtype=torch.bool, device=mask.device)
-        m[:n, : mask.shape[1]] = mask
+        m = self.pad_width(mask, r, width)
         m[n:, 0] = True  # padding rows look at slot 0 (any finite slot) and write to the trash slot
         pad = r - n
         z = ids.new_zeros(pad)
@@ -131,13 +130,15 @@ class Compiler:
                 pass
         return min(want, kv.capacity + 1)
 
-    def pad_width(self, mask: torch.Tensor) -> torch.Tensor:
-        """``mask`` [T, W] with False columns up to :meth:`_cpu_width` (W)."""
-        width = self._cpu_width(mask.shape[1])
-        if width == mask.shape[1]:
+    def pad_width(self, mask: torch.Tensor, rows: int | None = None, width: int | None = None) -> torch.Tensor:
+        """``mask`` [T, W] padded with False to ``rows`` rows (default T) and ``width`` columns
+        (default :meth:`_cpu_width` (W)); ``mask`` itself where nothing is added."""
+        rows = mask.shape[0] if rows is None else rows
+        width = self._cpu_width(mask.shape[1]) if width is None else width
+        if (rows, width) == tuple(mask.shape):
             return mask
-        m = torch.zeros(mask.shape[0], width, dtype=torch.bool, device=mask.device)
-        m[:, : mask.shape[1]] = mask
+        m = torch.zeros(rows, width, dtype=torch.bool, device=mask.device)
+        m[: mask.shape[0], : mask.shape[1]] = mask
         return m
 
     def _dummy(self, r: int) -> tuple:

@@ -5,12 +5,25 @@ The forms themselves (device lists, ranges, ``pipeline:``) are read by :mod:`pla
 from __future__ import annotations
 
 import os
+import platform
 import re
 from dataclasses import dataclass
 
 import torch
 
 from .errors import DeviceError
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform says: part of every per-machine cache key."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,28 +9,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from .config import cache_dir
+from .devices import cpu_name
 from .rowkernels import MAX_ROWS
 
 Tune = Callable[[list[torch.Tensor], bool], dict[int, str]]
 
 
 def machine_key(allow_t: bool, methods: list[str]) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    ident = [cpu, torch.__version__, torch.get_num_threads(), allow_t, MAX_ROWS, methods, "v2"]
+    ident = [cpu_name(), torch.__version__, torch.get_num_threads(), allow_t, MAX_ROWS, methods, "v2"]
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
 
 

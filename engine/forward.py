@@ -85,9 +85,7 @@ def runner(model: torch.nn.Module, name: str, compile: str = "off", rows: tuple[
     if compile != "transformers":
         ok, why = supports(model)
         if ok:
-            cpu = _device(model).type == "cpu"
-            if compile == "auto" and cpu and name != "target":
-                compile = "off"  # on CPU auto compiles the target (its row-invariant graphs); a draft runs eagerly
+            compile = _effective(compile, name, model)
             key = (name, mid_layer, compile, () if compile == "off" else tuple(sorted(set(rows))))
             core = st.cores.get(key)
             if core is None:
@@ -101,10 +99,11 @@ def runner(model: torch.nn.Module, name: str, compile: str = "off", rows: tuple[
     return st.runners[name, compile]
 
 
-def _device(model: torch.nn.Module) -> torch.device:
-    for t in model.parameters():
-        return t.device
-    return torch.device("cpu")
+def _effective(compile: str, name: str, model: torch.nn.Module) -> str:
+    """``compile`` as :func:`runner` applies it: on CPU ``auto`` compiles the target (its row-invariant
+    graphs) and runs a draft eagerly."""
+    first = next(model.parameters(), None) if compile == "auto" and name != "target" else None
+    return "off" if first is not None and first.device.type == "cpu" else compile
 
 
 def prefill(runner: Any, ids: list[int]) -> torch.Tensor:
@@ -149,9 +148,7 @@ def label(model: torch.nn.Module, name: str, compile: str) -> str:
     """What forwards ``model`` in the role ``name``: its last runner's label, else :func:`predict`."""
     got = _own(model)
     r = got.runners.get((name, compile)) if got is not None else None
-    if r is None and compile == "auto" and name != "target" and _device(model).type == "cpu":
-        compile = "off"  # what runner() makes of it
-    return r.label if r is not None else predict(model, compile)
+    return r.label if r is not None else predict(model, _effective(compile, name, model))
 
 
 def take_notices(*models: torch.nn.Module | None) -> list[str]:

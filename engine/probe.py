@@ -20,7 +20,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import cache_dir
+from .devices import cpu_name as _cpu_name  # a seam: tests give it another CPU
 
 if TYPE_CHECKING:
     from .config import EngineConfig
@@ -173,16 +173,6 @@ def _short(text: str, limit: int = 100) -> str:
 
 
 # -- the cache -------------------------------------------------------------------------------------
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _version(dist: str) -> str:
     try:
         return metadata.version(dist)
