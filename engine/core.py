@@ -274,9 +274,11 @@ class Core:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, logits: str,
                  hidden: bool) -> CoreOutput:
-        # compiled graphs serve decode-time forwards (every row's logits); a prefill (last/none) runs
-        # eagerly, so a prompt is computed one way whatever row shapes a decoder compiled
-        got = self.compiler.run(ids, pos, slots, mask) if logits == "all" else None
+        # compiled graphs serve decode-time forwards (every row's logits, or one row's: a draft step);
+        # a prefill (last/none) runs eagerly, so a prompt is computed one way whatever row shapes a
+        # decoder compiled
+        decode = logits == "all" or (logits == "last" and ids.shape[0] == 1)
+        got = self.compiler.run(ids, pos, slots, mask) if decode else None
         if got is not None:  # compiled: logits of every row
             lg, h, mid = got
             lg = None if logits == "none" else lg[-1:] if logits == "last" else lg

@@ -22,7 +22,10 @@ reruns the call eagerly: the caller sees the eager result, never a traceback.
 from __future__ import annotations
 
 import os
+import threading
 import time
+import traceback
+from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -163,6 +166,8 @@ class Compiler:
             elif first:
                 self.progress(f"compiling {self.core.name} for {r} rows (once)")
                 fn = self._fns[key] = _compile(self.core.graph_for(r), self.cuda)
+            if self.cuda:
+                _graph_tls()
             if self._static != kv.version and self.cuda:  # new cache tensors: CUDA graphs write them in place
                 for t in kv.k + kv.v:
                     torch._dynamo.mark_static_address(t)
@@ -180,9 +185,24 @@ class Compiler:
 
     def _fail(self, e: BaseException) -> None:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        if not first:  # a bare assert: where it was raised is the only lead
+            tb = traceback.extract_tb(e.__traceback__)
+            first = f"at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else ""
         self.failed = f"{type(e).__name__}: {first}"
         self._fns.clear()
         self.notify(f"compiling {self.core.name} failed ({self.failed}); it runs uncompiled")
+
+
+def _graph_tls() -> None:
+    """CUDA graph trees keep their managers in thread-local storage set up by the thread that imported
+    them; torch before 2.13 asserts when another thread (the app's loader, the rig's speculator) first
+    compiles or replays a graph.  Give this thread its own, as torch 2.13 does."""
+    from torch._inductor import cudagraph_trees as ct
+
+    if hasattr(ct.local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
+        return
+    ct.local.tree_manager_containers = {}
+    ct.local.tree_manager_locks = defaultdict(threading.Lock)
 
 
 def _use_disk_cache() -> None:

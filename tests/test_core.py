@@ -264,6 +264,39 @@ def test_an_injected_compile_failure_falls_back_to_eager_with_one_notice(monkeyp
     assert not core.compiler.active and core.compiler.run(*[torch.zeros(1, dtype=torch.long)] * 3, torch.ones(1, 1, dtype=torch.bool)) is None
 
 
+def test_a_bare_assert_while_compiling_says_where_it_was_raised(monkeypatch):
+    def broken(fn, cuda):
+        def run(*a, **k):
+            raise AssertionError  # what `assert x` raises outside pytest
+        return run
+
+    monkeypatch.setattr(core_compile, "_compile", broken)
+    notices: list[str] = []
+    core = Core(tiny_llama(seed=0, dtype=torch.float32), "tiny", compile="on", rows=(1,), notify=notices.append)
+    _greedy(core, PROMPT, 2)
+    assert len(notices) == 1 and "(AssertionError: at test_core.py:" in notices[0]
+
+
+def test_cuda_graph_trees_get_thread_local_state_in_any_thread():
+    """torch < 2.13 asserts when a thread other than the importing one first compiles a CUDA graph
+    (the GPU check's draft worker did); core_compile gives each thread its own state."""
+    import threading
+
+    from torch._inductor import cudagraph_trees as ct
+
+    seen = []
+
+    def worker():
+        seen.append(hasattr(ct.local, "tree_manager_containers"))
+        core_compile._graph_tls()
+        seen.append(ct.local.tree_manager_containers is not ct.get_obj(ct.local, "tree_manager_locks"))
+        seen.append(isinstance(ct.local.tree_manager_containers, dict))
+
+    t = threading.Thread(target=worker)
+    t.start(), t.join()
+    assert seen == [False, True, True]
+
+
 def test_compiled_rows_pad_up(monkeypatch, tmp_path):
     """The seam returns the graph uncompiled, so padding and routing are tested without inductor."""
     monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path))
@@ -284,6 +317,27 @@ def test_compiled_rows_pad_up(monkeypatch, tmp_path):
     assert calls == [4]  # 2 rows ran in the 4-row graph (2 padding rows in the trash slot)
     torch.testing.assert_close(core.append([1, 2, 3, 4, 5]).logits, ref.append([1, 2, 3, 4, 5]).logits, rtol=1e-9, atol=1e-9)
     assert calls == [4]  # 5 rows: more than any graph, eager
+
+
+def test_a_one_row_draft_step_runs_compiled_and_a_prefill_eagerly(monkeypatch, tmp_path):
+    """A draft's step asks for the last row's logits: with one row that is a decode step (the compiled
+    graph); several rows with last or none are a prefill (eager)."""
+    monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path))
+    calls: list[int] = []
+
+    def fake(fn, cuda):
+        def run(ks, vs, ids, *rest):
+            calls.append(ids.shape[0])
+            return fn(ks, vs, ids, *rest)
+        return run
+
+    monkeypatch.setattr(core_compile, "_compile", fake)
+    core = Core(_randomize(tiny_llama(seed=0)), "tiny", compile="on", rows=(1, 4))
+    core.append(PROMPT, logits="none")
+    core.append([5, 6], logits="last")
+    assert calls == []
+    core.append([7], logits="last")
+    assert calls == [1]
 
 
 @pytest.mark.slow
