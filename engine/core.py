@@ -205,6 +205,7 @@ class Core:
         self.kv = StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device, name,
                            limit=ctx + lookahead if ctx else None)
         self.compiler = Compiler(self, compile, tuple(rows), notify, progress)
+        self.latency: Callable[[int], Any] | None = None  # a context per forward of n rows (:func:`simulate.latency`)
 
     # -- the public calls ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -273,6 +274,13 @@ class Core:
             raise ValueError(f"'{self.name}': position {last} is past its context of {self.max_positions} tokens")
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, logits: str,
+                 hidden: bool) -> CoreOutput:
+        if self.latency is None:
+            return self._compute(ids, pos, slots, mask, logits, hidden)
+        with self.latency(int(ids.shape[0])):  # simulated hardware (:mod:`simulate`): compute, then sleep
+            return self._compute(ids, pos, slots, mask, logits, hidden)
+
+    def _compute(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, logits: str,
                  hidden: bool) -> CoreOutput:
         # compiled graphs serve decode-time forwards (every row's logits, or one row's: a draft step);
         # a prefill (last/none) runs eagerly, so a prompt is computed one way whatever row shapes a

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import kv
+from . import kv, simulate
 from .config import COMPILE
 from .errors import ParamError
 from .core import Core, supports
@@ -92,6 +92,7 @@ def runner(model: torch.nn.Module, name: str, compile: str = "off", rows: tuple[
                 core = st.cores[key] = Core(model, title or name, compile=compile, rows=key[3], mid_layer=mid_layer,
                                             notify=st.say, progress=st.say)
             core.reset()
+            core.latency = simulate.latency(name)
             st.runners[name, compile] = kv.CoreRunner(core)
             return st.runners[name, compile]
         st.say(f"the {name} runs on transformers, not the compact core: {why}")

@@ -125,6 +125,17 @@ def verify(draft_ids: Tensor, q: Tensor, p: Tensor, gen: torch.Generator) -> tup
     return n, bonus
 
 
+def greedy_outcome(logits: Tensor, drafts: list[int]) -> tuple[int, int]:
+    """:func:`verify` at temperature 0, where p and q are point masses: a draft token is accepted while
+    it is the target's argmax, and the bonus is the argmax after the accepted prefix.  One argmax
+    instead of a dozen small ops over [k+1, V] (at GPU round times each op costs).  logits: [k+1, V]."""
+    best = logits.argmax(dim=-1).tolist()
+    n = 0
+    while n < len(drafts) and drafts[n] == best[n]:
+        n += 1
+    return n, best[n]
+
+
 def saguaro_reshape(q: Tensor, c: float, num_top: int) -> Tensor:
     """Saguaro sampling (Kumar, Dao & May 2026, Def. 14): scale the probability of the
     ``num_top`` most likely tokens by ``c`` and renormalise.  q: [..., V].

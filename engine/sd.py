@@ -32,7 +32,7 @@ from .metrics import Metrics
 from .models import LoadedModel
 from .params import SamplingParams
 from .penalties import Penalties
-from .sampling import logits_to_probs, make_generator, sample, verify
+from .sampling import greedy_outcome, logits_to_probs, make_generator, sample, verify
 
 
 def emit_block(
@@ -131,9 +131,13 @@ class SDDecoder:
                 t_verify = time.perf_counter()
                 out = target.append([seq[-1], *drafts], hidden=features)  # logits [k+1, V]
                 # row i follows seq + drafts[:i]: penalized for exactly that prefix, as AR would
-                p = logits_to_probs(tpen.rows(out.logits, drafts), params.temperature, params.top_k, params.top_p)  # [k+1, V]
-                q = torch.stack(qs).to(tdev) if k else p[:0]  # [k, V]
-                num_accepted, bonus = verify(torch.tensor(drafts, dtype=torch.long, device=tdev), q, p, gen)
+                rows = tpen.rows(out.logits, drafts)
+                if params.temperature == 0.0:  # point masses: one argmax decides (sampling.greedy_outcome)
+                    num_accepted, bonus = greedy_outcome(rows, drafts)
+                else:
+                    p = logits_to_probs(rows, params.temperature, params.top_k, params.top_p)  # [k+1, V]
+                    q = torch.stack(qs).to(tdev) if k else p[:0]  # [k, V]
+                    num_accepted, bonus = verify(torch.tensor(drafts, dtype=torch.long, device=tdev), q, p, gen)
                 # roll back: both keep [.., last, d1..dn]
                 target.truncate(num_seq + num_accepted)
                 draft.rollback(num_seq + num_accepted, out)

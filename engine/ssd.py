@@ -56,7 +56,7 @@ from .metrics import Metrics
 from .params import SamplingParams
 from .penalties import Penalties
 from .proposers import LocalProposer, NoProposer, RemoteProposer
-from .sampling import logits_to_probs, make_generator, sample_next, verify
+from .sampling import greedy_outcome, logits_to_probs, make_generator, sample_next, verify
 from .sd import emit_block
 from .spec_worker import recipe_for
 from .ssd_plan import Plan, pinned, plan  # noqa: F401 - Plan and plan: SSD's placement, public here
@@ -260,10 +260,14 @@ class SSDDecoder:
         t_verify = time.perf_counter()
         logits = st.target.append([st.pending, *drafts]).logits  # [k+1, V]
         # row i follows seq + [pending, d_1..d_i]: penalized for exactly that prefix, as AR would
-        p = logits_to_probs(st.pen.rows(logits, [st.pending, *drafts], 1), st.params.temperature, st.params.top_k, st.params.top_p)
-        d = torch.tensor(drafts, dtype=torch.long, device=p.device)
-        q = prop.q.to(p.device) if prop.q is not None else F.one_hot(d, p.shape[-1]).float()  # [k, V]; point masses
-        n, bonus = verify(d, q, p, st.gen)
+        rows = st.pen.rows(logits, [st.pending, *drafts], 1)
+        if st.params.temperature == 0.0 and prop.q is None:
+            n, bonus = greedy_outcome(rows, drafts)
+        else:
+            p = logits_to_probs(rows, st.params.temperature, st.params.top_k, st.params.top_p)
+            d = torch.tensor(drafts, dtype=torch.long, device=p.device)
+            q = prop.q.to(p.device) if prop.q is not None else F.one_hot(d, p.shape[-1]).float()  # [k, V]; point masses
+            n, bonus = verify(d, q, p, st.gen)
         st.target.truncate(len(st.seq) + 1 + n)  # keep [.., pending, d_1..d_n]
         st.verify_s = time.perf_counter() - t_verify
 

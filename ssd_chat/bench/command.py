@@ -41,6 +41,8 @@ def bench_command(
     preset: Annotated[Optional[str], typer.Option("--preset", help="gpu: a target/draft pair from the local HF cache, bf16, the draft on its own GPU.", show_default=False)] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan (models, placements, prompts) and an estimate of how long the run takes (the models load and each configuration decodes a few tokens), then exit without running the bench.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No per-run progress lines on stderr.")] = False,
+    simulate: Annotated[Optional[str], typer.Option("--simulate", metavar="PROFILE", help="Race on simulated GPU hardware: the real decoders and speculator on small models, every forward padded to PROFILE's latency (h100-70b-1b, h200-8b-1b, rtx4090-8b-1b, or a .json file). Its figures are a simulation, never a GPU measurement.", show_default=False)] = None,
+    acceptance: Annotated[str, typer.Option("--acceptance", help="With --simulate: the per-token acceptances to sweep (the draft is calibrated to each).")] = "0.5,0.6,0.7,0.8,0.9",
     against: Annotated[Optional[tuple[str, str]], typer.Option("--against", metavar="llama.cpp PATH", help="Also time llama.cpp's llama-bench (PATH: the binary or its build folder) on the same GGUF, cores and token count, and report the ratios.", show_default=False)] = None,
     target: Target = None, draft: Draft = None, k: K = None,
     temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
@@ -71,6 +73,14 @@ def bench_command(
     max_new = max_new_tokens or merged.get("max_new_tokens") or DEFAULT_MAX_NEW
     console = Console() if sys.stdout.isatty() else Console(width=120)  # a log or a pipe: room for the tables
     err = Console(stderr=True)
+    if simulate is not None:
+        from .simulate import command as simulated
+
+        models = sorted(given & {"target", "draft", "target_device", "draft_device", "dtype", "compile"})
+        if models or preset or against:
+            raise fail(f"--simulate runs its own small models on simulated hardware; {', '.join(models) or 'preset/against'} does not apply", 2)
+        raise typer.Exit(simulated(simulate, acceptance, limit or 4, max_new_tokens or 128, merged.get("seed") or 0,
+                                   json_file, plot_file, markdown_file, console, err, quiet))
     try:
         prompt_list, prompt_source = load_prompts(prompts, limit)
         from ..config import ConfigError
