@@ -150,6 +150,13 @@ class _Layer:
     scaling: float
 
 
+def _span(x: list[int] | torch.Tensor) -> tuple[int, int]:
+    """(min, max) of ids, positions or slots; from a list without touching a device."""
+    if isinstance(x, torch.Tensor):
+        return int(x.min()), int(x.max())
+    return min(x), max(x)
+
+
 class Core:
     """The compact forward over ``model``'s own modules, with its own :class:`StaticKV`.
 
@@ -228,14 +235,15 @@ class Core:
              mask: torch.Tensor, logits: str = "all", hidden: bool = False) -> CoreOutput:
         """Rows ``ids`` at RoPE ``positions``, K/V written to ``slots``, row r attending to the slots
         where ``mask[r]`` (bool [T, W]) is True.  The committed length is not changed."""
+        (pos_lo, pos_hi), (sl_lo, sl_hi) = _span(positions), _span(slots)  # before a GPU copy: no sync
         ids_t, pos, sl = self._ids(ids), self._ids(positions), self._ids(slots)
         if not ids_t.numel() == pos.numel() == sl.numel() == mask.shape[0]:
             raise ValueError(f"step: {ids_t.numel()} ids, {pos.numel()} positions, {sl.numel()} slots, {mask.shape[0]} mask rows")
         self._check(int(ids_t.numel()), logits)
-        if int(sl.min()) < 0 or int(pos.min()) < 0:
+        if sl_lo < 0 or pos_lo < 0:
             raise ValueError("step: slots and positions must be >= 0")
-        self._check_positions(int(pos.max()))
-        self.kv.reserve(max(int(sl.max()) + 1, mask.shape[1]))
+        self._check_positions(pos_hi)
+        self.kv.reserve(max(sl_hi + 1, mask.shape[1]))
         return self._forward(ids_t, pos, sl, mask.to(self.device, torch.bool), logits, hidden)
 
     def tree(self, ids: list[int] | torch.Tensor, positions: list[int] | torch.Tensor, slots: list[int] | torch.Tensor,
@@ -243,11 +251,12 @@ class Core:
              hidden: bool = False) -> CoreOutput:
         """A :meth:`step` whose row r sees slots [0, prefix) (default: the committed length), the
         slots in ``ancestors[r]`` and its own slot: one depth of an SSD tree, or a whole tree."""
+        sl_hi = _span(slots)[1]
         sl = self._ids(slots)
         anc_max = max((max(a) for a in ancestors if a), default=-1) if isinstance(ancestors, list) else ancestors.shape[1] - 1
-        width = max(int(sl.max()), anc_max, (self.kv.length if prefix is None else prefix) - 1) + 1
+        width = max(sl_hi, anc_max, (self.kv.length if prefix is None else prefix) - 1) + 1
         mask = self.kv.tree_mask(sl, ancestors, self.kv.length if prefix is None else prefix, width)
-        return self.step(ids, positions, sl, mask, logits, hidden)
+        return self.step(ids, positions, slots, mask, logits, hidden)
 
     def reset(self) -> None:
         """Forget the sequence (a new chat): length 0, the buffer is kept."""

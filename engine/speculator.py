@@ -106,6 +106,7 @@ class Speculator:
         self.build_s = 0.0
         self._glue_logits: list[torch.Tensor] | None = None  # g_0..g_{k-1} left by a neural fallback or a hit
         self._scratch: _Scratch | None = None  # the last complete tree, for _adopt
+        self._to_adopt: tuple[tuple[int, int], tuple[int, ...]] | None = None  # a hit's branch, adopted after the reply
 
     # -- per reply ------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int], settings: Settings) -> None:
@@ -137,6 +138,7 @@ class Speculator:
     def serve(self, req: int, k_prev: int, bonus: int, verify_s: float = 0.0) -> tuple[Reply, torch.Tensor | None]:
         """The speculation for the round after outcome ``(k_prev, bonus)`` (k_prev = -1: the first round).
         Returns the reply and q' rows [k, V] (None: point masses)."""
+        self._settle()
         if self.spec is not None and k_prev >= 0:
             self.ctx += [self.pending] + list(self.spec[:k_prev])  # type: ignore[list-item]
             self.pen.add([self.pending, *self.spec[:k_prev]])  # type: ignore[list-item]
@@ -158,13 +160,13 @@ class Speculator:
         if entry is not None:
             tokens, q = entry
             kind = None
-            self._adopt((k_prev, bonus), tokens)
+            self._to_adopt = ((k_prev, bonus), tokens)  # the KV move waits until the reply is out (:meth:`_settle`)
         else:
+            self._scratch = None
             kind = self._choose_fallback()
             t0 = time.perf_counter()
             tokens, q = self._neural() if kind == "neural" else self._fast()
             fb_s = time.perf_counter() - t0
-        self._scratch = None
         self.spec, self.spec_hit, self.spec_fallback = tokens, entry is not None, kind
         reply = Reply(req, tokens, q is not None, entry is not None, kind, fb_s, predicted, build_s, self.step_s)
         return reply, q
@@ -219,6 +221,7 @@ class Speculator:
     @torch.inference_mode()
     def build(self, abort: Callable[[], bool] = lambda: False) -> None:
         """Predict the outcomes of the round being verified and draft k tokens for each (one tree)."""
+        self._settle()
         if self.spec is None or self.fan is None:
             return
         t0 = time.perf_counter()
@@ -260,6 +263,12 @@ class Speculator:
         k, dev, B = self.k, self.device, len(js)
         base = self.runner.length  # L + k + 1: prefix + glue
         x = torch.tensor(cands, device=dev)
+        # the slots each row sees beyond the prefix, kept as one bool matrix (one column set per depth)
+        # rather than rebuilt from lists at every depth: row b sees the glue up to its own accepted
+        # length, L..L+j_b, then its branch's earlier tree rows
+        cols = torch.arange(base + k * B)
+        seen = (cols[None, :] >= L) & (cols[None, :] <= L + torch.tensor(js)[:, None])  # [B, base + kB], on the CPU
+        rows_b = torch.arange(B)
         toks = torch.empty(B, k, dtype=torch.long, device=dev)
         qs: list[torch.Tensor] = []
         depth_logits: list[torch.Tensor] = []
@@ -270,10 +279,11 @@ class Speculator:
             if abort():
                 return None
             # branch b sees the prefix, the glue up to its own accepted length, its earlier tree rows and itself
-            ancestors = [list(range(L, L + j + 1)) + [base + e * B + b for e in range(d)] for b, j in enumerate(js)]
-            slots = [base + d * B + b for b in range(B)]
+            if d:
+                seen[rows_b, base + (d - 1) * B + rows_b] = True
+            slots = list(range(base + d * B, base + (d + 1) * B))
             positions = [L + 1 + d + j for j in js]  # RoPE positions of the hypothesised sequences
-            logits = fit_vocab(self.runner.tree(x, positions, slots, ancestors, prefix=L).logits, self.vocab)  # [B, V]
+            logits = fit_vocab(self.runner.tree(x, positions, slots, seen[:, : base + d * B], prefix=L).logits, self.vocab)  # [B, V]
             depth_logits.append(logits)
             if self.pen.active:
                 extra = self.pen.extra_for(prefixes, logits) if extra is None else extra
@@ -288,6 +298,14 @@ class Speculator:
         # keep the scratch region: on a hit the winning branch's KV and logits replace the glue forward
         self._scratch = _Scratch(base, B, {(j, c): b for b, (j, c) in enumerate(zip(js, cands))}, depth_logits)
         return toks, (torch.stack(qs, dim=1) if qs else None)
+
+    def _settle(self) -> None:
+        """The bookkeeping a hit leaves for after its reply has gone out: adopt the branch's KV."""
+        if self._to_adopt is not None:
+            key, tokens = self._to_adopt
+            self._to_adopt = None
+            self._adopt(key, tokens)
+        self._scratch = None
 
     def _adopt(self, key: tuple[int, int], tokens: tuple[int, ...]) -> None:
         """On a hit, make the winning branch's tree KV the main sequence (no recomputation): keep the
