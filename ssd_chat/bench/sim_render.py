@@ -52,6 +52,9 @@ def header(report: dict[str, Any]) -> list[str]:
                      f"{paper['sd_over_ar']:.2f}x, SSD/AR {paper['ssd_over_ar']:.2f}x, SSD/SD {paper['ssd_over_sd']:.2f}x")
     lines.append(f"overheads include the simulation's own {report['harness_ms_per_forward']:.3f} ms per padded forward "
                  "(waking up after the modelled time; measured with forwards that compute nothing)")
+    if p["shared_device"]:
+        lines.append("one device for both models: the verify waits for the speculator's forwards on it, so the split of the "
+                     "SSD overhead between sampling + verify and the channel is not meaningful; the critical-path total is")
     over = {who: sum(t["overruns"] for t in ts.values()) for who, ts in report["padding"].items()}
     if any(over.values()):
         lines.append(f"warning: {sum(over.values())} forwards computed for longer than their modelled time "

@@ -215,7 +215,8 @@ def race(profile: str, alphas: list[float], n_prompts: int, max_new: int, seed: 
             row: dict[str, Any] = {"acceptance_asked": alpha, "noise_eps": round(eps, 6), "agreement_calibrated": round(agreed, 4)}
             for mode, make in (("sd", SDDecoder), ("ssd", SSDDecoder)):
                 say(f"{LABEL} {prof.name}: {mode.upper()} at acceptance {alpha}")
-                cfg = EngineConfig(mode=mode, k=k, fan_out=prof.fan_out if mode == "ssd" else None, compile="off")
+                # a miss falls back to k draft steps (the paper's JIT backup), as the bound assumes
+                cfg = EngineConfig(mode=mode, k=k, fan_out=prof.fan_out if mode == "ssd" else None, fallback="neural", compile="off")
                 dec = make(Engine(cfg, target, draft))
                 try:
                     got = _decode(dec, plist, max_new)
