@@ -106,7 +106,7 @@ class Speculator:
         self.build_s = 0.0
         self._glue_logits: list[torch.Tensor] | None = None  # g_0..g_{k-1} left by a neural fallback or a hit
         self._scratch: _Scratch | None = None  # the last complete tree, for _adopt
-        self._to_adopt: tuple[tuple[int, int], tuple[int, ...]] | None = None  # a hit's branch, adopted after the reply
+        self._later: tuple | None = None  # a hit's outcome and branch, taken in after the reply (_settle)
 
     # -- per reply ------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int], settings: Settings) -> None:
@@ -139,37 +139,41 @@ class Speculator:
         """The speculation for the round after outcome ``(k_prev, bonus)`` (k_prev = -1: the first round).
         Returns the reply and q' rows [k, V] (None: point masses)."""
         self._settle()
-        if self.spec is not None and k_prev >= 0:
-            self.ctx += [self.pending] + list(self.spec[:k_prev])  # type: ignore[list-item]
-            self.pen.add([self.pending, *self.spec[:k_prev]])  # type: ignore[list-item]
+        predicted, build_s = self.predicted, self.build_s
+        entry = self.tree.get((k_prev, bonus)) if k_prev >= 0 else None
+        self.tree, self.predicted = {}, ()  # the cache holds one round only
+        last = (self.spec, self.spec_hit, self.spec_fallback)
+        if entry is not None:  # a hit: the reply goes out first, the bookkeeping after it (:meth:`_settle`)
+            tokens, q = entry
+            self._later = (k_prev, bonus, verify_s, last, tokens)
+            self.spec, self.spec_hit, self.spec_fallback = tokens, True, None
+            return Reply(req, tokens, q is not None, True, None, 0.0, predicted, build_s, self.step_s), q
+        self._commit(k_prev, bonus, verify_s, *last)
+        self._scratch = None
+        kind = self._choose_fallback()
+        t0 = time.perf_counter()
+        tokens, q = self._neural() if kind == "neural" else self._fast()
+        fb_s = time.perf_counter() - t0
+        self.spec, self.spec_hit, self.spec_fallback = tokens, False, kind
+        return Reply(req, tokens, q is not None, False, kind, fb_s, predicted, build_s, self.step_s), q
+
+    def _commit(self, k_prev: int, bonus: int, verify_s: float, spec: tuple[int, ...] | None, spec_hit: bool,
+                spec_fallback: str | None) -> None:
+        """Take in the outcome (k_prev, bonus) of the round that ``spec`` was verified in."""
+        if spec is not None and k_prev >= 0:
+            self.ctx += [self.pending] + list(spec[:k_prev])  # type: ignore[list-item]
+            self.pen.add([self.pending, *spec[:k_prev]])  # type: ignore[list-item]
             if self.fan is not None:
-                self.fan.observe(k_prev, self.spec_hit)
+                self.fan.observe(k_prev, spec_hit)
             st = self.fb_stats
-            if self.spec_fallback != "fast":
+            if spec_fallback != "fast":
                 st.neural.append(1 + k_prev)
             if st.proposal is not None:
-                st.fast.append(1 + _common_prefix(st.proposal, [*self.spec[:k_prev], bonus]))
+                st.fast.append(1 + _common_prefix(st.proposal, [*spec[:k_prev], bonus]))
             if verify_s > 0:
                 st.verify_s.append(verify_s)
         self.fb_stats.proposal = None
         self.pending = bonus
-        predicted, build_s = self.predicted, self.build_s
-        entry = self.tree.get((k_prev, bonus)) if k_prev >= 0 else None
-        self.tree, self.predicted = {}, ()  # the cache holds one round only
-        fb_s = 0.0
-        if entry is not None:
-            tokens, q = entry
-            kind = None
-            self._to_adopt = ((k_prev, bonus), tokens)  # the KV move waits until the reply is out (:meth:`_settle`)
-        else:
-            self._scratch = None
-            kind = self._choose_fallback()
-            t0 = time.perf_counter()
-            tokens, q = self._neural() if kind == "neural" else self._fast()
-            fb_s = time.perf_counter() - t0
-        self.spec, self.spec_hit, self.spec_fallback = tokens, entry is not None, kind
-        reply = Reply(req, tokens, q is not None, entry is not None, kind, fb_s, predicted, build_s, self.step_s)
-        return reply, q
 
     def _choose_fallback(self) -> str:
         """neural | fast.  ``auto`` compares expected tokens per second (Theorem 7's miss terms):
@@ -300,11 +304,12 @@ class Speculator:
         return toks, (torch.stack(qs, dim=1) if qs else None)
 
     def _settle(self) -> None:
-        """The bookkeeping a hit leaves for after its reply has gone out: adopt the branch's KV."""
-        if self._to_adopt is not None:
-            key, tokens = self._to_adopt
-            self._to_adopt = None
-            self._adopt(key, tokens)
+        """The bookkeeping a hit leaves for after its reply has gone out: the outcome, then the branch's KV."""
+        if self._later is not None:
+            k_prev, bonus, verify_s, last, tokens = self._later
+            self._later = None
+            self._commit(k_prev, bonus, verify_s, *last)
+            self._adopt((k_prev, bonus), tokens)
         self._scratch = None
 
     def _adopt(self, key: tuple[int, int], tokens: tuple[int, ...]) -> None:

@@ -53,6 +53,13 @@ def test_gpu_check_cpu_smoke_runs_every_step(tmp_path, repo_root):
     assert "## Per-forward cost" in md and "Projected tok/s" in md and "paper (Llama-3.1-70B/3.2-1B" in md
     assert "| target 1 row |" in md and "TP=1 eager" in md and "## tp" in md and "TP=2 needs 2 GPUs" in md
     assert "exit 0" in (out / "summary.txt").read_text()
+    # the real decoders on the same (here tiny) shapes: the speculator process ran, greedy SD/SSD = AR
+    eng = json.loads((out / "engine.json").read_text())
+    assert set(eng["modes"]) == {"ar", "sd", "ssd"} and not any("failed" in m for m in eng["modes"].values())
+    assert eng["modes"]["sd"]["greedy_equal_ar"] and eng["modes"]["ssd"]["greedy_equal_ar"]
+    ssd = eng["modes"]["ssd"]["replies"]
+    assert all(r["cache_hit_rate"] > 0 and r["speculator_busy_ms"] > 0 for r in ssd)  # served by the speculator
+    assert all(r["tokens_per_round"] > 3 for r in ssd + eng["modes"]["sd"]["replies"])  # models built to agree
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
-"""What the wheel ships: the code, the demo script, the prompt sets, the shipped drafts and the recorded
-session; not measurements (bench reports and plots live in docs/results/)."""
+"""What the wheel ships: the code, the demo script, the prompt sets, the shipped drafts, the recorded
+session and the simulation's hardware profiles; not measurements (bench reports and plots live in docs/results/)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ def test_the_wheel_ships_code_and_assets_not_measurements(repo_root, tmp_path):
     for want in ("ssd_chat/cli.py", "ssd_chat/bench/runner.py", "ssd_chat/engine/engine.py", "ssd_chat/tui/app.py",
                  "ssd_chat/tui/app.tcss", "ssd_chat/assets/demo/01_hello.txt", "ssd_chat/assets/prompts/chat.jsonl",
                  "ssd_chat/assets/drafts/smollm2-135m-instruct/draft.safetensors",
-                 "ssd_chat/assets/recordings/ssd_smollm2_cpu.jsonl", "ssd_chat/assets/distill_prompts.jsonl"):
+                 "ssd_chat/assets/recordings/ssd_smollm2_cpu.jsonl", "ssd_chat/assets/distill_prompts.jsonl",
+                 "ssd_chat/assets/profiles/h100-70b-1b.json"):
         assert want in names, want
     data = [n for n in names if n.startswith("ssd_chat/assets/")]
-    assert not [n for n in data if n.endswith((".json", ".png", ".md")) and "/drafts/" not in n], data
+    inputs = ("/drafts/", "/profiles/")  # a draft's config, bench --simulate's latency models
+    assert not [n for n in data if n.endswith((".json", ".png", ".md")) and not any(i in n for i in inputs)], data
