@@ -51,7 +51,7 @@ def error_event(exc: BaseException, builder: ReplyBuilder) -> Error:
 class ARDecoder:
     mode = "ar"
 
-    def __init__(self, target: LoadedModel, compile: str = "off") -> None:
+    def __init__(self, target: LoadedModel, compile: str = "auto") -> None:
         self.target = target
         self.compile = compile  # which forward: see forward.runner
 

@@ -48,8 +48,8 @@ class EngineConfig:
     fallback: str = "auto"  # neural | fast | auto
     speculator_timeout_s: float = 30.0
     # which forward runs the models (engine/forward.py): the compact core eager (off), compiled (on),
-    # auto (GPUs: compiled; CPU: the target compiled, drafts eager), or transformers' modules (the reference)
-    compile: str = "off"
+    # auto (GPUs: compiled; CPU: a Q4 GGUF target compiled, anything else eager), or transformers' modules
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in CONFIG_MODES:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from . import quant
 from .config import cache_dir
 
 if TYPE_CHECKING:
@@ -67,6 +68,8 @@ class Compiler:
         self._static: int = -1  # kv.version last marked a static address
         if mode != "off" and self.rows:
             _use_disk_cache()
+            if not self.cuda:
+                quant.use_int4(core.model)
 
     @property
     def active(self) -> bool:
@@ -103,7 +106,8 @@ class Compiler:
         """Compile (or load) every row shape now."""
         if not self.active:
             return
-        self.core.kv.reserve(AUTO_WIDTH)
+        kv = self.core.kv
+        kv.reserve(min(AUTO_WIDTH, kv.limit or AUTO_WIDTH))  # a small model's context may be shorter
         for r in self.rows:
             if not self._call(r, *self._dummy(r)):
                 return

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import kv, simulate
+from . import kv, quant, simulate
 from .config import COMPILE
 from .errors import ParamError
 from .core import Core, supports
@@ -101,10 +101,13 @@ def runner(model: torch.nn.Module, name: str, compile: str = "off", rows: tuple[
 
 
 def _effective(compile: str, name: str, model: torch.nn.Module) -> str:
-    """``compile`` as :func:`runner` applies it: on CPU ``auto`` compiles the target (its row-invariant
-    graphs) and runs a draft eagerly."""
-    first = next(model.parameters(), None) if compile == "auto" and name != "target" else None
-    return "off" if first is not None and first.device.type == "cpu" else compile
+    """``compile`` as :func:`runner` applies it: on CPU ``auto`` compiles a target with Q4 GGUF blocks
+    (the int4 GEMM in row-invariant graphs: the configuration measured fastest there) and runs
+    anything else eagerly."""
+    first = next(model.parameters(), None) if compile == "auto" else None
+    if first is None or first.device.type != "cpu":
+        return compile
+    return "auto" if name == "target" and quant.int4_ready(model) else "off"
 
 
 def prefill(runner: Any, ids: list[int]) -> torch.Tensor:

@@ -32,12 +32,14 @@ from . import qkernels
 from .errors import ModelError
 
 TILE, BLOCK = qkernels.TILE, qkernels.BLOCK
-# SSD_CHAT_CPU_KERNELS=int4: Q4 blocks go through torch's int4 CPU GEMM with bfloat16 activations
-# (_int4pack; AVX2 or better), a verify of 3 rows costing little more than one row.  Opt-in, with
-# --compile on: eager (SDPA) forwards are not row-invariant, and with bfloat16 outputs greedy SD
-# then drifts from AR (docs/performance-cpu.md).
-INT4 = [os.environ.get("SSD_CHAT_CPU_KERNELS", "").strip().lower() == "int4"
-        and torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512", "AMX"))]
+# Q4 blocks in a compiled CPU target go through torch's int4 GEMM with bfloat16 activations
+# (_int4pack; AVX2 or better): a verify of 3 rows costs little more than one row, and the compiled
+# graph keeps rows invariant (use_int4).  Eager forwards (a prompt, a draft sharing these modules)
+# keep the float32 kernels: with SDPA and bfloat16 outputs greedy SD drifts from AR
+# (docs/performance-cpu.md).  SSD_CHAT_CPU_KERNELS=numba: never int4; =int4: eager forwards too.
+_KERNELS = os.environ.get("SSD_CHAT_CPU_KERNELS", "").strip().lower()
+INT4 = [_KERNELS != "numba" and torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512", "AMX"))]
+EAGER_INT4 = [_KERNELS == "int4"]
 KERNEL_MAX_ROWS = 16  # above this many rows, dequantize and use F.linear (a prompt)
 SUPPORTED = ("Q4_0", "Q4_1", "Q8_0")
 KEPT = ("F32", "F16", "BF16")  # already float in the model: its nn.Linear stays
@@ -181,7 +183,7 @@ class GGUFLinear(nn.Module):
         self.bias = nn.Parameter(bias.detach().float(), requires_grad=False) if bias is not None else None
         self._arrays = (tiles["q"], tiles["d"], tiles.get("m"))  # numpy views of the buffers, for the eager kernels
         self.dense = dense  # not a parameter: the caller's tensor, never copied
-        self.int4 = _int4pack(kind, tiles, out_features) if kind != "Q8_0" and INT4[0] else None
+        self.int4 = _int4pack(kind, tiles, out_features) if kind != "Q8_0" and INT4[0] and EAGER_INT4[0] else None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}, bias={self.bias is not None}"
@@ -233,7 +235,7 @@ class GGUFLinear(nn.Module):
         if rows > KERNEL_MAX_ROWS or x2.device.type != "cpu" or rows == 0:
             w = self.dense if self.dense is not None else self.dequantized()
             y = F.linear(x2.float(), w.to(x2.device))
-        elif self.int4 is not None and INT4[0]:
+        elif self.int4 is not None and INT4[0] and (EAGER_INT4[0] or torch.compiler.is_compiling()):
             packed, sz = self.int4
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), packed, BLOCK, sz).float()
             if y.shape[1] != self.out_features:
@@ -261,6 +263,21 @@ def _int4pack(kind: str, tiles: dict[str, np.ndarray], out_features: int) -> tup
         sz = torch.cat([sz, sz.new_zeros(pad, *sz.shape[1:])])
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q32, 1)
     return packed, sz.transpose(0, 1).contiguous().to(torch.bfloat16)
+
+
+def use_int4(model: nn.Module) -> bool:
+    """Give every Q4 GGUF linear of ``model`` its int4 GEMM operands (once): what a compiled CPU target
+    runs.  False where none can (no Q4 blocks, no AVX2, SSD_CHAT_CPU_KERNELS=numba)."""
+    mods = [m for m in model.modules() if isinstance(m, GGUFLinear) and m.kind != "Q8_0"] if INT4[0] else []
+    for m in mods:
+        if m.int4 is None:
+            m.int4 = _int4pack(m.kind, m.tiles(), m.out_features)
+    return bool(mods)
+
+
+def int4_ready(model: nn.Module) -> bool:
+    """Whether :func:`use_int4` would give ``model`` int4 products (no packing)."""
+    return INT4[0] and any(isinstance(m, GGUFLinear) and m.kind != "Q8_0" for m in model.modules())
 
 
 _threads = [1]  # numba's thread count last set (setting it costs a call into the threading layer)

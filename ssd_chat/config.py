@@ -45,7 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "budget": None,
     "saguaro_c": None,
     "fallback": None,
-    "compile": None,  # the engine's default: off (the compact core, eager)
+    "compile": None,  # the engine's default: auto (compiled where it measured faster)
     "trust_remote_code": False,
     "system": None,
     # chat app

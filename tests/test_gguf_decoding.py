@@ -150,7 +150,7 @@ def test_packaged_model_decodes_in_its_gguf_precision_exactly(draft_name):
     try:
         assert precision.of(e.target) == "gguf Q4_1" and gguf_linears(e.target.model) == (211, 0)
         prompt, _ = chat.prompt_ids(e.tokenizer, [{"role": "user", "content": "List three facts about the moon."}])
-        want = run(ARDecoder(e.target), prompt, max_new_tokens=48, ignore_eos=True)[1].token_ids
+        want = run(ARDecoder(e.target, e.config.compile), prompt, max_new_tokens=48, ignore_eos=True)[1].token_ids
         sd = SDDecoder(Engine(replace(e.config, mode="sd"), e.target, e.draft))
         assert run(sd, prompt, max_new_tokens=48, ignore_eos=True)[1].token_ids == want
         evs, done = run(e.decoder(), prompt, max_new_tokens=48, ignore_eos=True)

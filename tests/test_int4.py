@@ -22,9 +22,9 @@ pytestmark = pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().star
 @pytest.fixture(autouse=True)
 def _int4_on():
     """SSD_CHAT_CPU_KERNELS=int4, as a user sets it (the modules pack their blocks when built)."""
-    old, quant.INT4[0] = quant.INT4[0], True
+    old, quant.INT4[0], quant.EAGER_INT4[0] = (quant.INT4[0], quant.EAGER_INT4[0]), True, True
     yield
-    quant.INT4[0] = old
+    quant.INT4[0], quant.EAGER_INT4[0] = old
 PROMPT = [3, 17, 42, 5, 9, 61, 0, 33, 12, 7, 88, 21]
 
 
