@@ -18,7 +18,8 @@ output of layer ``mid_layer`` as well for a fused draft).  :func:`drafter` picks
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -66,6 +67,20 @@ def draft_k(logits: torch.Tensor, k: int, choose: Choose, vocab: int | None,
     return tokens, qs
 
 
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """torch on ``n`` threads inside (None: as it is)."""
+    old = torch.get_num_threads()
+    if n is None or n == old:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 class ModelDrafter:
     """A causal LM as a draft: its own KV cache over a prefix of the sequence."""
 
@@ -76,14 +91,20 @@ class ModelDrafter:
                  compile: str = "off", rows: tuple[int, ...] = (1,), title: str | None = None) -> None:
         self.runner = forward.runner(model, "draft", compile, rows, device, title=title)
         self.vocab = vocab
+        compiler = getattr(getattr(self.runner, "core", None), "compiler", None)
+        # an eager draft on CPU runs on one thread: its small products finish before a second thread
+        # wakes (SD on 2 threads drafted slower than on 1), while the target's graphs use them all
+        self.solo = self.runner.device.type == "cpu" and not (compiler is not None and compiler.active)
 
     def prefill(self, ids: list[int], target_out: Any = None) -> None:
         if ids:
-            self.runner.append(ids, logits="none")
+            with _threads(1 if self.solo else None):
+                self.runner.append(ids, logits="none")
 
     def propose(self, seq: list[int], k: int, choose: Choose) -> tuple[list[int], list[torch.Tensor | None]]:
-        logits = self.runner.append(seq[self.runner.length:], logits="last").logits[-1]
-        return draft_k(logits, k, choose, self.vocab, lambda tok: self.runner.append([tok]).logits[-1])
+        with _threads(1 if self.solo else None):
+            logits = self.runner.append(seq[self.runner.length:], logits="last").logits[-1]
+            return draft_k(logits, k, choose, self.vocab, lambda tok: self.runner.append([tok]).logits[-1])
 
     def rollback(self, keep: int, target_out: Any = None) -> None:
         # the draft never saw the last drafted token, so it may hold less than `keep`

@@ -280,6 +280,7 @@ def int4_ready(model: nn.Module) -> bool:
     return INT4[0] and any(isinstance(m, GGUFLinear) and m.kind != "Q8_0" for m in model.modules())
 
 
+PARALLEL_MIN_OUT = 4096  # output features from which a product runs on torch's thread count
 _threads = [1]  # numba's thread count last set (setting it costs a call into the threading layer)
 
 
@@ -289,7 +290,9 @@ def _product(x: np.ndarray, arrays: tuple[np.ndarray, ...], out_features: int) -
     costs about as much as the product of a small matrix."""
     q, d, m = arrays
     y = np.empty((x.shape[0], q.shape[0] * TILE), np.float32)
-    threads = torch.get_num_threads()
+    # threads pay only for a large matrix (an output head): waking a second thread costs more than a
+    # layer's product (a 576 x 1536 one takes about 0.05 ms)
+    threads = torch.get_num_threads() if q.shape[0] * TILE >= PARALLEL_MIN_OUT else 1
     if threads > 1:
         import numba
 
