@@ -25,10 +25,12 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
     options ``record`` (JSONL path), ``resume`` (chat id), ``db`` and ``baseline`` (a bench JSON report
     whose AR / SD tok/s make the panel's speedups *measured*).
     """
+    from .engine import threads
     from .loading import quiet_libraries
     from .recorder import Recorder, RecordingError
     from .tui.backend import EngineBackend
 
+    threads.coordinator()  # before anything computes here: this thread becomes the UI's
     quiet_libraries()
     recorder = None
     if values.get("record"):

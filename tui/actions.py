@@ -5,7 +5,6 @@ the command palette.  Mixed into :class:`ssd_chat.tui.app.ChatApp`, whose state 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from textual.app import SystemCommand
 from textual.screen import Screen
 
 from ..config import SAMPLING_KEYS
+from ..engine import threads
 from ..history import HistoryError, data_dir, metrics_line
 from .backend import readable
 from .changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
@@ -106,7 +106,7 @@ class ChatActions:
                 return False
             self.switching = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in engine_changes.items())
             try:
-                await asyncio.to_thread(self.backend.reconfigure, **engine_changes)  # may derive a draft (seconds)
+                await threads.in_thread(self.compute_threads, self.backend.reconfigure, **engine_changes)  # may derive a draft (seconds)
             except Exception as e:  # noqa: BLE001 - shown, the old settings stay
                 await self.chat.add_notice(f"cannot change {', '.join(engine_changes)}: {readable(e)}", "error")
                 return False

@@ -23,6 +23,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Header, Static
 
 from ..config import sampling_settings
+from ..engine import threads
 from ..engine.events import Event, Notice
 from ..history import History
 from ..session import Session
@@ -182,6 +183,7 @@ class ChatApp(RerunActions, ReplyActions, CompareActions, ChatActions, App[int])
         return self._prompt
 
     async def on_mount(self) -> None:
+        self.compute_threads = threads.coordinator()  # the UI thread starts no OpenMP pool (engine/threads.py)
         self.sub_title = "loading…"
         for b in self.baselines:
             self.panel.set_measured(b)
@@ -202,6 +204,7 @@ class ChatApp(RerunActions, ReplyActions, CompareActions, ChatActions, App[int])
         threading.Thread(target=self._load, name="ssd-chat-load", daemon=True).start()
 
     def _load(self) -> None:
+        threads.worker(self.compute_threads)
         # warnings found before loading (a model too large for this machine) reach the chat at once
         self.backend.warn = lambda message: self.post_message(self.ReplyEvent(-1, Notice(message, "warning")))
         try:

@@ -17,6 +17,7 @@ from textual import work
 from textual.message import Message
 
 from .. import compare as cmp
+from ..engine import threads
 from ..engine.chat import messages_for
 from ..engine.params import SamplingParams
 from .backend import readable
@@ -78,6 +79,7 @@ class CompareActions:
 
     @work(thread=True, group="compare", exit_on_error=False)
     def run_compare(self, msgs: list[dict[str, str]], params: SamplingParams, current: str, stop: threading.Event) -> None:
+        threads.worker(self.compute_threads)
         try:
             result = cmp.run(lambda m: self.backend.reconfigure(mode=m),
                              lambda n: self.backend.stream(msgs, replace(params, max_new_tokens=n) if n else params, stop),

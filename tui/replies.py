@@ -17,6 +17,7 @@ from typing import Any
 
 from textual import work
 
+from ..engine import threads
 from ..engine.events import Done, Error, Event, Notice, Round, Token
 from ..engine.metrics import Metrics
 from ..engine.params import SamplingParams
@@ -106,6 +107,7 @@ class ReplyActions:
     def run_reply(self, turn: int, session: Session, text: str, params: SamplingParams, stop: threading.Event) -> None:
         """The engine loop: iterate the session's reply and post each event to the UI.  The end (Done or Error)
         is posted once the stream is over, so the session already holds the turn when the app shows its end."""
+        threads.worker(self.compute_threads)
         end: Done | Error | None = None
         try:
             for ev in session.stream(text, params, stop):

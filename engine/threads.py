@@ -1,0 +1,56 @@
+"""torch's CPU threads when several Python threads compute.
+
+libgomp (torch's OpenMP) keeps a pool of worker threads for every thread that has started a parallel
+region, and once it manages more threads than there are CPUs it stops spin-waiting between regions:
+every region then wakes sleeping workers (about 50 us each on a 2-core VM, and a compiled step has
+hundreds).  The app's reply thread decoded at 40 tok/s instead of 100 once the UI thread had run one
+parallel region.  So a thread that only coordinates (the UI's) keeps torch on one thread, which
+starts no pool, and each thread that computes sets the count it computes with."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+_compute: list[int] = []  # torch's thread count before the first coordinator() call
+
+
+def coordinator() -> int:
+    """Call in a thread that should start no OpenMP pool (as early as possible: a pool it has started
+    stays); returns the thread count :func:`worker` threads should use (torch's, before the first call)."""
+    if not _compute:
+        _compute.append(torch.get_num_threads())
+    torch.set_num_threads(1)
+    return _compute[0]
+
+
+def worker(n: int) -> None:
+    """Call first in a thread that computes: torch uses ``n`` threads in it."""
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
+async def in_thread(n: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``await fn(*args, **kwargs)`` run in a new thread computing on ``n`` torch threads.  Unlike
+    ``asyncio.to_thread``, whose executor threads live on (and would keep their OpenMP pools), the
+    thread ends with the call."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def run() -> None:
+        worker(n)
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - raised in the awaiting task
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(e))
+        else:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+
+    threading.Thread(target=run, name="ssd-chat-engine", daemon=True).start()
+    return await done

@@ -1,0 +1,51 @@
+"""engine/threads.py: the UI thread keeps torch on one thread (it starts no OpenMP pool, which would
+throttle the compute thread's pool), and compute threads get the count back."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from ssd_chat.engine import threads
+
+
+@pytest.fixture
+def restore():
+    before, saved = torch.get_num_threads(), list(threads._compute)
+    yield
+    threads._compute[:] = saved
+    torch.set_num_threads(before)
+
+
+def test_coordinator_keeps_its_thread_on_one_and_remembers_the_count(restore):
+    threads._compute.clear()
+    torch.set_num_threads(2)
+    assert threads.coordinator() == 2 and torch.get_num_threads() == 1
+    assert threads.coordinator() == 2  # a second call keeps the first count
+
+
+def test_in_thread_runs_on_a_new_thread_with_its_count_and_raises_there(restore):
+    threads._compute.clear()
+    torch.set_num_threads(2)
+    n = threads.coordinator()
+    seen = {}
+
+    def job(x):
+        seen["thread"], seen["threads"] = threading.current_thread(), torch.get_num_threads()
+        return x * 2
+
+    def fail():
+        raise ValueError("no such draft")
+
+    async def main():
+        assert await threads.in_thread(n, job, 21) == 42
+        with pytest.raises(ValueError, match="no such draft"):
+            await threads.in_thread(n, fail)
+
+    asyncio.run(main())
+    seen["thread"].join(5)  # it ends with the call
+    assert seen["thread"] is not threading.current_thread() and not seen["thread"].is_alive()
+    assert seen["threads"] == 2 and torch.get_num_threads() == 1
