@@ -18,13 +18,13 @@ output of layer ``mid_layer`` as well for a fused draft).  :func:`drafter` picks
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 from . import forward, kv
 from .feature_draft import FeatureDraft, is_feature_draft
+from .ssd_plan import pinned
 
 Choose = Callable[[torch.Tensor, int], tuple[int, torch.Tensor | None]]
 
@@ -67,20 +67,6 @@ def draft_k(logits: torch.Tensor, k: int, choose: Choose, vocab: int | None,
     return tokens, qs
 
 
-@contextlib.contextmanager
-def _threads(n: int | None) -> Iterator[None]:
-    """torch on ``n`` threads inside (None: as it is)."""
-    old = torch.get_num_threads()
-    if n is None or n == old:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
 class ModelDrafter:
     """A causal LM as a draft: its own KV cache over a prefix of the sequence."""
 
@@ -98,11 +84,11 @@ class ModelDrafter:
 
     def prefill(self, ids: list[int], target_out: Any = None) -> None:
         if ids:
-            with _threads(1 if self.solo else None):
+            with pinned(None, 1 if self.solo else None):
                 self.runner.append(ids, logits="none")
 
     def propose(self, seq: list[int], k: int, choose: Choose) -> tuple[list[int], list[torch.Tensor | None]]:
-        with _threads(1 if self.solo else None):
+        with pinned(None, 1 if self.solo else None):
             logits = self.runner.append(seq[self.runner.length:], logits="last").logits[-1]
             return draft_k(logits, k, choose, self.vocab, lambda tok: self.runner.append([tok]).logits[-1])
 

@@ -268,7 +268,7 @@ def _int4pack(kind: str, tiles: dict[str, np.ndarray], out_features: int) -> tup
 def use_int4(model: nn.Module) -> bool:
     """Give every Q4 GGUF linear of ``model`` its int4 GEMM operands (once): what a compiled CPU target
     runs.  False where none can (no Q4 blocks, no AVX2, SSD_CHAT_CPU_KERNELS=numba)."""
-    mods = [m for m in model.modules() if isinstance(m, GGUFLinear) and m.kind != "Q8_0"] if INT4[0] else []
+    mods = _q4_modules(model) if INT4[0] else []
     for m in mods:
         if m.int4 is None:
             m.int4 = _int4pack(m.kind, m.tiles(), m.out_features)
@@ -277,7 +277,11 @@ def use_int4(model: nn.Module) -> bool:
 
 def int4_ready(model: nn.Module) -> bool:
     """Whether :func:`use_int4` would give ``model`` int4 products (no packing)."""
-    return INT4[0] and any(isinstance(m, GGUFLinear) and m.kind != "Q8_0" for m in model.modules())
+    return INT4[0] and bool(_q4_modules(model))
+
+
+def _q4_modules(model: nn.Module) -> list["GGUFLinear"]:
+    return [m for m in model.modules() if isinstance(m, GGUFLinear) and m.kind != "Q8_0"]
 
 
 PARALLEL_MIN_OUT = 4096  # output features from which a product runs on torch's thread count

@@ -3,8 +3,8 @@
 libgomp (torch's OpenMP) keeps a pool of worker threads for every thread that has started a parallel
 region, and once it manages more threads than there are CPUs it stops spin-waiting between regions:
 every region then wakes sleeping workers (about 50 us each on a 2-core VM, and a compiled step has
-hundreds).  The app's reply thread decoded at 40 tok/s instead of 100 once the UI thread had run one
-parallel region.  So a thread that only coordinates (the UI's) keeps torch on one thread, which
+hundreds).  A decode in a second thread ran at 38 tok/s, against 95 in the main thread, once the
+main thread had run one parallel region (78 with what follows).  So a thread that only coordinates (the UI's) keeps torch on one thread, which
 starts no pool, and each thread that computes sets the count it computes with."""
 
 from __future__ import annotations
