@@ -22,10 +22,12 @@ reruns the call eagerly: the caller sees the eager result, never a traceback.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 import traceback
 from collections import defaultdict
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -177,10 +179,13 @@ class Compiler:
                     torch._dynamo.mark_static_address(t)
                 self._static = kv.version
             t0 = time.perf_counter()
-            lg, h, mid = fn(kv.k, kv.v, ids, pos, slots, mask)
+            with _sigint_after():
+                lg, h, mid = fn(kv.k, kv.v, ids, pos, slots, mask)
             if first:
                 self.compile_s[r] = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - any compiler failure means: run eagerly, say so once
+            if "KeyboardInterrupt" in str(e):  # Ctrl-C inside a package's Python fallback op
+                raise KeyboardInterrupt from e
             self._fail(e)
             return None
         if self.cuda:  # a later replay of this graph overwrites its outputs
@@ -195,6 +200,24 @@ class Compiler:
         self.failed = f"{type(e).__name__}: {first}"
         self._fns.clear()
         self.notify(f"compiling {self.core.name} failed ({self.failed}); it runs uncompiled")
+
+
+@contextmanager
+def _sigint_after():
+    """Ctrl-C during a graph call raises KeyboardInterrupt when the call returns.  Raised inside it, in
+    an AOTInductor package's Python fallback op, it came out as a RuntimeError after C++ printed an
+    error line.  Only the main thread with Python's own handler (``ask``, ``bench``) is concerned."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    hit: list[int] = []
+    signal.signal(signal.SIGINT, lambda *_: hit.append(1))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if hit:
+        raise KeyboardInterrupt
 
 
 def _graph_tls() -> None:

@@ -48,9 +48,20 @@ async def in_thread(n: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> 
         try:
             result = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - raised in the awaiting task
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(e))
+            loop.call_soon_threadsafe(_settle, done, e, None)
         else:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+            loop.call_soon_threadsafe(_settle, done, None, result)
 
     threading.Thread(target=run, name="ssd-chat-engine", daemon=True).start()
     return await done
+
+
+def _settle(done: asyncio.Future, error: BaseException | None, result: Any) -> None:
+    # Arguments, not a closure: Python deletes ``except ... as e`` names when the block ends, and a
+    # lambda closing over ``e`` then raised NameError in the loop and the await never returned.
+    if done.done():
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)

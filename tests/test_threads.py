@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -41,11 +42,27 @@ def test_in_thread_runs_on_a_new_thread_with_its_count_and_raises_there(restore)
         raise ValueError("no such draft")
 
     async def main():
-        assert await threads.in_thread(n, job, 21) == 42
+        assert await asyncio.wait_for(threads.in_thread(n, job, 21), 10) == 42
         with pytest.raises(ValueError, match="no such draft"):
-            await threads.in_thread(n, fail)
+            await asyncio.wait_for(threads.in_thread(n, fail), 10)
 
     asyncio.run(main())
     seen["thread"].join(5)  # it ends with the call
     assert seen["thread"] is not threading.current_thread() and not seen["thread"].is_alive()
     assert seen["threads"] == 2 and torch.get_num_threads() == 1
+
+
+def test_an_error_reaches_the_await_even_when_the_loop_is_slow_to_look(restore):
+    # The loop runs the thread's callback after the thread has left its except block (here: the loop
+    # is blocked meanwhile), when a closure over ``e`` would find it deleted and the await would hang.
+    def fail():
+        raise ValueError("no such draft")
+
+    async def main():
+        task = asyncio.ensure_future(threads.in_thread(1, fail))
+        await asyncio.sleep(0)  # the thread starts
+        time.sleep(0.3)  # ... and finishes while the loop is blocked
+        with pytest.raises(ValueError, match="no such draft"):
+            await asyncio.wait_for(task, 10)
+
+    asyncio.run(main())
