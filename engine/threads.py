@@ -10,6 +10,7 @@ starts no pool, and each thread that computes sets the count it computes with.""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import threading
 from typing import Any, Callable, TypeVar
 
@@ -28,6 +29,39 @@ def coordinator() -> int:
         _compute.append(torch.get_num_threads())
     torch.set_num_threads(1)
     return _compute[0]
+
+
+def count() -> int:
+    """The thread count compute threads use: the one :func:`coordinator` remembered, else torch's."""
+    return _compute[0] if _compute else torch.get_num_threads()
+
+
+def call(n: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` in a new thread computing on ``n`` torch threads, waited for here (a
+    coordinating thread: ``serve``'s, which then runs the HTTP server).  Ctrl-C still interrupts the
+    wait; the thread and its OpenMP pool end with the call."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        worker(n)
+        try:
+            box["result"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - raised in the calling thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="ssd-chat-load", daemon=True)
+    t.start()
+    try:
+        t.join()
+    except KeyboardInterrupt:
+        # Raised in the thread too, so it unwinds (closing what it started) as the calling thread would
+        # have: a process that exits while it is inside torch's C++ aborts ("terminate called ...").
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident), ctypes.py_object(KeyboardInterrupt))
+        t.join()
+        raise
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 def worker(n: int) -> None:

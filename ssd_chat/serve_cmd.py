@@ -82,9 +82,17 @@ def register(app: typer.Typer) -> None:
         if host not in LOOPBACK and not host.startswith("127."):
             typer.echo(f"ssd-chat: warning: listening on {host}: anyone who can reach this machine can use the model"
                        + ("" if api_key else " (set --api-key to require a key)") + "; the default 127.0.0.1 keeps it local", err=True)
-        try:
+        from .engine import threads
+
+        n = threads.coordinator()  # this thread runs the HTTP server: no OpenMP pool here (engine/threads.py)
+
+        def load():
             engine = load_engine(values)
             engine.decoder()  # SSD: the speculator starts loading its draft now, not at the first request
+            return engine
+
+        try:
+            engine = threads.call(n, load)
         except ParamError as e:
             sock.close()
             raise fail(str(e), 2) from None

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .engine import MODES, Engine
+from .engine import MODES, Engine, threads
 from .engine.errors import ParamError, SSDChatError
 from .engine.events import Done, Error, Notice, Round, Token
 from .engine.params import SamplingParams
@@ -82,6 +82,7 @@ class EngineWorker:
         self.running: Job | None = None
         self.history: list[Job] = []  # finished jobs, oldest first (last 1000)
         self._recent_s: list[float] = []  # durations of the last replies, for Retry-After
+        self._threads = threads.count()  # torch's thread count is per thread: the engine thread sets it
         self._thread = threading.Thread(target=self._loop, name="ssd-engine", daemon=True)
         self._thread.start()
 
@@ -185,6 +186,7 @@ class EngineWorker:
         self.metrics.queue(1 if self.running is not None else 0, self._queue.qsize())
 
     def _loop(self) -> None:
+        threads.worker(self._threads)
         while True:
             job = self._queue.get()
             if job is END:

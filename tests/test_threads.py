@@ -66,3 +66,39 @@ def test_an_error_reaches_the_await_even_when_the_loop_is_slow_to_look(restore):
             await asyncio.wait_for(task, 10)
 
     asyncio.run(main())
+
+
+def test_call_runs_on_a_thread_of_its_own_with_the_count_and_raises_here(restore):
+    threads._compute.clear()
+    torch.set_num_threads(2)
+    n = threads.coordinator()
+    assert threads.count() == 2
+    seen = {}
+
+    def job(x):
+        seen["thread"], seen["threads"] = threading.current_thread(), torch.get_num_threads()
+        return x + 1
+
+    assert threads.call(n, job, 1) == 2
+    assert seen["thread"] is not threading.current_thread() and not seen["thread"].is_alive()
+    assert seen["threads"] == 2 and torch.get_num_threads() == 1
+    with pytest.raises(KeyError):
+        threads.call(n, dict().__getitem__, "x")
+
+
+def test_the_servers_engine_thread_computes_on_the_remembered_count(restore, monkeypatch):
+    from types import SimpleNamespace
+
+    from ssd_chat.server_metrics import ServerMetrics
+    from ssd_chat.server_worker import END, EngineWorker
+
+    threads._compute.clear()
+    torch.set_num_threads(2)
+    threads.coordinator()
+    seen = []
+    monkeypatch.setattr(EngineWorker, "_decode", lambda self, job: seen.append(torch.get_num_threads()))
+    worker = EngineWorker(SimpleNamespace(config=SimpleNamespace(mode="ar"), close=lambda: None), ServerMetrics("m"))
+    worker._queue.put(SimpleNamespace(stop=threading.Event()))
+    worker._queue.put(END)
+    worker._thread.join(10)
+    assert seen == [2] and torch.get_num_threads() == 1
