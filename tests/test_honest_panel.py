@@ -129,3 +129,35 @@ def test_engine_config_from_settings_takes_its_own_fields():
     cfg = EngineConfig.from_settings(values)
     assert (cfg.mode, cfg.k, cfg.fallback, cfg.saguaro_c) == ("sd", 4, "auto", 1.0)  # unset (None) settings: the engine's defaults
     assert not hasattr(cfg, "temperature")
+
+
+@pytest.mark.asyncio
+async def test_the_figures_lay_out_the_screen_only_when_their_height_changes(monkeypatch):
+    """A streaming reply redraws the figures ten times a second; a layout of the whole screen each time
+    halved the app's decode rate, so an update of the same height only repaints, and one that
+    wraps to more lines still lays out (nothing is cut)."""
+    from textual.widgets import Static
+
+    from ssd_chat.tui.app import ChatApp
+
+    app = ChatApp(FakeBackend([ssd_events(WORDS)]))
+    async with app.run_test(size=(150, 50)) as pilot:
+        await wait_until(pilot, lambda: app.ready)
+        fig = app.panel.query_one("#figures", Static)
+        seen: list[bool] = []
+        real = Static.update
+
+        def spy(self, content="", *, layout=True):
+            if self is fig:
+                seen.append(layout)
+            return real(self, content, layout=layout)
+
+        monkeypatch.setattr(Static, "update", spy)
+        app.panel._render_figures()
+        app.panel._render_figures()
+        assert seen == [False, False]
+        app.panel.values = {**app.panel.values, "basis": "a long explanation " * 12}  # wraps onto more lines
+        app.panel._render_figures()
+        assert seen[-1] is True
+        await pilot.pause()
+        assert fig.size.height >= len(app.panel.values) + 3

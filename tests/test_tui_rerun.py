@@ -109,8 +109,12 @@ class TestEdit:
             before = [("user", "first"), ("assistant", "one"), ("user", "second"), ("assistant", "two"),
                       ("user", "third"), ("assistant", "three")]
             await wait_until(pilot, lambda: sum(isinstance(w, UserMessage) for w in app.screen.focus_chain) == 3)  # laid out
-            await pilot.press("shift+tab", "shift+tab")  # from the prompt box: the last message, then the one before
-            assert isinstance(app.focused, UserMessage) and app.focused.text == "second"
+            app.prompt.focus()
+            await wait_until(pilot, lambda: app.focused is app.prompt)
+            await pilot.press("shift+tab")  # from the prompt box: the last message, then the one before
+            await wait_until(pilot, lambda: isinstance(app.focused, UserMessage) and app.focused.text == "third")
+            await pilot.press("shift+tab")
+            await wait_until(pilot, lambda: isinstance(app.focused, UserMessage) and app.focused.text == "second")
             await pilot.press("e")
             assert app.prompt.text == "second" and app.focused is app.prompt
             assert "editing your message 2 of 3" in str(app.prompt.border_title)

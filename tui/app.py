@@ -41,7 +41,7 @@ from .widgets.load_status import LoadStatus
 from .widgets.metrics_panel import MetricsPanel
 from .widgets.prompt_input import PromptInput
 
-FRAME_S = 0.05  # screen updates while streaming: 20 per second
+FRAME_S = 0.1  # screen updates while streaming: 10 per second
 
 
 class ChatApp(RerunActions, ReplyActions, CompareActions, ChatActions, App[int]):

@@ -2,7 +2,7 @@
 
 The reply runs in a thread worker over the app's :class:`~ssd_chat.session.Session`, which keeps the
 conversation; the worker only posts events.  Token text is coalesced and written to the screen by a
-20 Hz timer, so hundreds of tokens per second cost ~20 Markdown appends per second.  The turn's end
+10 Hz timer, so hundreds of tokens per second cost ~10 Markdown appends per second.  The turn's end
 (Done or Error) is posted after the session has taken the turn into its history.
 """
 
@@ -147,7 +147,7 @@ class ReplyActions:
             await self._flush_pending()
 
     async def _flush_pending(self) -> None:
-        """Apply pending events to the screen (called 20 times a second and at the end of a reply).
+        """Apply pending events to the screen (called 10 times a second and at the end of a reply).
 
         Textual runs an interval's callback in the timer's own task, so the frame timer and the handler
         of the final event could otherwise interleave at an await: a frame still writing its tokens

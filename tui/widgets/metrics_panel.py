@@ -42,6 +42,7 @@ class MetricsPanel(Vertical):
         self.accepted_lengths: deque[int] = deque(maxlen=60)  # accepted + 1 per round, latest last
         self.histogram: Counter[int] = Counter()
         self.live = False
+        self._figures_height: int | None = None  # lines the figures took when last drawn
 
     def compose(self) -> ComposeResult:
         yield Static(id="setup", markup=False)
@@ -124,7 +125,12 @@ class MetricsPanel(Vertical):
         state = "streaming…" if self.live else ("last reply" if self.stats else "no reply yet")
         t.add_row(Text("", style="dim"), Text(state, style="dim italic"))
         if self.is_mounted:
-            self.query_one("#figures", Static).update(t)
+            # A layout of the whole screen costs more than the rest of a frame: only when the height changes.
+            fig = self.query_one("#figures", Static)
+            width = fig.content_region.width
+            height = len(self.app.console.render_lines(t, self.app.console.options.update_width(width))) if width else None
+            fig.update(t, layout=height is None or height != self._figures_height)
+            self._figures_height = height
             self.set_class(self.live, "-live")
 
     def _render_pictures(self) -> None:
