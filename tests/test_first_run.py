@@ -175,10 +175,11 @@ def test_engine_refuses_an_unresolved_auto():
 @needs_packaged
 def test_ask_shows_the_conversion_stage_by_stage_in_a_pty(tmp_path):
     """A fresh conversion cache (SSD_CHAT_CACHE_DIR) makes this a first start: stderr, a terminal, shows each
-    stage as the app's load line does (percentage and seconds on the stage), and clears it before the reply."""
+    stage as the app's load line does (percentage and seconds on the stage), and clears it before the reply.
+    Compiling is off: building the graphs in a fresh cache would add minutes (tests/test_core.py compiles)."""
     pexpect = pytest.importorskip("pexpect")
     env = {**os.environ, "SSD_CHAT_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "TERM": "xterm"}
-    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "ask", "--mode", "ar", "-n", "3", "hi"], env=env,
+    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "ask", "--mode", "ar", "--compile", "off", "-n", "3", "hi"], env=env,
                           dimensions=(24, 150), encoding="utf-8", codec_errors="replace", timeout=300)
     try:
         child.expect(r"starting… \d+ s")
@@ -195,7 +196,7 @@ def test_ask_shows_the_conversion_stage_by_stage_in_a_pty(tmp_path):
 @pytest.mark.slow
 @needs_packaged
 def test_ask_prints_no_progress_when_stderr_is_not_a_terminal(tmp_path):
-    r = run_cli("ask", "--mode", "ar", "-n", "3", "hi", env={"SSD_CHAT_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"})
+    r = run_cli("ask", "--mode", "ar", "--compile", "off", "-n", "3", "hi", env={"SSD_CHAT_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"})
     err = r.stderr.decode()
     assert r.returncode == 0, err
     assert (tmp_path / "cache" / "converted").is_dir()  # a first start, as above
