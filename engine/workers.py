@@ -13,6 +13,8 @@ app, Textual's) is unsafe.  Two things make spawn fail or leak unless handled he
   sets Linux ``PR_SET_PDEATHSIG``) is the first thing a worker runs.  That signal comes when the
   *thread* that started the worker ends, so :func:`start` starts every worker from one thread
   that lives as long as the process (the app loads models in short-lived threads).
+* Ctrl-C reaches every process of the terminal's foreground group: workers start with SIGINT
+  blocked (:func:`start`) and ignore it (:func:`child_start`); the parent closes them.
 """
 
 from __future__ import annotations
@@ -89,9 +91,16 @@ def start(proc: multiprocessing.process.BaseProcess) -> None:
 def _start(proc: multiprocessing.process.BaseProcess) -> None:
     from multiprocessing import resource_tracker
 
-    with real_stdio():
-        resource_tracker.ensure_running()
-        proc.start()
+    # The child inherits this thread's signal mask: with SIGINT blocked it starts deaf to the Ctrl-C
+    # the terminal sends its whole process group, which otherwise interrupted its imports (a traceback
+    # on the user's terminal) before child_start could ignore it.
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        with real_stdio():
+            resource_tracker.ensure_running()
+            proc.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def die_with_parent() -> None:

@@ -160,3 +160,26 @@ def test_child_start_says_stop_when_the_parent_is_gone(tmp_path):
     ok, _, said = _child_start(tmp_path, int(gone.stdout), debug=False)
     assert not ok
     assert "to-stdout" in said  # it returned before touching stdio
+
+
+def _report_sigint_blocked(conn):
+    import signal
+
+    conn.send(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+
+def test_a_worker_starts_with_ctrl_c_blocked_and_the_caller_keeps_its_mask():
+    """Ctrl-C goes to the terminal's whole process group: a worker still importing (before child_start
+    ignores it) printed a KeyboardInterrupt traceback on the user's terminal."""
+    import signal
+
+    ctx = workers.context()
+    here, there = ctx.Pipe()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    proc = ctx.Process(target=_report_sigint_blocked, args=(there,), daemon=True)
+    workers.start(proc)
+    try:
+        assert here.poll(120) and here.recv() is True
+    finally:
+        proc.join(30)
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
