@@ -2,6 +2,7 @@
 
 
 import logging
+import os
 import socket
 import sys
 from typing import Annotated, Optional
@@ -100,8 +101,13 @@ def register(app: typer.Typer) -> None:
             sock.close()
             raise fail(str(e)) from None
         except KeyboardInterrupt:
+            # The load has unwound, but torch's C++ threads may still hold state that its exit-time
+            # destructors abort on ("terminate called ..."): leave at once; workers die with us
+            # (PR_SET_PDEATHSIG, engine/workers.py).
             sock.close()
-            raise typer.Exit(130) from None
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
         url = _url(host, sock.getsockname()[1])
         state = []
         cfg = engine.config
