@@ -41,16 +41,7 @@ def call(n: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     coordinating thread: ``serve``'s, which then runs the HTTP server).  Ctrl-C still interrupts the
     wait; the thread and its OpenMP pool end with the call."""
     box: dict[str, Any] = {}
-
-    def run() -> None:
-        worker(n)
-        try:
-            box["result"] = fn(*args, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - raised in the calling thread
-            box["error"] = e
-
-    t = threading.Thread(target=run, name="ssd-chat-load", daemon=True)
-    t.start()
+    t = _start(n, fn, args, kwargs, lambda error, result: box.update(error=error, result=result))
     try:
         t.join()
     except KeyboardInterrupt:
@@ -59,7 +50,7 @@ def call(n: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident), ctypes.py_object(KeyboardInterrupt))
         t.join()
         raise
-    if "error" in box:
+    if box["error"] is not None:
         raise box["error"]
     return box["result"]
 
@@ -76,18 +67,26 @@ async def in_thread(n: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> 
     thread ends with the call."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
+    _start(n, fn, args, kwargs, lambda error, result: loop.call_soon_threadsafe(_settle, done, error, result))
+    return await done
+
+
+def _start(n: int, fn: Callable[..., Any], args: tuple, kwargs: dict,
+           finished: Callable[[BaseException | None, Any], Any]) -> threading.Thread:
+    """A thread computing on ``n`` torch threads that runs ``fn`` and then ``finished(error, result)``."""
 
     def run() -> None:
         worker(n)
         try:
             result = fn(*args, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - raised in the awaiting task
-            loop.call_soon_threadsafe(_settle, done, e, None)
+        except BaseException as e:  # noqa: BLE001 - raised where the caller waits
+            finished(e, None)
         else:
-            loop.call_soon_threadsafe(_settle, done, None, result)
+            finished(None, result)
 
-    threading.Thread(target=run, name="ssd-chat-engine", daemon=True).start()
-    return await done
+    t = threading.Thread(target=run, name="ssd-chat-compute", daemon=True)
+    t.start()
+    return t
 
 
 def _settle(done: asyncio.Future, error: BaseException | None, result: Any) -> None:
