@@ -167,12 +167,21 @@ class Runner:
         """Scratch rows ``ids`` at RoPE ``positions``, their K/V at ``slots`` (on a DynamicCache: the
         next slots after the scratch region), row r attending to slots [0, prefix), ``ancestors[r]``
         and itself.  Nothing is committed."""
+        sl = torch.as_tensor(slots, device=self.device).reshape(-1)
+        return self.step(ids, positions, slots, tree_mask(sl, ancestors, prefix, length(self.cache) + sl.numel()), logits)
+
+    @torch.inference_mode()
+    def step(self, ids: list[int] | torch.Tensor, positions: list[int] | torch.Tensor, slots: list[int] | torch.Tensor,
+             mask: torch.Tensor, logits: str = "all") -> Out:
+        """As :meth:`tree`, with the whole visibility given: row r attends to the slots where ``mask[r]``
+        (bool [rows, end of the rows' slots]) is True.  What a caller that keeps a tree's mask across
+        depths calls."""
         x = torch.as_tensor(ids, device=self.device).reshape(-1)
         sl = torch.as_tensor(slots, device=self.device).reshape(-1)
         end = length(self.cache)
         if not torch.equal(sl, torch.arange(end, end + x.numel(), device=self.device)):
             raise ValueError(f"tree rows on a DynamicCache go at slots {end}..{end + x.numel() - 1}")
-        mask = additive(tree_mask(sl, ancestors, prefix, end + x.numel()), self.dtype)
+        mask = additive(mask.to(self.device, torch.bool), self.dtype)
         pos = torch.as_tensor(positions, device=self.device).reshape(1, -1)
         out = self.model(input_ids=x[None], cache=self.cache, use_cache=True, position_ids=pos, attention_mask=mask,
                          logits_to_keep=0 if logits == "all" else 1)
@@ -236,6 +245,13 @@ class CoreRunner:
         if int(torch.as_tensor(slots).min()) < self.length:
             raise ValueError(f"tree rows must go at slots >= the committed length {self.length}")
         return Out(self.core.tree(ids, positions, slots, ancestors, prefix, logits=logits).logits)
+
+    def step(self, ids: list[int] | torch.Tensor, positions: list[int] | torch.Tensor, slots: list[int],
+             mask: torch.Tensor, logits: str = "all") -> Out:
+        """As :meth:`Runner.step`; ``slots`` (a list: no device sync to check them) past the committed length."""
+        if min(slots) < self.length:
+            raise ValueError(f"tree rows must go at slots >= the committed length {self.length}")
+        return Out(self.core.step(ids, positions, slots, mask, logits=logits).logits)
 
     def adopt(self, keep: int, slots: list[int]) -> bool:
         """As :meth:`Runner.adopt`: one gather of the branch's slots into place."""

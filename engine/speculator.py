@@ -201,7 +201,7 @@ class Speculator:
         for i in range(self.k):
             logits = self.pen.rows(g[-1][None], [self.pending, *tokens], 1 + i)  # type: ignore[list-item]
             q = self._proposal(logits, miss_list[i] if miss_list else 0)  # [1, V]
-            tok = self._draw(logits, q)[0]
+            tok = int(self._draw(logits, q)[0])
             tokens.append(tok)
             if q is not None:
                 qs.append(q[0])
@@ -226,6 +226,7 @@ class Speculator:
     def build(self, abort: Callable[[], bool] = lambda: False) -> None:
         """Predict the outcomes of the round being verified and draft k tokens for each (one tree)."""
         self._settle()
+        self._scratch = None  # a miss or a new reply: the last tree is of no use
         if self.spec is None or self.fan is None:
             return
         t0 = time.perf_counter()
@@ -242,20 +243,18 @@ class Speculator:
         fan = hit_list if self.spec_hit else miss_list
         # candidate bonus tokens: top-F_j of g_j, never the token drafted there
         rows = self.pen.rows(g.float(), [self.pending, *spec], 1).clone()  # type: ignore[list-item]  # row j: after [bonus, d_1..d_j]
-        for j in range(k):
-            rows[j, spec[j]] = float("-inf")
-        predicted: list[tuple[int, tuple[int, ...]]] = []
-        for j in range(k + 1):
-            if fan[j] > 0:
-                predicted.append((j, tuple(torch.topk(rows[j], min(fan[j], rows.shape[-1] - (j < k))).indices.tolist())))
+        V = rows.shape[-1]
+        rows[torch.arange(k), torch.tensor(spec, device=rows.device)] = float("-inf")
+        top = torch.topk(rows, min(max(fan), V)).indices.tolist()  # one top-F over every row, sliced per j
+        predicted = [(j, tuple(top[j][: min(fan[j], V - (j < k))])) for j in range(k + 1) if fan[j] > 0]
         branches = [(j, c) for j, cs in predicted for c in cs]
         tree: dict[tuple[int, int], Entry] = {}
         if branches:
             drafted = self._tree(L, [j for j, _ in branches], [c for _, c in branches], hit_list, abort)
             if drafted is not None:
                 toks, qs = drafted
-                for b, key in enumerate(branches):
-                    tree[key] = (tuple(toks[b].tolist()), None if qs is None else qs[b])
+                for b, (key, row) in enumerate(zip(branches, toks.tolist())):
+                    tree[key] = (tuple(row), None if qs is None else qs[b])
         self.tree, self.predicted = tree, tuple(predicted)
         self.build_s = time.perf_counter() - t0
         if self.fallback == "auto":  # what the fast backup would have proposed this round
@@ -267,12 +266,12 @@ class Speculator:
         k, dev, B = self.k, self.device, len(js)
         base = self.runner.length  # L + k + 1: prefix + glue
         x = torch.tensor(cands, device=dev)
-        # the slots each row sees beyond the prefix, kept as one bool matrix (one column set per depth)
-        # rather than rebuilt from lists at every depth: row b sees the glue up to its own accepted
-        # length, L..L+j_b, then its branch's earlier tree rows
-        cols = torch.arange(base + k * B)
-        seen = (cols[None, :] >= L) & (cols[None, :] <= L + torch.tensor(js)[:, None])  # [B, base + kB], on the CPU
-        rows_b = torch.arange(B)
+        # the tree's whole visibility, one bool matrix kept across the depths (built once, on the device;
+        # each depth adds one slot per row): the prefix, the glue up to the row's own accepted length,
+        # L..L+j_b, then the branch's tree rows so far
+        cols = torch.arange(base + k * B, device=dev)
+        mask = (cols[None, :] < L) | ((cols[None, :] >= L) & (cols[None, :] <= L + torch.tensor(js, device=dev)[:, None]))
+        own = torch.arange(B, device=dev)
         toks = torch.empty(B, k, dtype=torch.long, device=dev)
         qs: list[torch.Tensor] = []
         depth_logits: list[torch.Tensor] = []
@@ -282,18 +281,16 @@ class Speculator:
         for d in range(k):
             if abort():
                 return None
-            # branch b sees the prefix, the glue up to its own accepted length, its earlier tree rows and itself
-            if d:
-                seen[rows_b, base + (d - 1) * B + rows_b] = True
-            slots = list(range(base + d * B, base + (d + 1) * B))
+            lo = base + d * B
+            mask[own, lo + own] = True  # the row's own slot (an ancestor for the depths after it)
             positions = [L + 1 + d + j for j in js]  # RoPE positions of the hypothesised sequences
-            logits = fit_vocab(self.runner.tree(x, positions, slots, seen[:, : base + d * B], prefix=L).logits, self.vocab)  # [B, V]
+            logits = fit_vocab(self.runner.step(x, positions, list(range(lo, lo + B)), mask[:, : lo + B]).logits, self.vocab)  # [B, V]
             depth_logits.append(logits)
             if self.pen.active:
                 extra = self.pen.extra_for(prefixes, logits) if extra is None else extra
                 logits = self.pen.with_extra(logits, extra)
             q = self._proposal(logits, hit_list[d] if hit_list else 0)
-            x = torch.tensor(self._draw(logits, q), device=dev)
+            x = self._draw(logits, q)
             if extra is not None:
                 extra.scatter_add_(1, x[:, None], torch.ones(B, 1, device=extra.device))
             toks[:, d] = x
@@ -310,7 +307,7 @@ class Speculator:
             self._later = None
             self._commit(k_prev, bonus, verify_s, *last)
             self._adopt((k_prev, bonus), tokens)
-        self._scratch = None
+            self._scratch = None  # the tree it was drafted in is spent
 
     def _adopt(self, key: tuple[int, int], tokens: tuple[int, ...]) -> None:
         """On a hit, make the winning branch's tree KV the main sequence (no recomputation): keep the
@@ -338,10 +335,9 @@ class Speculator:
         q = logits_to_probs(logits, s.temperature, s.top_k, s.top_p)
         return saguaro_reshape(q, s.saguaro_c, fan + 1) if s.saguaro_c < 1.0 and fan > 0 else q
 
-    def _draw(self, logits: torch.Tensor, q: torch.Tensor | None) -> list[int]:
-        if q is None:
-            return logits.argmax(dim=-1).tolist()
-        return sample(q, self.gen).tolist()
+    def _draw(self, logits: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
+        """One token per row: the argmax under greedy, else a draw from q' (on the device: no sync)."""
+        return logits.argmax(dim=-1) if q is None else sample(q, self.gen)
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         """Append ``ids`` to the draft's sequence (dropping a tree's scratch rows); logits [len(ids), V]."""
