@@ -215,7 +215,11 @@ def test_tree_branches_equal_sequential_drafting(pair, temperature, compile):
     j, c = next(iter(sp.tree))
     reply, _ = sp.serve(2, j, c)
     assert reply.hit and reply.tokens == sp.spec
+    fed: list[int] = []  # rows each forward appends: the glue after an adopted branch is its last token only
+    append = sp.runner.append
+    sp.runner.append = lambda ids, *a, **kw: (fed.append(len(ids)), append(ids, *a, **kw))[1]
     sp.build()
+    assert fed == [1], f"the hit's branch was recomputed, not adopted (forwards of {fed} rows)"
     ids = prompt + [11, *first.tokens[:j], c, *reply.tokens]
     fresh = model(input_ids=torch.tensor([ids])).logits[0, -1]
     # the committed sequence is exactly ids (the winning branch's tree KV was adopted, not recomputed);
