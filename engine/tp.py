@@ -18,7 +18,7 @@ would time out in an idle chat: rank 0 sends them an empty command every ``timeo
 (:mod:`tp_ranks`, which also holds the processes and the group).
 
 On CPU (gloo, one rank per core) this is the multi-GPU code path for tests and for users
-without GPUs to try; it is slower than one process (docs/multi-gpu.md: ``python -m ssd_chat.tp_bench``).
+without GPUs to try; it is slower than one process (docs/multi-gpu.md: ``python -m lab.tp_bench``).
 
 Compiling: ``auto`` means on (CUDA graphs) on GPUs and off on CPU.  Ranks must all run
 compiled or all eager (the two make differently shaped collectives), so a rank whose

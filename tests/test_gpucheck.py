@@ -1,4 +1,4 @@
-"""The GPU readiness check (.ci/gpu-check, ssd_chat/gpucheck.py): no GPU is lent to CI, so its
+"""The GPU readiness check (.ci/gpu-check, lab/gpucheck.py): no GPU is lent to CI, so its
 --cpu-smoke mode runs every step with tiny shapes on the CPU."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -63,10 +64,10 @@ def test_gpu_check_cpu_smoke_runs_every_step(tmp_path, repo_root):
 
 
 @pytest.mark.slow
-def test_gpu_check_cpu_smoke_compiled(tmp_path, monkeypatch):
+def test_gpu_check_cpu_smoke_compiled(tmp_path, repo_root):
     """The same with the compiled core (inductor on this CPU: minutes the first time)."""
-    from ssd_chat import gpucheck
-
-    monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path / "c"))
-    assert gpucheck.main(["--out", str(tmp_path / "gpu"), "--cpu-smoke", "--budget-s", "3000"]) == 0
+    r = subprocess.run([sys.executable, "-m", "lab.gpucheck", "--out", str(tmp_path / "gpu"), "--cpu-smoke", "--budget-s", "3000"],
+                       cwd=repo_root, capture_output=True, text=True, timeout=3300,
+                       env={**os.environ, "SSD_CHAT_CACHE_DIR": str(tmp_path / "c")})
+    assert r.returncode == 0, r.stderr
     _check(json.loads((tmp_path / "gpu" / "report.json").read_text()), compiled=True)

@@ -1,19 +1,37 @@
-"""The code stays one a newcomer can live in: no module over 400 lines and no import cycles in the
-app's packages (``ssd_chat/`` and ``tui/``).  An import inside a function counts: it is still a
-dependency, and a cycle through one is how bottom-of-file imports and lazy workarounds start.
-The engine's own layout is checked with the engine; here its modules only end an edge."""
+"""The code stays one a newcomer can live in: no module of the installed packages over 400 lines,
+and no import cycles in the app's packages (``ssd_chat/`` and ``tui/``).  An import inside a function
+counts: it is still a dependency, and a cycle through one is how bottom-of-file imports and lazy
+workarounds start.  The engine still has cycles of its own (the core with its compiler and placement,
+the engine with its probe), so here its modules only end an edge.  The measurement scripts in
+``lab/`` are not installed, and nothing installed imports them."""
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# package name -> folder, as pyproject.toml installs them
-PACKAGES = {"ssd_chat": ROOT / "ssd_chat", "ssd_chat.tui": ROOT / "tui", "ssd_chat.engine": ROOT / "engine"}
-CHECKED = ("ssd_chat", "ssd_chat.tui")  # the packages whose modules are held to the rules below
+
+
+def installed_packages(pyproject: Path) -> dict[str, Path]:
+    """Package name -> folder, as pyproject.toml's ``packages`` and ``package-dir`` install them."""
+    cfg = tomllib.loads(pyproject.read_text(encoding="utf-8"))["tool"]["setuptools"]
+    dirs = cfg.get("package-dir", {})
+
+    def folder(pkg: str) -> Path:
+        if pkg in dirs:
+            return pyproject.parent / dirs[pkg]
+        parent, _, leaf = pkg.rpartition(".")
+        return folder(parent) / leaf if parent else pyproject.parent / pkg
+
+    return {pkg: folder(pkg) for pkg in cfg["packages"]}
+
+
+PACKAGES = installed_packages(ROOT / "pyproject.toml")
+CHECKED = ("ssd_chat", "ssd_chat.tui")  # the packages held to the no-cycle rule
 MAX_LINES = 400
 
 
@@ -109,7 +127,45 @@ def cycles(packages: dict[str, Path], checked: tuple[str, ...]) -> list[list[str
     return found
 
 
-@pytest.mark.parametrize("path", checked_files(PACKAGES, CHECKED), ids=lambda p: str(p.relative_to(ROOT)))
+def imports_lab(path: Path) -> list[str]:
+    """The ``lab`` modules ``path`` imports (absolute imports: a relative one cannot leave its package)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        found += [n for n in names if n == "lab" or n.startswith("lab.")]
+    return found
+
+
+def test_every_installed_package_is_a_folder_of_the_repository():
+    assert set(PACKAGES) >= {"ssd_chat", "ssd_chat.engine", "ssd_chat.tui", "ssd_chat.bench", "ssd_chat.train"}
+    for pkg, folder in PACKAGES.items():
+        assert (folder / "__init__.py").is_file(), pkg
+    # a sub-folder with code that pyproject.toml does not list would silently stay out of the wheel
+    listed = set(PACKAGES.values())
+    for folder in list(listed):
+        for init in folder.rglob("__init__.py"):
+            assert init.parent in listed, f"{init.parent.relative_to(ROOT)} is not in pyproject.toml's packages"
+
+
+def test_the_lab_is_not_installed():
+    assert (ROOT / "lab" / "__init__.py").is_file()
+    assert not [p for p, f in PACKAGES.items() if p.split(".")[-1] == "lab" or f == ROOT / "lab" or ROOT / "lab" in f.parents]
+
+
+def test_nothing_installed_imports_the_lab():
+    files = checked_files(PACKAGES, tuple(PACKAGES))
+    assert len(files) > 100
+    assert {str(f.relative_to(ROOT)): imports_lab(f) for f in files if imports_lab(f)} == {}
+
+
+def test_the_lab_import_check_sees_every_form(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import os\nfrom .lab import x\nimport laboratory\n\ndef g():\n    from lab.gpucheck import main\n    import lab\n")
+    assert imports_lab(f) == ["lab.gpucheck", "lab"]
+
+
+@pytest.mark.parametrize("path", checked_files(PACKAGES, tuple(PACKAGES)), ids=lambda p: str(p.relative_to(ROOT)))
 def test_module_is_at_most_400_lines(path):
     n = len(path.read_text(encoding="utf-8").splitlines())
     assert n <= MAX_LINES, f"{path.relative_to(ROOT)} has {n} lines: split it by concept"

@@ -155,10 +155,3 @@ def test_cli_checks_the_binary_before_loading_anything(tmp_path):
     assert "llama-bench not found" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(app, ["bench", "--dry-run", "--against", "llama.cpp"])
     assert r.exit_code == 2 and "requires 2 arguments" in r.output
-
-
-def test_cpu_ms_per_token_is_the_cpu_time_of_the_extra_tokens(fake_bench, gguf, monkeypatch):
-    # the fake spends 4 ms of CPU per generated token; start-up costs cancel out of the difference
-    monkeypatch.setenv("FAKE_LLAMA_BURN_MS", "4")
-    ms = llamacpp.cpu_ms_per_token(fake_bench, gguf, threads=1, n_lo=4, n_hi=24, repetitions=2)
-    assert 3.5 < ms < 5.0

@@ -8,9 +8,20 @@ import os
 import torch
 
 from ssd_chat.engine.events import Done
-from ssd_chat.gpucheck_tp import greedy  # noqa: F401 - the tests' greedy loop is the GPU check's
 from ssd_chat.engine.tp import TPCore
 from ssd_chat.engine.sampling import logits_to_probs, make_generator, sample, sample_next, verify
+
+
+def greedy(core, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``prompt`` on a Core or TPCore (the cache is left at the prompt)."""
+    core.reset()
+    lg = core.append(prompt, logits="last").logits[-1]
+    out: list[int] = []
+    while len(out) < n:
+        out.append(int(lg.argmax()))
+        lg = core.append(out[-1:], logits="last").logits[-1]
+    core.kv.truncate(len(prompt))
+    return out
 
 
 def rank_cores(n: int = 2) -> list[tuple[int, ...]] | None:

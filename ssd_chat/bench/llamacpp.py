@@ -164,19 +164,3 @@ def against(exe: Path, gguf: str | Path, plans: list[Any], report: dict[str, Any
         raise LlamaCppError(f"--against {NAME} compares CPU runs, and this benchmark ran none on the CPU")
     report["against"] = {NAME: out}
     return lines
-
-
-def cpu_ms_per_token(binary: str | Path, gguf: str | Path, threads: int, cores: tuple[int, ...] | None = None,
-                     n_lo: int = 16, n_hi: int = 80, repetitions: int = 3) -> float:
-    """CPU time (user + system, all its threads) llama-bench spends per generated token: the
-    difference between a long and a short tg run, so loading and warm-up cancel out.  On a busy
-    machine this is what a quiet core would take; wall time there also counts waiting for others."""
-    import resource
-
-    def cpu_of(n: int) -> float:
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        run_tg(binary, gguf, n, threads, cores, repetitions)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-
-    return (cpu_of(n_hi) - cpu_of(n_lo)) / (repetitions * (n_hi - n_lo)) * 1e3

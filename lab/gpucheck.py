@@ -1,6 +1,6 @@
 """The GPU readiness check: real-shaped random models, eager vs compiled, and what SSD would reach.
 
-    python -m ssd_chat.gpucheck --out DIR [--cpu-smoke] [--budget-s 450]   (or: .ci/gpu-check DIR)
+    python -m lab.gpucheck --out DIR [--cpu-smoke] [--budget-s 450]   (or: .ci/gpu-check DIR)
 
 No real weights can travel to a lent GPU machine, so the check builds a Llama-3.1-8B-shaped
 target and a Llama-3.2-1B-shaped draft with random bf16 weights on the device (their
@@ -10,11 +10,11 @@ core uncompiled and the core compiled (CUDA graphs):
 * per-forward cost: target 1 row and k+1 rows (verify); draft 1 row, the SSD glue (k+1
   rows) and the B-row tree step;
 * the channel round trip (the real :class:`~ssd_chat.engine.channel.Channel` to a process);
-* SSD's verifier wait per round (:mod:`ssd_chat.gpucheck_rounds`) with a draft identical to
+* SSD's verifier wait per round (:mod:`lab.gpucheck_rounds`) with a draft identical to
   the rig's oracle (every round a hit) and with a perturbed one (misses);
 * from those, the tok/s AR, SD and SSD would reach at the paper's acceptance rates, next to
   the paper's own numbers (Llama-3.1-70B/3.2-1B on H100s: not the same pair or hardware);
-* the target through the tensor-parallel code path with one rank (:mod:`ssd_chat.gpucheck_tp`),
+* the target through the tensor-parallel code path with one rank (:mod:`lab.gpucheck_tp`),
   against the plain core; with two or more GPUs also TP=2 (NCCL) on the draft-shaped model; with
   one GPU it says TP=2 did not run.
 
@@ -33,13 +33,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
-
-import ssd_chat
-
-try:  # a source tree on a machine without the package installed (the lent GPU has torch and transformers only)
-    import ssd_chat.engine  # noqa: F401
-except ImportError:
-    ssd_chat.__path__.append(str(Path(__file__).resolve().parents[1]))  # engine/ lives at the repository root
 
 import torch
 
@@ -227,7 +220,7 @@ def write(out: Path, report: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ssd_chat.gpucheck", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lab.gpucheck", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (what the test suite runs)")
     ap.add_argument("--budget-s", type=float, default=450.0)
@@ -265,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         report["notices"].append(s)
         print(f"gpucheck: {s}", file=sys.stderr, flush=True)
 
-    from ssd_chat.gpucheck_rounds import Worker, run_rounds
+    from .gpucheck_rounds import Worker, run_rounds
 
     t0 = time.perf_counter()
     target = build(SMOKE_TARGET if smoke else LLAMA_31_8B, dtype, dev, seed=1)
@@ -336,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             write(out, report)
         report["projection"] = projections(f, report["rounds"], report["channel"]["request_us"] / 1e6, k)
         write(out, report)
-        from ssd_chat import gpucheck_tp
+        from . import gpucheck_tp
 
         try:  # TP=1 through the tensor-parallel code path (TP=2 needs a second GPU)
             gpucheck_tp.run(target, prompt, k, args.reps, dev, compile_mode, report, note, median_ms, left)

@@ -1,7 +1,7 @@
 """ms per forward of the packaged model's target core at 1-4 rows, and whether each row of a 3-row
 verify equals the one-row step at its position bit for bit (docs/performance-cpu.md).
 
-    [SSD_CHAT_CPU_KERNELS=int4] python docs/results/core_rows.py THREADS off|on
+    [SSD_CHAT_CPU_KERNELS=int4] python -m lab.core_rows THREADS off|on
 """
 import sys
 import time

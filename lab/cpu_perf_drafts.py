@@ -31,7 +31,7 @@ TOKENS = 48
 def _prompts(m: Models) -> list[list[int]]:
     from ssd_chat.engine.chat import messages_for, prompt_ids
 
-    from .bench.prompts import load_prompts
+    from ssd_chat.bench.prompts import load_prompts
 
     ps, _ = load_prompts("all", 3)
     return [prompt_ids(m.lm.tokenizer, messages_for(p.text))[0] for p in ps]

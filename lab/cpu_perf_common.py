@@ -1,4 +1,4 @@
-"""Helpers of the CPU measurement script (:mod:`ssd_chat.cpu_perf`, :mod:`ssd_chat.cpu_perf_drafts`): the
+"""Helpers of the CPU measurement script (:mod:`lab.cpu_perf`, :mod:`lab.cpu_perf_drafts`): the
 packaged model with and without its GGUF linears, pinning, CPU-time timing, forwards and greedy runs."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Greedy SSD rounds over the compact core, timed: how long the verifier waits for its drafts.
 
-A measuring rig for the GPU check (``ssd_chat.gpucheck``), not a decoder: the tokens come
+A measuring rig for the GPU check (``lab.gpucheck``), not a decoder: the tokens come
 from random-weight models, so which rounds hit is decided by an *oracle*, the reference
 draft model run uncompiled and untimed.  With the draft identical to the oracle every
 round is a hit (up to rounding); with a perturbed draft, rounds miss as often as the two

@@ -1,6 +1,6 @@
 """Per-forward cost of tensor parallelism on the CPU: one process against ranks over gloo.
 
-    python -m ssd_chat.tp_bench [--rows 1,3,8] [--tree-from 6] [--context 200] [--reps 25] [--json PATH]
+    python -m lab.tp_bench [--rows 1,3,8] [--tree-from 6] [--context 200] [--reps 25] [--json PATH]
 
 On the packaged SmolLM2-135M (fp32), eager (no compile), each call appending its rows after
 ``--context`` committed tokens and rolling back (rows >= ``--tree-from``: an SSD tree step).
@@ -58,7 +58,7 @@ def call(core: Any, rows: int, tree: bool, cores: tuple[int, ...] | None = None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ssd_chat.tp_bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lab.tp_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,3,8")
     ap.add_argument("--tree-from", type=int, default=6)
     ap.add_argument("--context", type=int, default=200)

@@ -1,7 +1,7 @@
 """Measure the CPU routes for the packaged GGUF's linear layers (docs/quant.md has the results).
 
-    .venv/bin/python docs/quant_bench.py [--threads 1 2] [--rows 1 3 8] [--repeats 5] [--json out.json]
-    .venv/bin/python docs/quant_bench.py --decode [--threads 1 2] [--tokens 32]
+    python -m lab.quant_bench [--threads 1 2] [--rows 1 3 8] [--repeats 5] [--json out.json]
+    python -m lab.quant_bench --decode [--threads 1 2] [--tokens 32]
 
 For each thread count: memory read bandwidth (a torch sum over 512 MB), then the time of all
 211 linears of one forward (30 layers' seven projections + the 49152-row head) at each row count,
@@ -173,7 +173,7 @@ def _median(xs: Any) -> float:
 
 @torch.inference_mode()
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m lab.quant_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 3, 8])
     ap.add_argument("--repeats", type=int, default=5)

@@ -2,7 +2,7 @@
 rows (logits of every row, or of the last), and whether rows of a 3-row batch equal one-row decodes
 bit for bit (docs/performance-cpu.md).
 
-    python docs/results/llama_rows.py THREADS
+    python -m lab.llama_rows THREADS
 """
 import ctypes
 import pathlib

@@ -1,6 +1,6 @@
 """CPU decoding in the GGUF's own precision against llama.cpp, on the packaged model, in one command.
 
-    python -m ssd_chat.cpu_perf [--llama-bench PATH] [--tokens 64] [--compile] [--json out.json]
+    python -m lab.cpu_perf [--llama-bench PATH] [--tokens 64] [--compile] [--json out.json]
                                 [--sections bandwidth,linears,core,ar,app,accuracy,drafts,llama]
 
 Sections (docs/performance-cpu.md shows a run):
@@ -16,7 +16,7 @@ Sections (docs/performance-cpu.md shows a run):
   CPU ms per token, and whether both gave the same greedy tokens.
 * ``accuracy``: GGUF core against the float32 core: greedy agreement over 8 prompts x 32 tokens
   and the max abs difference of the logits of the steps fed the same tokens.
-* ``drafts``: acceptance and cost of each SSD draft candidate (see :mod:`ssd_chat.cpu_perf_drafts`; helpers in :mod:`ssd_chat.cpu_perf_common`).
+* ``drafts``: acceptance and cost of each SSD draft candidate (see :mod:`lab.cpu_perf_drafts`; helpers in :mod:`lab.cpu_perf_common`).
 * ``llama``: llama-bench's tg on the same GGUF, ``-t 1`` on core 0 and ``-t 2`` on cores 0,1.
 
 One-thread measurements are pinned to core 0 and report this thread's CPU time (fastest and
@@ -169,20 +169,38 @@ def accuracy(m: Models, tokens: int) -> dict[str, Any]:
     return {"greedy_agreement": f"{agree}/{total}", "logits_max_abs_diff": worst, "prompts": len(PROMPTS), "tokens": tokens}
 
 
+def llama_cpu_ms_per_token(binary: str, gguf: str, threads: int, cores: tuple[int, ...] | None = None,
+                           n_lo: int = 16, n_hi: int = 80, repetitions: int = 3) -> float:
+    """CPU time (user + system, all its threads) llama-bench spends per generated token: the
+    difference between a long and a short tg run, so loading and warm-up cancel out.  On a busy
+    machine this is what a quiet core would take; wall time there also counts waiting for others."""
+    import resource
+
+    from ssd_chat.bench import llamacpp
+
+    def cpu_of(n: int) -> float:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        llamacpp.run_tg(binary, gguf, n, threads, cores, repetitions)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+    return (cpu_of(n_hi) - cpu_of(n_lo)) / (repetitions * (n_hi - n_lo)) * 1e3
+
+
 def llama(exe: str, gguf: str, tokens: int) -> dict[str, Any]:
     from ssd_chat.bench import llamacpp
 
     out: dict[str, Any] = {}
     for threads, cores in ((1, (0,)), (2, (0, 1))):
         tg = llamacpp.run_tg(exe, gguf, tokens, threads, cores, repetitions=5)
-        cpu = llamacpp.cpu_ms_per_token(exe, gguf, threads, cores)
+        cpu = llama_cpu_ms_per_token(exe, gguf, threads, cores)
         out[f"t{threads}"] = {**tg.as_dict(), "cpu_ms_per_token": round(cpu, 2), "tok_per_s_by_cpu": round(1e3 / cpu, 1), "load": load()}
         log(f"llama.cpp -t {threads}: {tg.tok_per_s:.1f} tok/s wall, {cpu:.2f} ms CPU per token (load {load()})")
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ssd_chat.cpu_perf", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lab.cpu_perf", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench (or its build folder)")
     ap.add_argument("--tokens", type=int, default=64, help="tokens of the AR run and of llama-bench's tg")
@@ -199,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         want.remove("llama")
         log("no --llama-bench: skipping the llama.cpp section")
     rows = [int(r) for r in a.rows.split(",")]
-    res: dict[str, Any] = {"command": " ".join(["python -m ssd_chat.cpu_perf", *(argv if argv is not None else sys.argv[1:])]),
+    res: dict[str, Any] = {"command": " ".join(["python -m lab.cpu_perf", *(argv if argv is not None else sys.argv[1:])]),
                            "machine": machine(), "load_start": load()}
     m = Models()
     res["start"] = {"model_load_s": round(m.load_s, 2), "gguf_linears_s": round(m.gguf_s, 2),

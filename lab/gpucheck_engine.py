@@ -1,8 +1,8 @@
 """The real decoders on a GPU: AR, SD and SSD (its speculator process) on random real-shaped models.
 
-    python -m ssd_chat.gpucheck_engine --out DIR [--cpu-smoke] [--budget-s 240]
+    python -m lab.gpucheck_engine --out DIR [--cpu-smoke] [--budget-s 240]
 
-The GPU check's rig (:mod:`ssd_chat.gpucheck_rounds`) times forwards and rounds in one process;
+The GPU check's rig (:mod:`lab.gpucheck_rounds`) times forwards and rounds in one process;
 this runs what a user runs: ``ARDecoder``, ``SDDecoder`` and ``SSDDecoder`` with the speculator
 process and the channel, ``--compile on`` (CUDA graphs), on a Llama-3.1-8B-shaped target and a
 Llama-3.2-1B-shaped draft with random bf16 weights, both on one GPU (the ``h200-8b-1b``
@@ -27,13 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-import ssd_chat
-
-try:  # a source tree on a machine without the package installed
-    import ssd_chat.engine  # noqa: F401
-except ImportError:
-    ssd_chat.__path__.append(str(Path(__file__).resolve().parents[1]))
 
 import torch
 
@@ -60,14 +53,14 @@ def agreeing(cfg: dict, perm: torch.Tensor, dtype: torch.dtype, device: torch.de
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from .bench.simulate import Tokens
-    from .engine.ar import ARDecoder
-    from .engine.engine import Engine, EngineConfig
-    from .engine.events import Done, Error, Notice, Round
-    from .engine.models import LoadedModel, ModelSpec, Placement
-    from .engine.params import SamplingParams
-    from .engine.sd import SDDecoder
-    from .engine.ssd import SSDDecoder
+    from ssd_chat.bench.simulate import Tokens
+    from ssd_chat.engine.ar import ARDecoder
+    from ssd_chat.engine.engine import Engine, EngineConfig
+    from ssd_chat.engine.events import Done, Error, Notice, Round
+    from ssd_chat.engine.models import LoadedModel, ModelSpec, Placement
+    from ssd_chat.engine.params import SamplingParams
+    from ssd_chat.engine.sd import SDDecoder
+    from ssd_chat.engine.ssd import SSDDecoder
     from .gpucheck import LLAMA_31_8B, LLAMA_32_1B, SMOKE_DRAFT, SMOKE_TARGET
 
     smoke = args.cpu_smoke
@@ -147,7 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ssd_chat.gpucheck_engine", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lab.gpucheck_engine", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--budget-s", type=float, default=240.0)

@@ -1,6 +1,6 @@
 """Per-forward cost of the compact core against the transformers path, on the packaged model.
 
-    python -m ssd_chat.core_bench [--threads 1,2] [--rows 1,3,6,8] [--context 200] [--reps 25]
+    python -m lab.core_bench [--threads 1,2] [--rows 1,3,6,8] [--context 200] [--reps 25]
                                   [--compile | --no-compile] [--json PATH]
 
 For each thread count and row count it times, interleaved (one call of each path per
@@ -124,7 +124,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ssd_chat.core_bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lab.core_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rows", default="1,3,6,8")
     ap.add_argument("--tree-from", type=int, default=6, help="row counts from this one are timed as SSD tree steps")
