@@ -24,6 +24,8 @@ class ReplyBuilder:
     string is held back until it is clear it is not.
     """
 
+    # Not tokenizers' DecodeStream: same deltas, but it needs a Rust tokenizer (bench's simulated and slow ones have only decode())
+
     def __init__(
         self,
         tokenizer: _Tokenizer,

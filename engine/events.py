@@ -1,15 +1,16 @@
 """The one event stream every decoder yields and every consumer reads.
 
 AR, SD and SSD all produce these frozen dataclasses; the TUI, ``ask``, ``bench``,
-the recorder and the tests consume nothing else.  ``to_dict``/``from_dict``
-give the JSONL form used by ``--record`` and ``demo --replay``.
+the recorder and the tests consume nothing else.  ``to_dict``/``from_dict``/``from_json``
+give the JSONL form used by ``--record`` and ``demo --replay`` (pydantic, at that boundary only:
+constructing an event validates nothing).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 DoneReason = Literal["eos", "stop", "length", "cancelled", "error"]
 
@@ -117,31 +118,35 @@ class Error:
 
 Event = Union[Token, Round, Notice, Done, Error]
 
-_TYPES: dict[str, type] = {c.__name__: c for c in (Token, Round, Notice, Done, Error, Stats)}
+def _tag(v: Any) -> str:
+    return v.get("type") if isinstance(v, dict) else type(v).__name__
 
 
-def _tuplify(v: Any) -> Any:
-    if isinstance(v, list):
-        return tuple(_tuplify(x) for x in v)
-    return v
+@functools.cache
+def codec() -> Any:
+    """The pydantic TypeAdapter over the events, told apart by their ``type`` key.  Built on first use:
+    importing pydantic costs a start that never records or replays."""
+    from pydantic import Discriminator, Tag, TypeAdapter
+
+    tagged = tuple(Annotated[c, Tag(c.__name__)] for c in (Token, Round, Notice, Done, Error))
+    return TypeAdapter(Annotated[Union[tagged], Discriminator(_tag)])
 
 
 def to_dict(ev: Event) -> dict[str, Any]:
     """JSON-ready dict with a ``type`` field."""
-    d = dataclasses.asdict(ev)
-    d["type"] = type(ev).__name__
-    return d
+    return {**codec().dump_python(ev, mode="json"), "type": type(ev).__name__}
 
 
 def from_dict(d: dict[str, Any]) -> Event:
-    """Inverse of :func:`to_dict` (tolerates unknown extra keys from newer versions)."""
-    d = dict(d)
-    cls = _TYPES[d.pop("type")]
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {k: _tuplify(v) for k, v in d.items() if k in names}
-    if cls is Done:
-        kwargs["stats"] = Stats(**{k: _tuplify(v) for k, v in kwargs["stats"].items() if k in {f.name for f in dataclasses.fields(Stats)}})
-    return cls(**kwargs)
+    """Inverse of :func:`to_dict` (lists stand for tuples; unknown extra keys from newer versions are
+    ignored); a pydantic ValidationError when a field is missing or of the wrong type."""
+    return codec().validate_python(d)
 
 
-__all__ = ["Token", "Round", "Notice", "Stats", "Done", "Error", "Event", "to_dict", "from_dict", "mode_label"]
+def from_json(text: str | bytes) -> Event:
+    """One event from its JSON text, strictly: an integer field takes no ``true`` or ``1.0``, a string
+    field no number (what a recording holds must be what :func:`to_dict` wrote)."""
+    return codec().validate_json(text, strict=True)
+
+
+__all__ = ["Token", "Round", "Notice", "Stats", "Done", "Error", "Event", "codec", "to_dict", "from_dict", "from_json", "mode_label"]

@@ -16,6 +16,7 @@ each one came from.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tomllib
 from pathlib import Path
@@ -81,8 +82,6 @@ def engine_config(values: dict[str, Any]) -> EngineConfig:
 
 
 ENV_PREFIX = "SSD_CHAT_"
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 
 
 class ConfigError(ValueError):
@@ -110,32 +109,29 @@ def env_name(key: str) -> str:
     return ENV_PREFIX + key.upper()
 
 
+@functools.cache
+def _adapter(kind: type) -> Any:
+    from pydantic import TypeAdapter  # here, not at import: importing pydantic costs a start ~0.1-0.2 s
+
+    return TypeAdapter(kind)
+
+
+_WANTS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
 def _coerce(key: str, raw: Any, where: str) -> Any:
-    """Turn a raw value (an env string or a TOML value) into the setting's type."""
+    """Turn a raw value into the setting's type.  Text (an environment variable, ``config set``) is
+    parsed; a TOML value must already be of the type (strict: ``true`` is no integer, ``3`` no flag)."""
     kind = TYPES.get(key, str)
-    if isinstance(raw, str) and kind is not str:
-        text = raw.strip()
-        if kind is bool:
-            if text.lower() in _TRUE:
-                return True
-            if text.lower() in _FALSE:
-                return False
-            raise ConfigError(f"{where}: '{key}' must be true or false, got '{raw}'")
-        try:
-            return kind(text)
-        except ValueError:
-            raise ConfigError(f"{where}: '{key}' must be {'an integer' if kind is int else 'a number'}, got '{raw}'") from None
-    if kind is bool and not isinstance(raw, bool):
-        raise ConfigError(f"{where}: '{key}' must be true or false, got {raw!r}")
-    if kind is int and (isinstance(raw, bool) or not isinstance(raw, int)):
-        raise ConfigError(f"{where}: '{key}' must be an integer, got {raw!r}")
-    if kind is float:
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
-            raise ConfigError(f"{where}: '{key}' must be a number, got {raw!r}")
-        return float(raw)
-    if kind is str and not isinstance(raw, str):
-        raise ConfigError(f"{where}: '{key}' must be a string, got {raw!r}")
-    return raw
+    if type(raw) is kind:  # what strict validation would return; most files are only this, and skip importing pydantic
+        return raw
+    from pydantic import ValidationError
+
+    text = isinstance(raw, str)
+    try:
+        return _adapter(kind).validate_python(raw.strip() if text and kind is not str else raw, strict=not text)
+    except ValidationError:
+        raise ConfigError(f"{where}: '{key}' must be {_WANTS[kind]}, got {raw!r}") from None
 
 
 def _raw_file(path: Path) -> dict[str, Any]:

@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import threading
 import time
-import types
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from pydantic import BaseModel, ValidationError
+
 from .engine import events as _events
-from .engine.events import Done, Error, Event, from_dict, to_dict
+from .engine.events import Done, Error, Event, codec, from_json, to_dict
 
 FORMAT = "ssd-chat-events"
 VERSION = 1
@@ -72,6 +72,7 @@ class Recorder:
             self._f: IO[str] | None = self.path.open("w", encoding="utf-8")
         except OSError as e:
             raise RecordingError(f"cannot write the recording {self.path}: {e.strerror or e}") from None
+        codec()  # build the event codec now, not on the first token
         self._write({"type": "Header", "format": FORMAT, "version": VERSION,
                      "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "info": dict(info or {})})
         if self.error:  # e.g. /dev/full: nothing at all can be recorded
@@ -127,6 +128,22 @@ class Recorder:
         self.close()
 
 
+class _Header(BaseModel):
+    format: Any = None
+    version: int = 0
+    info: dict[str, Any] = {}
+
+
+class _Turn(BaseModel):
+    prompt: str = ""
+    system: str | None = None
+    settings: dict[str, Any] = {}
+
+
+class _Vocab(BaseModel):
+    tokens: dict[int, str] = {}
+
+
 def read(path: Path | str) -> Recording:
     """Parse a recording; a bad file raises :class:`RecordingError` naming the line."""
     path = Path(path)
@@ -142,21 +159,24 @@ def read(path: Path | str) -> Recording:
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
+        kind = None
         try:
-            obj = json.loads(line)
-            kind = obj.get("type")
+            obj = json.loads(line, parse_constant=_not_finite)
+            kind = obj.get("type") if isinstance(obj, dict) else None
             if kind == "Header":
-                if obj.get("format") != FORMAT:
-                    raise ValueError(f"not an ssd-chat event log (format {obj.get('format')!r})")
-                if int(obj.get("version", 0)) > VERSION:
-                    raise ValueError(f"recorded by a newer ssd-chat (version {obj.get('version')})")
-                info = dict(obj.get("info") or {})
+                head = _Header.model_validate(obj)
+                if head.format != FORMAT:
+                    raise ValueError(f"not an ssd-chat event log (format {head.format!r})")
+                if head.version > VERSION:
+                    raise ValueError(f"recorded by a newer ssd-chat (version {head.version})")
+                info = head.info
             elif kind == "Vocab":
                 if info is None:
                     raise ValueError("vocabulary before the header line")
-                info.setdefault("vocab", {}).update({int(k): str(v) for k, v in dict(obj.get("tokens") or {}).items()})
+                info.setdefault("vocab", {}).update(_Vocab.model_validate(obj).tokens)
             elif kind == "Turn":
-                turns.append(RecordedTurn(str(obj.get("prompt", "")), obj.get("system"), dict(obj.get("settings") or {})))
+                turn = _Turn.model_validate(obj)
+                turns.append(RecordedTurn(turn.prompt, turn.system, turn.settings))
                 turn_lines.append(n)
             elif kind in EVENT_TYPES:
                 if info is None:
@@ -164,12 +184,12 @@ def read(path: Path | str) -> Recording:
                 if not turns:  # an event log written without turns (e.g. from `ask`)
                     turns.append(RecordedTurn(""))
                     turn_lines.append(n)
-                obj.pop("turn", None)
-                check_event(obj)
-                turns[-1].events.append(from_dict(obj))
+                turns[-1].events.append(_event(line))
             else:
                 raise ValueError(f"unknown line type {kind!r}")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except ValidationError as e:
+            raise RecordingError(f"{path}, line {n}: {_explain(kind, e)}") from None
+        except ValueError as e:
             raise RecordingError(f"{path}, line {n}: {e}") from None
     if info is None:
         raise RecordingError(f"{path} is empty or not an ssd-chat event log")
@@ -179,65 +199,42 @@ def read(path: Path | str) -> Recording:
     return Recording(info, turns)
 
 
-def check_event(obj: dict[str, Any]) -> None:
-    """ValueError unless ``obj`` has every field its event needs, each of its declared type, and
-    times a replay can wait for (from_dict itself takes whatever the JSON holds)."""
-    cls = getattr(_events, obj["type"])
-    _check_fields(cls, obj)
-    t = obj.get("t_s")
+def _not_finite(name: str) -> None:
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _event(line: str) -> Event:
+    """The event on ``line``, every field of its declared type, at a time a replay can wait for."""
+    ev = from_json(line)
+    t = event_time(ev)
     if t is not None and not 0 <= t <= MAX_EVENT_S:
         raise ValueError(f"t_s must be between 0 and {MAX_EVENT_S:.0f} seconds, got {t!r}")
+    return ev
 
 
-def _check_fields(cls: type, obj: dict[str, Any]) -> None:
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name not in obj:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ValueError(f"{cls.__name__} has no '{f.name}'")
-        elif dataclasses.is_dataclass(hints[f.name]) and isinstance(obj[f.name], dict):
-            _check_fields(hints[f.name], obj[f.name])  # Done's stats: name the field inside
-        elif not _fits(obj[f.name], hints[f.name]):
-            raise ValueError(f"{cls.__name__} field '{f.name}' must be {_describe(hints[f.name])}, got {obj[f.name]!r:.60}")
+# what a field must be, by pydantic's error type
+_WANTS = {"int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer", "float_type": "a number",
+          "float_parsing": "a number", "string_type": "a string", "bool_type": "true or false", "bool_parsing": "true or false",
+          "tuple_type": "a list", "list_type": "a list", "dict_type": "an object", "dataclass_type": "an object"}
 
 
-def _fits(v: Any, hint: Any) -> bool:
-    """Whether a JSON value can stand for a field declared as ``hint`` (lists stand for tuples)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_fits(v, a) for a in args)
-    if origin is typing.Literal:
-        return v in args
-    if origin is tuple:
-        if not isinstance(v, list):
-            return False
-        if len(args) == 2 and args[1] is Ellipsis:
-            return all(_fits(x, args[0]) for x in v)
-        return len(v) == len(args) and all(_fits(x, a) for x, a in zip(v, args))
-    if hint is type(None):
-        return v is None
-    if hint is bool:
-        return isinstance(v, bool)
-    if hint is int:
-        return isinstance(v, int) and not isinstance(v, bool)
-    if hint is float:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    if hint is str:
-        return isinstance(v, str)
-    if dataclasses.is_dataclass(hint):
-        return isinstance(v, dict)
-    return True
-
-
-def _describe(hint: Any) -> str:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(hint))
-    if typing.get_origin(hint) is typing.Literal:
-        return "one of " + ", ".join(map(repr, typing.get_args(hint)))
-    if typing.get_origin(hint) is tuple:
-        return "a list"
-    return {type(None): "null", int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
-        hint, getattr(hint, "__name__", str(hint)))
+def _explain(kind: str | None, e: ValidationError) -> str:
+    """pydantic's first complaint as one line, e.g. ``Round field 'predicted'[0][1] must be a list, got 'x'``."""
+    err = e.errors(include_url=False)[0]
+    path = list(err["loc"])
+    if path[:1] == [kind]:  # the event union's tag
+        path = path[1:]
+    cls = getattr(_events, str(kind), None)  # name the dataclass a nested field belongs to (Done's stats)
+    while cls is not None and len(path) > 1 and dataclasses.is_dataclass(sub := typing.get_type_hints(cls).get(path[0])):
+        cls, path = sub, path[1:]
+    name = cls.__name__ if cls is not None else kind
+    if not path:
+        return f"{name}: {err['msg']}"
+    field, where = path[0], "".join(f"[{p}]" for p in path[1:])
+    if err["type"] == "missing":
+        return f"{name} has no '{field}'"
+    want = err.get("ctx", {}).get("expected") if err["type"] == "literal_error" else _WANTS.get(err["type"])
+    return f"{name} field '{field}'{where} " + (f"must be {want}" if want else err["msg"].lower()) + f", got {err['input']!r:.60}"
 
 
 def event_time(ev: Event) -> float | None:

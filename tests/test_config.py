@@ -161,3 +161,29 @@ def test_compile_setting_from_flag_env_and_file(tmp_path, monkeypatch):
     assert r.exit_code == 1 and "unknown compile 'fast' (use one of auto, on, off, transformers)" in r.stderr
     r = CliRunner().invoke(app, ["ask", "--compile", "fast", "hi"])
     assert r.exit_code == 2 and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("k = true\n", "'k' must be an integer, got True"),  # a TOML value must already be of the type
+    ("k = 4.0\n", "'k' must be an integer, got 4.0"),
+    ("trust_remote_code = 1\n", "'trust_remote_code' must be true or false, got 1"),
+    ("target = 5\n", "'target' must be a string, got 5"),
+    ("temperature = 'warm'\n", "'temperature' must be a number, got 'warm'"),
+])
+def test_file_values_of_the_wrong_type_are_refused(tmp_path, monkeypatch, text, needle):
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(write(tmp_path, text)))
+    with pytest.raises(config.ConfigError, match=needle):
+        config.resolve({})
+
+
+def test_text_values_are_parsed_and_toml_values_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(write(tmp_path, "temperature = 1\nk = ' 3 '\nsystem = '  be brief '\n")))
+    monkeypatch.setenv("SSD_CHAT_COLOUR_TOKENS", " Yes ")
+    monkeypatch.setenv("SSD_CHAT_TOP_P", " 0.9")
+    values, _ = config.resolve({})
+    assert values["temperature"] == 1.0 and isinstance(values["temperature"], float)
+    assert values["k"] == 3 and values["system"] == "  be brief "  # text settings are kept as written
+    assert values["colour_tokens"] is True and values["top_p"] == 0.9
+    monkeypatch.setenv("SSD_CHAT_COLOUR_TOKENS", "maybe")
+    with pytest.raises(config.ConfigError, match="SSD_CHAT_COLOUR_TOKENS: 'colour_tokens' must be true or false, got 'maybe'"):
+        config.resolve({})

@@ -39,3 +39,18 @@ def test_metrics_formulas():
     assert s.cache_hit_rate == 2 / 3
     assert s.accepted_length_on_hit == 1 + 4 / 2 and s.accepted_length_on_miss == 1 + 4
     assert abs(s.tok_per_s - 10 / 1.0) < 1e-9 and s.ttft_s == 1.0 and s.new_tokens == 11
+
+
+def test_from_json_is_strict_and_from_dict_names_what_is_missing():
+    import pytest
+    from pydantic import ValidationError
+
+    from ssd_chat.engine.events import from_json
+
+    assert from_json('{"type": "Token", "id": 1, "text": "a", "t_s": 1, "newer": 0}') == Token(1, "a", "target", 1.0)
+    for bad in ('{"type": "Token", "id": true, "text": "a"}', '{"type": "Token", "id": 1.0, "text": "a"}',
+                '{"type": "Token", "id": 1, "text": 5}', '{"type": "Token", "id": 1, "text": "a", "source": "x"}'):
+        with pytest.raises(ValidationError):
+            from_json(bad)
+    with pytest.raises(ValidationError, match="stats"):
+        from_dict({"type": "Done", "reason": "eos", "text": "", "token_ids": []})

@@ -149,6 +149,33 @@ def test_bad_fields_are_refused_with_their_line(tmp_path):
         read(_write(tmp_path, rows))
 
 
+@pytest.mark.parametrize("kind, field, value, needle", [
+    ("Token", "id", True, "Token field 'id' must be an integer, got True"),
+    ("Token", "id", 1.0, "Token field 'id' must be an integer, got 1.0"),
+    ("Token", "source", "oracle", "Token field 'source' must be 'target' or 'draft', got 'oracle'"),
+    ("Round", "drafted", [1, "2"], r"Round field 'drafted'\[1\] must be an integer, got '2'"),
+    ("Done", "stats", 5, "Done field 'stats' must be an object, got 5"),
+    ("Turn", "prompt", ["hi"], "Turn field 'prompt' must be a string"),
+])
+def test_a_value_of_the_wrong_type_is_named_with_its_line(tmp_path, kind, field, value, needle):
+    rows = _lines(tmp_path)
+    i = _first(rows, kind)
+    rows[i][field] = value
+    with pytest.raises(RecordingError, match=f"line {i + 1}: {needle}"):
+        read(_write(tmp_path, rows))
+
+
+def test_not_a_number_is_refused_and_unknown_keys_are_not(tmp_path):
+    rows = _lines(tmp_path)
+    i = _first(rows, "Round")
+    rows[i]["verify_s"] = float("nan")
+    with pytest.raises(RecordingError, match=f"line {i + 1}: NaN is not a finite number"):
+        read(_write(tmp_path, rows))
+    rows[i]["verify_s"] = 0.5
+    rows[i]["from_a_newer_version"] = {"x": 1}  # a newer ssd-chat may add fields: they are skipped
+    assert read(_write(tmp_path, rows)).turns[0].events
+
+
 def test_a_turn_without_its_end_is_refused_naming_the_turn(tmp_path):
     rows = _lines(tmp_path)
     done = [i for i, r in enumerate(rows) if r["type"] == "Done"][1]
