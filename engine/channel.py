@@ -17,6 +17,7 @@ with the speculation for the next one, a :class:`Reply`), :class:`Ping` (answere
 
 from __future__ import annotations
 
+import select
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -102,10 +103,12 @@ class Reply:
 class Channel:
     """The verifier's end: requests with a deadline that notice a dead or silent speculator."""
 
-    def __init__(self, conn: Connection, qbuf: torch.Tensor, sentinel: int | None = None) -> None:
+    def __init__(self, conn: Connection, qbuf: torch.Tensor, sentinel: int | None = None, spin_s: float = 0.0) -> None:
         self.conn = conn
         self.qbuf = qbuf  # [k, V] float32, shared with the speculator
         self.sentinel = sentinel  # the speculator process's sentinel (readable once it has exited)
+        self.spin_s = spin_s  # how long recv polls before it sleeps (0 where a core is shared)
+        self._ready = Poller(conn)
         self._req = 0
 
     def send(self, msg: Any) -> None:
@@ -119,6 +122,7 @@ class Channel:
         if the speculator died, reported an error or stayed silent for ``timeout`` seconds.
         Returns None if ``stop`` (a threading.Event) was set while waiting."""
         deadline = time.perf_counter() + timeout
+        self._ready.spin(self.spin_s)
         while True:
             left = deadline - time.perf_counter()
             if left <= 0:
@@ -140,10 +144,13 @@ class Channel:
             if stop is not None and stop.is_set():
                 return None
 
-    def request(self, k_prev: int, bonus: int, verify_s: float, timeout: float, stop: Any = None) -> Reply | None:
-        """Send the last outcome, wait for the speculation of the next round."""
+    def request(self, k_prev: int, bonus: int, verify_s: float) -> None:
+        """Send the last outcome; the speculator starts serving the next round's drafts (:meth:`reply`)."""
         self._req += 1
         self.send(Spec(self._req, k_prev, bonus, verify_s))
+
+    def reply(self, timeout: float, stop: Any = None) -> Reply | None:
+        """The speculation for the last request (None if ``stop`` was set while waiting)."""
         return self.recv(timeout, stop, want_req=self._req)
 
     def ping(self, timeout: float = 5.0) -> float:
@@ -157,3 +164,22 @@ class Channel:
     def q_rows(self, reply: Reply) -> torch.Tensor | None:
         """q' for the reply's tokens [k, V] (a copy), or None for point masses."""
         return self.qbuf[: len(reply.tokens)].clone() if reply.has_q else None
+
+
+class Poller:
+    """Polls a connection without sleeping: a sleeping process is woken up tens of microseconds after
+    its message arrives (more on a VM), and both ends of a round wait on each other once per round.
+    The caller spins only where it has a core of its own."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._poll = select.poll()
+        self._poll.register(conn.fileno(), select.POLLIN)
+
+    def spin(self, seconds: float) -> bool:
+        """Poll for up to ``seconds``; True once a message (or EOF) is waiting."""
+        end = time.perf_counter() + seconds
+        while True:
+            if self._poll.poll(0):
+                return True
+            if time.perf_counter() >= end:
+                return False

@@ -2,10 +2,11 @@
 does not know which implementation it has:
 
 * ``begin(prompt_ids, settings)``: a new reply (or the rest of one), whose tokens all have target KV;
-* ``drafts(k_prev, bonus, verify_s, stop) -> Proposal | None``: the outcome of the last round
-  (``k_prev`` drafts accepted, -1 for the first round, then ``bonus``); returns the drafts for
-  the next one, or None if ``stop`` was set while waiting.  Raises SpeculatorError if the
-  speculator failed.
+* ``request(k_prev, bonus, verify_s)``: the outcome of the last round (``k_prev`` drafts accepted,
+  -1 for the first round, then ``bonus``), told as soon as it is known, so that the speculator
+  serves the next round while the verifier commits this one;
+* ``drafts(stop) -> Proposal | None``: the drafts for that next round, or None if ``stop`` was set
+  while waiting.  Raises SpeculatorError if the speculator failed (a failed ``request`` too).
 
 :class:`RemoteProposer` is the speculator process (:mod:`spec_worker`) behind :mod:`channel`:
 its drafts come from the speculation cache built while the last round was verified (a hit) or
@@ -35,6 +36,10 @@ from .sampling import logits_to_probs, make_generator, sample
 from .spec_worker import Recipe, worker_main
 
 CLOSE_TIMEOUT_S = 3.0
+# polling before sleeping: the verifier, for a reply (a hit answers within about 0.2 ms); the speculator,
+# for the next request (due about when its tree is done)
+VERIFIER_SPIN_S = 0.001
+SPECULATOR_SPIN_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -60,17 +65,21 @@ class RemoteProposer:
     """A running speculator process and its channel."""
 
     def __init__(self, recipe: Recipe, k: int, fan: FanOut, fallback: str, vocab: int, cores: tuple[int, ...] | None,
-                 threads: int | None, timeout: float, fault: str | None = None, compile: str = "off") -> None:
+                 threads: int | None, timeout: float, fault: str | None = None, compile: str = "off", spin: bool = False) -> None:
+        """``spin``: each side has a core (or device) of its own, so each polls for the other's next
+        message before it sleeps (:class:`channel.Poller`)."""
         ctx = workers.context()
         parent, child = ctx.Pipe(duplex=True)
         qbuf = torch.zeros(k, vocab, dtype=torch.float32).share_memory_()
         self.k = k
         self.proc = ctx.Process(target=worker_main, name="ssd-speculator", daemon=True,
-                                args=(child, recipe, k, fan, fallback, vocab, qbuf, cores, threads, os.getpid(), fault, compile))
+                                args=(child, recipe, k, fan, fallback, vocab, qbuf, cores, threads, os.getpid(), fault, compile,
+                                      SPECULATOR_SPIN_S if spin else 0.0))
         workers.start(self.proc)  # works under Textual too (its stderr has no fd)
         child.close()
-        self.channel = Channel(parent, qbuf, self.proc.sentinel)
+        self.channel = Channel(parent, qbuf, self.proc.sentinel, VERIFIER_SPIN_S if spin else 0.0)
         self.ready = False
+        self._failed: SpeculatorError | None = None
         self.forward: str | None = None  # what forwards the draft there (forward.LABELS), from Ready
         self.notices: tuple[str, ...] = ()
         self.pid = self.proc.pid
@@ -88,8 +97,16 @@ class RemoteProposer:
     def begin(self, prompt_ids: list[int], settings: Settings) -> None:
         self.channel.send(Begin(tuple(prompt_ids), settings))  # the draft's prefill overlaps the target's
 
-    def drafts(self, k_prev: int, bonus: int, verify_s: float, stop: threading.Event | None = None) -> Proposal | None:
-        reply = self.channel.request(k_prev, bonus, verify_s, self.timeout, stop)
+    def request(self, k_prev: int, bonus: int, verify_s: float) -> None:
+        try:
+            self.channel.request(k_prev, bonus, verify_s)
+        except SpeculatorError as e:  # raised by drafts(): the round that found the outcome still commits it
+            self._failed = e
+
+    def drafts(self, stop: threading.Event | None = None) -> Proposal | None:
+        if self._failed is not None:
+            raise self._failed
+        reply = self.channel.reply(self.timeout, stop)
         if reply is None:
             return None
         return Proposal(reply.tokens, self.channel.q_rows(reply), reply.fallback_s, self.k * reply.step_s, reply)
@@ -133,8 +150,12 @@ class LocalProposer:
         self.pending: int | None = None
         self.last: tuple[int, ...] = ()
 
-    def drafts(self, k_prev: int, bonus: int, verify_s: float = 0.0, stop: threading.Event | None = None) -> Proposal:
+    def request(self, k_prev: int, bonus: int, verify_s: float = 0.0) -> None:
+        self._outcome = (k_prev, bonus)
+
+    def drafts(self, stop: threading.Event | None = None) -> Proposal:
         t0 = time.perf_counter()
+        k_prev, bonus = self._outcome
         if k_prev >= 0:
             self.ctx += [self.pending, *self.last[:k_prev]]  # type: ignore[list-item]
             self.pen.add([self.pending, *self.last[:k_prev]])  # type: ignore[list-item]
@@ -166,5 +187,8 @@ class NoProposer:
     def begin(self, prompt_ids: list[int], settings: Settings) -> None:
         pass
 
-    def drafts(self, k_prev: int, bonus: int, verify_s: float = 0.0, stop: threading.Event | None = None) -> Proposal:
+    def request(self, k_prev: int, bonus: int, verify_s: float = 0.0) -> None:
+        pass
+
+    def drafts(self, stop: threading.Event | None = None) -> Proposal:
         return Proposal((), None, 0.0, 0.0)

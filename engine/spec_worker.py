@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from . import forward, workers
-from .channel import Begin, Close, Failed, Ping, Pong, Ready, Spec
+from .channel import Begin, Close, Failed, Ping, Poller, Pong, Ready, Spec
 from .fanout import FanOut
 from .speculator import Speculator
 
@@ -80,8 +80,9 @@ def build_model(recipe: Recipe) -> torch.nn.Module:
 
 def worker_main(conn: Any, recipe: Recipe, k: int, fan_out: FanOut, fallback: str, vocab: int, qbuf: torch.Tensor,
                 cores: tuple[int, ...] | None, threads: int | None, parent_pid: int, fault: str | None = None,
-                compile: str = "off") -> None:
-    """The speculator process: load the draft, then serve requests until ``close`` or EOF."""
+                compile: str = "off", spin_s: float = 0.0) -> None:
+    """The speculator process: load the draft, then serve requests until ``close`` or EOF.  ``spin_s``:
+    how long it polls for the next request before it sleeps (0 where it shares a core)."""
     if not workers.child_start(parent_pid):
         return
     try:
@@ -95,7 +96,7 @@ def worker_main(conn: Any, recipe: Recipe, k: int, fan_out: FanOut, fallback: st
         if compile in ("on", "auto") and warm is not None:
             warm()  # compile every row shape before Ready, not inside the verifier's per-request timeout
         conn.send(Ready(os.getpid(), torch.get_num_threads(), spec.runner.label, tuple(forward.take_notices(model))))
-        _serve_loop(conn, spec, qbuf, _Fault.parse(fault))
+        _serve_loop(conn, spec, qbuf, _Fault.parse(fault), spin_s)
     except (EOFError, OSError, KeyboardInterrupt):
         pass
     except BaseException as e:  # noqa: BLE001 - reported to the verifier, which falls back
@@ -132,17 +133,22 @@ class _Fault:
             os._exit(3)
 
 
-def _serve_loop(conn: Any, spec: Speculator, qbuf: torch.Tensor, fault: _Fault | None) -> None:
+def _serve_loop(conn: Any, spec: Speculator, qbuf: torch.Tensor, fault: _Fault | None, spin_s: float = 0.0) -> None:
     pending: list[Any] = []
     num_requests = 0
+    ready = Poller(conn)
 
     def abort() -> bool:
-        # a message while building: a request for this tree or a ping (keep building), or a new reply / close
+        # a message while building: a ping or a request this tree answers (keep building); a request it
+        # cannot answer (a miss: the fallback should start now), a new reply or close
         while conn.poll():
             pending.append(conn.recv())
-        return any(isinstance(m, (Begin, Close)) for m in pending)
+        return any(isinstance(m, (Begin, Close)) or (isinstance(m, Spec) and (m.k_prev, m.bonus) not in spec.building)
+                   for m in pending)
 
     while True:
+        if not pending:
+            ready.spin(spin_s)  # the next request is due about when the tree is done
         msg = pending.pop(0) if pending else conn.recv()
         if isinstance(msg, Close):
             return

@@ -102,6 +102,7 @@ class Speculator:
         self.spec_hit = False
         self.spec_fallback: str | None = None
         self.tree: dict[tuple[int, int], Entry] = {}
+        self.building: frozenset[tuple[int, int]] = frozenset()  # the outcomes the tree being built answers
         self.predicted: tuple[tuple[int, tuple[int, ...]], ...] = ()
         self.build_s = 0.0
         self._glue_logits: list[torch.Tensor] | None = None  # g_0..g_{k-1} left by a neural fallback or a hit
@@ -248,6 +249,7 @@ class Speculator:
         top = torch.topk(rows, min(max(fan), V)).indices.tolist()  # one top-F over every row, sliced per j
         predicted = [(j, tuple(top[j][: min(fan[j], V - (j < k))])) for j in range(k + 1) if fan[j] > 0]
         branches = [(j, c) for j, cs in predicted for c in cs]
+        self.building = frozenset(branches)
         tree: dict[tuple[int, int], Entry] = {}
         if branches:
             drafted = self._tree(L, [j for j, _ in branches], [c for _, c in branches], hit_list, abort)

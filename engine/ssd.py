@@ -4,12 +4,12 @@ The target runs here, in the app process; the draft runs in a speculator process
 (:mod:`speculator`, :mod:`spec_worker`) on its own device or CPU cores, behind :mod:`channel`.
 One round, :meth:`SSDDecoder._round` (spec §2.2):
 
-1. send the last outcome ``(k_prev, bonus)``; the speculator answers at once from its
-   speculation cache (a hit) or from a fallback (a miss) with ``d_1..d_k`` and the q'
-   they were drawn from;
+1. take the drafts ``d_1..d_k`` (and the q' they were drawn from) that the speculator served for
+   the last outcome ``(k_prev, bonus)``: from its speculation cache (a hit) or a fallback (a miss);
 2. verify ``[bonus, d_1..d_k]`` with one target forward and :func:`sampling.verify`,
    while the speculator predicts this round's outcomes and drafts k tokens for each;
-3. commit the accepted tokens and the new bonus; repeat.
+3. send the outcome at once, so the next round's drafts are served while this round's
+   accepted tokens and bonus are committed; repeat.
 
 The output is exact: greedy SSD equals greedy AR token for token, and at temperature > 0
 it is distributed as the target's, because every proposal comes with the distribution it
@@ -78,7 +78,6 @@ class _Reply:
     seq: list[int]
     pending: int  # the last bonus token
     pen: Penalties  # counts the reply's tokens in `seq` (not `pending`)
-    k_prev: int = -1  # drafts accepted last round (-1: no round yet)
     verify_s: float = 0.0  # the last verification's time (the speculator's --fallback auto reads it)
     index: int = 0
     sd_s: float = 0.0  # what SD would have spent on the same rounds: verify + k draft steps (estimate)
@@ -116,7 +115,8 @@ class SSDDecoder:
             recipe = recipe_for(e.draft, e.target, self.plan.draft_device, src.placement.dtype)
             fan = fanout.parse(e.config.fan_out, self.k, e.config.budget, self.vocab)
             self._worker = RemoteProposer(recipe, self.k, fan, e.config.fallback, self.vocab, self.plan.draft_cores,
-                                          self.plan.draft_threads, e.config.speculator_timeout_s, self.fault, e.config.compile)
+                                          self.plan.draft_threads, e.config.speculator_timeout_s, self.fault, e.config.compile,
+                                          spin=not self.plan.shared)
         except Exception as ex:  # noqa: BLE001 - e.g. a draft that cannot be shipped
             self._worker, self._last_error = None, f"{type(ex).__name__}: {ex}"
 
@@ -202,6 +202,7 @@ class SSDDecoder:
                 st = yield from self._prefill(prompt_ids, params, builder, metrics, t0, stop)
                 if spec is None:
                     spec = self._local(st.seq, settings)
+                spec.request(-1, st.pending, 0.0)  # the first round's drafts
                 while not builder.finished:
                     for note in forward.take_notices(self.engine.target.model, self.engine.draft.model):
                         yield Notice(note, "info")  # on transformers, a compile that failed
@@ -216,7 +217,8 @@ class SSDDecoder:
                         self._drop_worker(str(e))
                         pins.close()  # unpin: the verifier has the machine to itself now
                         yield self._switch(metrics, f"{e}; continuing {self._local_mode_name()} in this process", st.index)
-                        spec, st.k_prev = self._local(st.seq, settings), -1
+                        spec = self._local(st.seq, settings)
+                        spec.request(-1, st.pending)
                 if reason is None:
                     reason = builder.reason
                 if isinstance(spec, RemoteProposer):  # it served this reply: earlier failures were not its own
@@ -250,7 +252,7 @@ class SSDDecoder:
         the acceptance test, commit, events.  Returns False if cancelled while waiting for the drafts."""
         # 1. the speculation for this round: answered from the cache built while the last round was verified
         t_wait = time.perf_counter()
-        prop = spec.drafts(st.k_prev, st.pending, st.verify_s, st.stop)
+        prop = spec.drafts(st.stop)
         if prop is None:
             return False
         wait_s = time.perf_counter() - t_wait
@@ -268,10 +270,12 @@ class SSDDecoder:
             d = torch.tensor(drafts, dtype=torch.long, device=p.device)
             q = prop.q.to(p.device) if prop.q is not None else F.one_hot(d, p.shape[-1]).float()  # [k, V]; point masses
             n, bonus = verify(d, q, p, st.gen)
-        st.target.truncate(len(st.seq) + 1 + n)  # keep [.., pending, d_1..d_n]
         st.verify_s = time.perf_counter() - t_verify
 
-        # 3. commit: accepted drafts, then the bonus; EOS / stop / length end the reply there
+        # 3. the outcome goes out first: the speculator serves the next round while this one commits
+        spec.request(n, bonus, st.verify_s)
+        st.target.truncate(len(st.seq) + 1 + n)  # keep [.., pending, d_1..d_n]
+        # accepted drafts, then the bonus; EOS / stop / length end the reply there
         st.seq += [st.pending, *drafts[:n]]
         st.pen.add([st.pending, *drafts[:n]])
         emitted, bonus_id = yield from emit_block(st.builder, st.metrics, drafts, n, bonus, st.t0)
@@ -281,7 +285,7 @@ class SSDDecoder:
             st.sd_s += st.verify_s + prop.sd_draft_s
             st.metrics.add(rnd)
             yield rnd
-        st.k_prev, st.pending, st.index = n, bonus, st.index + 1
+        st.pending, st.index = bonus, st.index + 1
         return True
 
     # -- the in-process continuation ------------------------------------------------------------

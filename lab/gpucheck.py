@@ -163,7 +163,8 @@ def channel_rtt(k: int, vocab: int, reps: int) -> dict[str, float]:
         reqs = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            ch.request(k, 7, 0.0, timeout=10)
+            ch.request(k, 7, 0.0)
+            ch.reply(timeout=10)
             reqs.append(time.perf_counter() - t0)
         return {"ping_us": round(statistics.median(pings) * 1e6, 1), "request_us": round(statistics.median(reqs) * 1e6, 1)}
     finally:
