@@ -28,7 +28,7 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
     from .engine import threads
     from .loading import quiet_libraries
     from .recorder import Recorder, RecordingError
-    from .tui.backend import EngineBackend
+    from .backend import EngineBackend
 
     threads.coordinator()  # before anything computes here: this thread becomes the UI's
     quiet_libraries()

@@ -12,7 +12,7 @@ from ssd_chat import compare as cmp
 from ssd_chat.engine import Engine, EngineConfig, models
 from ssd_chat.engine.events import Done, Token
 from ssd_chat.engine.metrics import Metrics
-from ssd_chat.tui.backend import EngineBackend
+from ssd_chat.backend import EngineBackend
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_models import cli, save_tiny  # noqa: E402

@@ -94,7 +94,7 @@ async def test_the_panel_says_why_auto_chose_the_mode():
 
 def test_engine_backend_reports_the_reason_only_while_the_mode_is_unchanged(tiny_target, tiny_draft):
     from ssd_chat.engine import Engine, EngineConfig
-    from ssd_chat.tui.backend import EngineBackend
+    from ssd_chat.backend import EngineBackend
 
     b = EngineBackend({})
     b.engine = Engine(EngineConfig(mode="ar"), tiny_target, tiny_draft, mode_reason="AR: why")

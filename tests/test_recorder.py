@@ -97,7 +97,7 @@ def test_demo_replay_of_a_bad_file_is_one_line(tmp_path):
 @pytest.mark.asyncio
 async def test_replay_in_the_app_types_prompts_and_shows_recorded_rounds(tmp_path):
     from ssd_chat.tui.app import ChatApp
-    from ssd_chat.tui.backend import ReplayBackend
+    from ssd_chat.backend import ReplayBackend
 
     e1, e2 = ssd_events(WORDS, hits=[True, False]), ssd_events(["Fine", "."], hits=[False])
     make_recording(tmp_path / "r.jsonl", [("first question", e1), ("second", e2)])
@@ -145,7 +145,7 @@ def test_shipped_recordings_are_real_ssd_runs_with_hits_and_misses():
 @pytest.mark.asyncio
 async def test_shipped_recording_plays_in_the_app():
     from ssd_chat.tui.app import ChatApp
-    from ssd_chat.tui.backend import ReplayBackend
+    from ssd_chat.backend import ReplayBackend
 
     path = next(p for p in shipped() if read(p).info.get("mode") == "ssd")
     rec = read(path)

@@ -14,7 +14,7 @@ from ssd_chat.engine.events import Done, Error, Event, Notice, Round, Token
 from ssd_chat.engine.metrics import Metrics
 from ssd_chat.history import History
 from ssd_chat.tui.app import ChatApp
-from ssd_chat.tui.backend import Backend
+from ssd_chat.backend import Backend
 from ssd_chat.tui.figures import Baseline, panel_values, speedup_vs
 from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
 from ssd_chat.tui.widgets.settings_dialog import SettingsDialog

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_tui import ssd_events, wait_until  # noqa: E402
 
 from ssd_chat.tui.app import ChatApp  # noqa: E402
-from ssd_chat.tui.backend import EngineBackend  # noqa: E402
+from ssd_chat.backend import EngineBackend  # noqa: E402
 from ssd_chat.tui.widgets.settings_dialog import SettingsDialog  # noqa: E402
 
 

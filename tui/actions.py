@@ -15,7 +15,7 @@ from textual.screen import Screen
 from ..config import SAMPLING_KEYS
 from ..engine import threads
 from ..history import HistoryError, data_dir, metrics_line
-from .backend import readable
+from ..backend import readable
 from .changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
 from .widgets.chats_dialog import ChatsDialog
 from .widgets.settings_dialog import SettingsDialog

@@ -30,7 +30,7 @@ from ..session import Session
 from ..terminal import printable
 from . import signals
 from .actions import ChatActions
-from .backend import Backend, readable
+from ..backend import Backend, readable
 from .comparing import CompareActions
 from .figures import Baseline
 from .replies import ReplyActions, Turn

@@ -20,7 +20,7 @@ from .. import compare as cmp
 from ..engine import threads
 from ..engine.chat import messages_for
 from ..engine.params import SamplingParams
-from .backend import readable
+from ..backend import readable
 from .figures import Baseline, baseline_from_reply
 
 

@@ -23,7 +23,7 @@ from ..engine.metrics import Metrics
 from ..engine.params import SamplingParams
 from ..history import metrics_line
 from ..session import Session
-from .backend import readable, sampling_of
+from ..backend import readable, sampling_of
 from .figures import baseline_from_reply, ran_as
 from .widgets.chat_log import AssistantMessage
 
