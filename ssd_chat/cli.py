@@ -27,7 +27,7 @@ from .loading import load_engine
 from .options import (Budget, Draft, DraftDevice, Dtype, Compile, Fallback, FanOut, K, MaxNew, Mode, SaguaroC, Seed, System, Target,
                       TargetDevice, Temperature, TopK, TopP, TrustRemote, RepetitionPenalty, FrequencyPenalty, PresencePenalty, console, fail, merge, settings, utf8_text)
 from .serve_cmd import register as register_serve
-from .tui.figures import format_stats, ran_as
+from .stats import format_stats, ran_as
 
 
 class _Commands(TyperGroup):

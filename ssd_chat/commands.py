@@ -45,7 +45,7 @@ def register(app: typer.Typer) -> None:
 
         if replay is not None:
             from .recorder import RecordingError, read
-            from .tui.backend import ReplayBackend
+            from .backend import ReplayBackend
 
             try:
                 recording = read(replay)

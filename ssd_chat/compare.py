@@ -20,7 +20,7 @@ from typing import Any
 
 from .engine.events import Done, Error, Event, Notice
 from .engine.metrics import over_ar_bound, ssd_over_sd_bound
-from .tui.figures import ran_as
+from .stats import ran_as
 
 MODES = ("ar", "sd", "ssd")
 RATIOS = (("ssd", "ar"), ("ssd", "sd"), ("sd", "ar"))

@@ -1,7 +1,7 @@
 """Demo sessions: the scripted prompts in ``assets/demo/*.txt``, typed into the app by itself
 (``ssd-chat demo``) or run without the app to make a recording (``ssd-chat demo --headless --record F``).
 
-Replaying a recording is :class:`ssd_chat.tui.backend.ReplayBackend` over :mod:`ssd_chat.recorder`.
+Replaying a recording is :class:`ssd_chat.backend.ReplayBackend` over :mod:`ssd_chat.recorder`.
 """
 
 import sys
@@ -30,8 +30,8 @@ def run_headless(values: dict, prompts: list[str]) -> int:
     from .loading import load_engine
     from .recorder import Recorder, RecordingError
     from .session import Session
-    from .tui.backend import EngineBackend
-    from .tui.figures import format_stats
+    from .backend import EngineBackend
+    from .stats import format_stats
     from .tui.changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
 
     try:

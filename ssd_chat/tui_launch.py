@@ -28,7 +28,7 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
     from .engine import threads
     from .loading import quiet_libraries
     from .recorder import Recorder, RecordingError
-    from .tui.backend import EngineBackend
+    from .backend import EngineBackend
 
     threads.coordinator()  # before anything computes here: this thread becomes the UI's
     quiet_libraries()
@@ -73,7 +73,7 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
         sys.stderr.write(f"ssd-chat: warning: {app.history.warning}\n")
     if app.signalled is not None:  # quit cleanly on SIGTERM / SIGHUP; the status still says which
         return 128 + app.signalled
-    if app.load_error:
-        sys.stderr.write(f"ssd-chat: error: {app.load_error}\n")
+    if app.chat_view.load_error:
+        sys.stderr.write(f"ssd-chat: error: {app.chat_view.load_error}\n")
         return 1
     return 1 if app.return_code is None else app.return_code  # None: the app never got to exit normally

@@ -12,7 +12,7 @@ from ssd_chat import compare as cmp
 from ssd_chat.engine import Engine, EngineConfig, models
 from ssd_chat.engine.events import Done, Token
 from ssd_chat.engine.metrics import Metrics
-from ssd_chat.tui.backend import EngineBackend
+from ssd_chat.backend import EngineBackend
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_models import cli, save_tiny  # noqa: E402
@@ -123,18 +123,18 @@ async def test_ctrl_g_compares_the_typed_prompt_in_three_modes():
     backend = ModeBackend({"ar": ids, "sd": ids, "ssd": ids})
     app = ChatApp(backend)
     async with app.run_test(size=(150, 50)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
-        app.prompt.set_text("Why is the sky blue?")
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        app.chat_view.prompt.set_text("Why is the sky blue?")
         await pilot.press("ctrl+g")
         n = 3 * cmp.DEFAULT_REPEATS + 1
-        await wait_until(pilot, lambda: app.switching is None and backend.modes[-1:] == ["ssd"] and len(backend.modes) == n)
+        await wait_until(pilot, lambda: app.chat_view.switching is None and backend.modes[-1:] == ["ssd"] and len(backend.modes) == n)
         await pilot.pause()
-        shown = " ".join(plain(w) for w in app.chat.query("Static"))
+        shown = " ".join(plain(w) for w in app.chat_view.chat.query("Static"))
         assert backend.modes == ["ar", "sd", "ssd"] * cmp.DEFAULT_REPEATS + ["ssd"]  # interleaved, and back to the mode it was in
         assert all(m[-1]["content"] == "Why is the sky blue?" for m in backend.calls)
         assert "identical (10 tokens, greedy, 9 runs)" in shown and "SSD/AR 4.00× (4.00–4.00" in shown
-        assert app.messages == []  # not part of the conversation
-        assert app.panel.values["vs_ar"] == "4.00× meas." and "same prompt" in app.panel.values["basis"]
+        assert app.chat_view.messages == []  # not part of the conversation
+        assert app.chat_view.panel.values["vs_ar"] == "4.00× meas." and "same prompt" in app.chat_view.panel.values["basis"]
 
 
 @pytest.mark.asyncio
@@ -153,11 +153,11 @@ async def test_ctrl_g_on_the_real_engine_gives_identical_outputs(tiny_chat_dir):
     app = ChatApp(Preloaded({"mode": "ar"}), settings={"max_new_tokens": 8})
     try:
         async with app.run_test(size=(150, 50)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
-            await app.submit("/compare Hello there")
-            await wait_until(pilot, lambda: app.switching is None and any(
-                "outputs:" in plain(w) for w in app.chat.query("Static")), timeout=120)
-            shown = " ".join(plain(w) for w in app.chat.query("Static"))
+            await wait_until(pilot, lambda: app.chat_view.ready)
+            await app.chat_view.submit("/compare Hello there")
+            await wait_until(pilot, lambda: app.chat_view.switching is None and any(
+                "outputs:" in plain(w) for w in app.chat_view.chat.query("Static")), timeout=120)
+            shown = " ".join(plain(w) for w in app.chat_view.chat.query("Static"))
             assert "identical (8 tokens, greedy, 9 runs)" in shown, shown
             assert engine.config.mode == "ar"
     finally:

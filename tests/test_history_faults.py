@@ -198,22 +198,22 @@ async def test_the_app_goes_on_when_the_database_is_locked_mid_chat(tmp_path):
     app = ChatApp(FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["three"])]),
                   history=History(path, timeout_s=0.1))
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
-        await app.submit("first")
-        await wait_until(pilot, lambda: app.current.finished)
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        await app.chat_view.submit("first")
+        await wait_until(pilot, lambda: app.chat_view.current.finished)
         other = sqlite3.connect(path)
         other.execute("BEGIN EXCLUSIVE")
         try:
-            await app.submit("second")
-            await wait_until(pilot, lambda: app.current.finished)
-            await app.submit("third")
-            await wait_until(pilot, lambda: app.current.finished)
+            await app.chat_view.submit("second")
+            await wait_until(pilot, lambda: app.chat_view.current.finished)
+            await app.chat_view.submit("third")
+            await wait_until(pilot, lambda: app.chat_view.current.finished)
         finally:
             other.rollback()
             other.close()
         assert replies_text(app) == ["one", "two", "three"]
         assert any("could not write the chat history" in n.text for n in app.query(".notice"))
-        assert [m.content for m in app.history.messages(app.conversation_id)] == ["first", "one", "second", "two", "third", "three"]
+        assert [m.content for m in app.history.messages(app.chat_view.conversation_id)] == ["first", "one", "second", "two", "third", "three"]
         await pilot.press("ctrl+c")
     assert app.return_code == 0
 
@@ -224,11 +224,11 @@ async def test_the_app_resumes_a_chat_the_database_will_not_save_to(tmp_path):
     h.db.execute("PRAGMA query_only = ON")
     app = ChatApp(FakeBackend([ssd_events(["more"])]), history=h, resume=1)
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.ready and app.messages)
-        await app.submit("go on")
-        await wait_until(pilot, lambda: app.current.finished)
+        await wait_until(pilot, lambda: app.chat_view.ready and app.chat_view.messages)
+        await app.chat_view.submit("go on")
+        await wait_until(pilot, lambda: app.chat_view.current.finished)
         assert replies_text(app)[-1] == "more"
-        assert app.messages[-2:] == [{"role": "user", "content": "go on"}, {"role": "assistant", "content": "more"}]
+        assert app.chat_view.messages[-2:] == [{"role": "user", "content": "go on"}, {"role": "assistant", "content": "more"}]
         await pilot.press("ctrl+c")
     assert app.return_code == 0
 
@@ -238,19 +238,19 @@ async def test_the_app_resuming_a_damaged_chat_says_so_and_goes_on(tmp_path):
     h = History(damaged_db(tmp_path))
     app = ChatApp(FakeBackend([ssd_events(["fine"])]), history=h, resume=2)
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
+        await wait_until(pilot, lambda: app.chat_view.ready)
         notices = [n.text for n in app.query(".notice")]
         assert any(n.startswith("cannot resume: could not read chat 2") for n in notices), notices
-        assert app.conversation_id is None and app.messages == []
-        await app.submit("a new chat")
-        await wait_until(pilot, lambda: app.current.finished)
+        assert app.chat_view.conversation_id is None and app.chat_view.messages == []
+        await app.chat_view.submit("a new chat")
+        await wait_until(pilot, lambda: app.chat_view.current.finished)
         assert app.history.warning is None  # the undamaged part of the file still takes the new chat
         await pilot.press("ctrl+r")
         await wait_until(pilot, lambda: app.screen.query("#chat-list"))
         assert app.screen.query_one("#chat-list").option_count == 4
         app.screen.query_one("#chat-list").highlighted = 3  # oldest: chat 1, undamaged
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.conversation_id == 1)
+        await wait_until(pilot, lambda: app.chat_view.conversation_id == 1)
         await pilot.press("ctrl+c")
     assert app.return_code == 0
 

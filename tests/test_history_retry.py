@@ -115,13 +115,13 @@ async def test_the_app_says_once_when_saving_resumes_and_saves_the_whole_chat(tm
     app = ChatApp(FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["three"])]),
                   history=History(path, timeout_s=0.1))
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
-        await app.submit("first")
-        await wait_until(pilot, lambda: app.current.finished)
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        await app.chat_view.submit("first")
+        await wait_until(pilot, lambda: app.chat_view.current.finished)
         other = lock(path)
         try:
-            await app.submit("second")
-            await wait_until(pilot, lambda: app.current.finished)
+            await app.chat_view.submit("second")
+            await wait_until(pilot, lambda: app.chat_view.current.finished)
         finally:
             release(other)
 
@@ -129,12 +129,12 @@ async def test_the_app_says_once_when_saving_resumes_and_saves_the_whole_chat(tm
             return [n.text for n in app.query(".notice") if word in n.text]
 
         await wait_until(pilot, lambda: notices("saving the chat history"))  # when idle, too
-        await app.submit("third")
-        await wait_until(pilot, lambda: app.current.finished)
+        await app.chat_view.submit("third")
+        await wait_until(pilot, lambda: app.chat_view.current.finished)
         assert replies_text(app) == ["one", "two", "three"]
         assert len(notices("could not write the chat history")) == 1
         assert len(notices("saving the chat history")) == 1
-        assert saved(path, app.conversation_id) == ["first", "one", "second", "two", "third", "three"]
+        assert saved(path, app.chat_view.conversation_id) == ["first", "one", "second", "two", "third", "three"]
         await pilot.press("ctrl+c")
     assert app.return_code == 0
 
@@ -146,10 +146,10 @@ async def test_the_warning_about_a_locked_database_at_the_start_shows_once(tmp_p
     try:
         app = ChatApp(FakeBackend([ssd_events(["one"]), ssd_events(["two"])]), history=History(path, timeout_s=0.1))
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
+            await wait_until(pilot, lambda: app.chat_view.ready)
             for prompt in ("first", "second"):
-                await app.submit(prompt)
-                await wait_until(pilot, lambda: app.current.finished)
+                await app.chat_view.submit(prompt)
+                await wait_until(pilot, lambda: app.chat_view.current.finished)
             warnings = [n.text for n in app.query(".notice") if "could not open the chat history" in n.text]
             assert len(warnings) == 1, warnings
             await pilot.press("ctrl+c")

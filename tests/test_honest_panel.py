@@ -38,22 +38,22 @@ async def test_an_ar_reply_in_the_chat_makes_the_next_ssd_reply_measured():
     backend = FakeBackend([ssd, ar, ssd_events(WORDS)])
     app = ChatApp(backend)
     async with app.run_test(size=(150, 50)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
-        await app.submit("first")  # SSD, nothing measured yet: no AR figure (no 1-row step to cost AR with), and the panel says so
-        await wait_until(pilot, lambda: app.current.finished)
-        assert app.panel.values["vs_ar"] == "—" and app.panel.values["basis"] == "AR: not measured · SD: estimate"
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        await app.chat_view.submit("first")  # SSD, nothing measured yet: no AR figure (no 1-row step to cost AR with), and the panel says so
+        await wait_until(pilot, lambda: app.chat_view.current.finished)
+        assert app.chat_view.panel.values["vs_ar"] == "—" and app.chat_view.panel.values["basis"] == "AR: not measured · SD: estimate"
         backend.info_["mode"] = "ar"
-        await app.submit("second")  # AR: its decode rate is now this chat's AR baseline
-        await wait_until(pilot, lambda: app.current.finished and app.current.index == 1)
+        await app.chat_view.submit("second")  # AR: its decode rate is now this chat's AR baseline
+        await wait_until(pilot, lambda: app.chat_view.current.finished and app.chat_view.current.index == 1)
         backend.info_["mode"] = "ssd"
-        await app.submit("third")
-        await wait_until(pilot, lambda: app.current.finished and app.current.index == 2)
+        await app.chat_view.submit("third")
+        await wait_until(pilot, lambda: app.chat_view.current.finished and app.chat_view.current.index == 2)
         want = ssd[-1].stats.tok_per_s / ar[-1].stats.tok_per_s
-        assert app.panel.values["vs_ar"] == f"{want:.2f}× meas."
-        assert app.panel.values["basis"] == "AR: AR reply 2 in this chat · SD: estimate"
-        assert "AR reply 2 in this chat" in plain(app.panel.query_one("#figures"))
+        assert app.chat_view.panel.values["vs_ar"] == f"{want:.2f}× meas."
+        assert app.chat_view.panel.values["basis"] == "AR: AR reply 2 in this chat · SD: estimate"
+        assert "AR reply 2 in this chat" in plain(app.chat_view.panel.query_one("#figures"))
         await app.action_new_chat()  # another chat: that reply is not "in this chat" any more
-        assert "ar" not in app.panel.measured
+        assert "ar" not in app.chat_view.panel.measured
 
 
 def test_a_given_bench_baseline_is_kept_over_replies():
@@ -85,16 +85,16 @@ async def test_the_panel_says_why_auto_chose_the_mode():
     backend.info_.update(mode="ar", mode_reason="AR: this process has 1 CPU core; a second core would enable SSD")
     app = ChatApp(backend)
     async with app.run_test(size=(150, 50)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
+        await wait_until(pilot, lambda: app.chat_view.ready)
         await pilot.pause()
-        setup = plain(app.panel.query_one("#setup"))
+        setup = plain(app.chat_view.panel.query_one("#setup"))
         assert "why" in setup and "a second core would enable SSD" in " ".join(setup.split())
-        assert "tok/s" in plain(app.panel.query_one("#figures"))  # the figures are drawn before the first reply
+        assert "tok/s" in plain(app.chat_view.panel.query_one("#figures"))  # the figures are drawn before the first reply
 
 
 def test_engine_backend_reports_the_reason_only_while_the_mode_is_unchanged(tiny_target, tiny_draft):
     from ssd_chat.engine import Engine, EngineConfig
-    from ssd_chat.tui.backend import EngineBackend
+    from ssd_chat.backend import EngineBackend
 
     b = EngineBackend({})
     b.engine = Engine(EngineConfig(mode="ar"), tiny_target, tiny_draft, mode_reason="AR: why")
@@ -142,8 +142,9 @@ async def test_the_figures_lay_out_the_screen_only_when_their_height_changes(mon
 
     app = ChatApp(FakeBackend([ssd_events(WORDS)]))
     async with app.run_test(size=(150, 50)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
-        fig = app.panel.query_one("#figures", Static)
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        await pilot.pause()  # the panel's first drawing, once the screen has its layout
+        fig = app.chat_view.panel.query_one("#figures", Static)
         seen: list[bool] = []
         real = Static.update
 
@@ -153,11 +154,11 @@ async def test_the_figures_lay_out_the_screen_only_when_their_height_changes(mon
             return real(self, content, layout=layout)
 
         monkeypatch.setattr(Static, "update", spy)
-        app.panel._render_figures()
-        app.panel._render_figures()
+        app.chat_view.panel._render_figures()
+        app.chat_view.panel._render_figures()
         assert seen == [False, False]
-        app.panel.values = {**app.panel.values, "basis": "a long explanation " * 12}  # wraps onto more lines
-        app.panel._render_figures()
+        app.chat_view.panel.values = {**app.chat_view.panel.values, "basis": "a long explanation " * 12}  # wraps onto more lines
+        app.chat_view.panel._render_figures()
         assert seen[-1] is True
         await pilot.pause()
-        assert fig.size.height >= len(app.panel.values) + 3
+        assert fig.size.height >= len(app.chat_view.panel.values) + 3

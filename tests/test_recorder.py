@@ -97,23 +97,23 @@ def test_demo_replay_of_a_bad_file_is_one_line(tmp_path):
 @pytest.mark.asyncio
 async def test_replay_in_the_app_types_prompts_and_shows_recorded_rounds(tmp_path):
     from ssd_chat.tui.app import ChatApp
-    from ssd_chat.tui.backend import ReplayBackend
+    from ssd_chat.backend import ReplayBackend
 
     e1, e2 = ssd_events(WORDS, hits=[True, False]), ssd_events(["Fine", "."], hits=[False])
     make_recording(tmp_path / "r.jsonl", [("first question", e1), ("second", e2)])
     backend = ReplayBackend(read(tmp_path / "r.jsonl"), speed=50.0)
     app = ChatApp(backend, type_delay_s=0.0)
     async with app.run_test(size=(150, 45)) as pilot:
-        await wait_until(pilot, lambda: len(app.messages) == 4 and app.current.finished, timeout=20)
+        await wait_until(pilot, lambda: len(app.chat_view.messages) == 4 and app.chat_view.current.finished, timeout=20)
         assert [u.text for u in app.query(UserMessage)] == ["first question", "second"]
         assert [m.text for m in app.query(AssistantMessage)] == ["".join(WORDS), "Fine."]
-        assert app.panel.stats == e2[-1].stats
-        assert "(replay)" in plain(app.panel.query_one("#setup"))
+        assert app.chat_view.panel.stats == e2[-1].stats
+        assert "(replay)" in plain(app.chat_view.panel.query_one("#setup"))
         rounds = [e for e in e1 + e2 if isinstance(e, Round)]
-        assert [r.index for r in app.cache.rows][-3:] == [r.index for r in rounds][-3:]
+        assert [r.index for r in app.chat_view.cache.rows][-3:] == [r.index for r in rounds][-3:]
         # candidate ids are named from the recording's vocabulary
-        miss = next(r for r in app.cache.rows if r.hit is False and r.predicted)
-        assert "zz" in str(app.cache.predicted_cell(miss))
+        miss = next(r for r in app.chat_view.cache.rows if r.hit is False and r.predicted)
+        assert "zz" in str(app.chat_view.cache.predicted_cell(miss))
 
 
 def shipped() -> list[Path]:
@@ -145,17 +145,17 @@ def test_shipped_recordings_are_real_ssd_runs_with_hits_and_misses():
 @pytest.mark.asyncio
 async def test_shipped_recording_plays_in_the_app():
     from ssd_chat.tui.app import ChatApp
-    from ssd_chat.tui.backend import ReplayBackend
+    from ssd_chat.backend import ReplayBackend
 
     path = next(p for p in shipped() if read(p).info.get("mode") == "ssd")
     rec = read(path)
     app = ChatApp(ReplayBackend(rec, speed=1000.0), type_delay_s=0.0)
     replies = [t for t in rec.turns if t.events]
     async with app.run_test(size=(150, 45)) as pilot:
-        await wait_until(pilot, lambda: len(app.messages) == 2 * len(replies) and app.current.finished, timeout=60)
+        await wait_until(pilot, lambda: len(app.chat_view.messages) == 2 * len(replies) and app.chat_view.current.finished, timeout=60)
         shown = [m.text for m in app.query(AssistantMessage)]
         assert shown == [[e for e in t.events if isinstance(e, Done)][0].text for t in replies]
-        assert any(r.hit for r in app.cache.rows) or any(r.hit is False for r in app.cache.rows)
+        assert any(r.hit for r in app.chat_view.cache.rows) or any(r.hit is False for r in app.chat_view.cache.rows)
 
 
 @pytest.mark.asyncio
@@ -167,9 +167,9 @@ async def test_app_record_writes_what_a_replay_plays_back(tmp_path):
     rec = Recorder(tmp_path / "s.jsonl", {"mode": "ssd", "target": "fake-target"})
     app = ChatApp(FakeBackend([events]), recorder=rec)
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
-        await app.submit("record me")
-        await wait_until(pilot, lambda: app.current is not None and app.current.finished)
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        await app.chat_view.submit("record me")
+        await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
         await pilot.press("ctrl+c")
     back = read(tmp_path / "s.jsonl")
     assert [t.prompt for t in back.turns] == ["record me"]

@@ -43,15 +43,15 @@ async def test_a_recording_that_fails_mid_session_stops_with_one_notice(tmp_path
     replies = [ssd_events(["one"]), ssd_events(WORDS), ssd_events(["three"])]
     app = ChatApp(FakeBackend(replies, delay=0.002), recorder=rec)
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
-        await app.submit("first")
-        await wait_until(pilot, lambda: app.current.finished)
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        await app.chat_view.submit("first")
+        await wait_until(pilot, lambda: app.chat_view.current.finished)
         rec._f.close()
         rec._f = open("/dev/full", "w")  # noqa: SIM115 - the disk is full from now on
-        await app.submit("second")
-        await wait_until(pilot, lambda: app.current.finished)
-        await app.submit("third")
-        await wait_until(pilot, lambda: app.current.finished)
+        await app.chat_view.submit("second")
+        await wait_until(pilot, lambda: app.chat_view.current.finished)
+        await app.chat_view.submit("third")
+        await wait_until(pilot, lambda: app.chat_view.current.finished)
         assert replies_text(app) == ["one", "".join(WORDS), "three"]
         stopped = [n.text for n in app.query(".notice") if "recording stopped" in n.text]
         assert stopped == [f"warning: recording stopped: cannot write {tmp_path / 's.jsonl'} (No space left on device); "

@@ -134,16 +134,16 @@ async def test_the_panel_shows_the_sampling_and_the_reply_uses_it():
     backend = ModelDefaults([ssd_events(["a"]), ssd_events(["b"])])
     app = ChatApp(backend, settings={"frequency_penalty": 0.3})
     async with app.run_test(size=(140, 40)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
-        assert "sampling T 0.8 top-p 0.9 top-k 40 rep 1.1 freq 0.3" in plain(app.panel.query_one("#setup"))
-        await app.submit("hi")
-        await wait_until(pilot, lambda: app.current is not None and app.current.finished)
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        assert "sampling T 0.8 top-p 0.9 top-k 40 rep 1.1 freq 0.3" in plain(app.chat_view.panel.query_one("#setup"))
+        await app.chat_view.submit("hi")
+        await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
         p = backend.params
         assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.frequency_penalty) == (0.8, 0.9, 40, 1.1, 0.3)
-        await app.submit("/temp 0")
-        assert "sampling greedy rep 1.1 freq 0.3" in plain(app.panel.query_one("#setup"))
-        await app.submit("again")
-        await wait_until(pilot, lambda: app.current is not None and app.current.finished and backend.params.temperature == 0.0)
+        await app.chat_view.submit("/temp 0")
+        assert "sampling greedy rep 1.1 freq 0.3" in plain(app.chat_view.panel.query_one("#setup"))
+        await app.chat_view.submit("again")
+        await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished and backend.params.temperature == 0.0)
 
 
 def test_ask_through_a_server_sends_the_penalties_it_was_given(monkeypatch, capsys):

@@ -14,7 +14,7 @@ from ssd_chat.engine.events import Done, Error, Event, Notice, Round, Token
 from ssd_chat.engine.metrics import Metrics
 from ssd_chat.history import History
 from ssd_chat.tui.app import ChatApp
-from ssd_chat.tui.backend import Backend
+from ssd_chat.backend import Backend
 from ssd_chat.tui.figures import Baseline, panel_values, speedup_vs
 from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
 from ssd_chat.tui.widgets.settings_dialog import SettingsDialog
@@ -148,10 +148,10 @@ class TestSend:
         history = History(tmp_path / "h.db")
         app = ChatApp(FakeBackend([[]]), history=history)  # an empty stream: the events are applied by hand
         async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
-            await app.submit("q")
-            app._frames.pause()
-            t = app.current
+            await wait_until(pilot, lambda: app.chat_view.ready)
+            await app.chat_view.submit("q")
+            app.chat_view._frames.pause()
+            t = app.chat_view.current
             gate = asyncio.Event()
             write = t.widget.append
 
@@ -161,11 +161,11 @@ class TestSend:
 
             t.widget.append = slow_append
             t.pending = [Token(1, "Hi", "draft", 0.01)]
-            frame = asyncio.create_task(app._flush_pending())
+            frame = asyncio.create_task(app.chat_view._flush_pending())
             await asyncio.sleep(0.05)  # the frame now waits inside append
             t.widget.append = write
             t.pending.append(Done("eos", "Hi!", (1, 2), Metrics("ssd").stats(0.03)))
-            final = asyncio.create_task(app._flush_pending())
+            final = asyncio.create_task(app.chat_view._flush_pending())
             await asyncio.sleep(0.05)
             gate.set()
             await asyncio.wait_for(asyncio.gather(frame, final), 10)
@@ -181,16 +181,16 @@ class TestSend:
         history = History(tmp_path / "h.db")
         app = ChatApp(backend, history=history)
         async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
+            await wait_until(pilot, lambda: app.chat_view.ready)
             await pilot.press(*"hi there")
             await pilot.press("enter")
-            await wait_until(pilot, lambda: app.current is not None and app.current.finished)
+            await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
             assert [u.text for u in app.query(UserMessage)] == ["hi there"]
             assert replies_text(app) == ["".join(WORDS)]
             md = app.query_one(AssistantMessage).body
             assert "bold" in md.source and md.source == "".join(WORDS)
             assert backend.calls[0][-1] == {"role": "user", "content": "hi there"}
-            assert app.prompt.text == ""
+            assert app.chat_view.prompt.text == ""
         conv = History(tmp_path / "h.db").list_conversations()[0]
         msgs = History(tmp_path / "h.db").messages(conv.id)
         assert [(m.role, m.content, m.status) for m in msgs] == [("user", "hi there", "done"), ("assistant", "".join(WORDS), "done")]
@@ -201,11 +201,11 @@ class TestSend:
         backend = FakeBackend([ssd_events(["A", "B"]), ssd_events(["C"])])
         app = ChatApp(backend, settings={"system": "be brief"})
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
-            await app.submit("one")
-            await wait_until(pilot, lambda: app.current.finished)
-            await app.submit("two")
-            await wait_until(pilot, lambda: app.current.finished and app.current.prompt == "two")
+            await wait_until(pilot, lambda: app.chat_view.ready)
+            await app.chat_view.submit("one")
+            await wait_until(pilot, lambda: app.chat_view.current.finished)
+            await app.chat_view.submit("two")
+            await wait_until(pilot, lambda: app.chat_view.current.finished and app.chat_view.current.prompt == "two")
             assert backend.calls[1] == [
                 {"role": "system", "content": "be brief"}, {"role": "user", "content": "one"},
                 {"role": "assistant", "content": "AB"}, {"role": "user", "content": "two"}]
@@ -215,30 +215,30 @@ class TestSend:
         backend = FakeBackend([ssd_events(["ok"]), ssd_events(["ok"])])
         app = ChatApp(backend)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
+            await wait_until(pilot, lambda: app.chat_view.ready)
             await pilot.press("a", "ctrl+j", "b")
-            assert app.prompt.text == "a\nb"
+            assert app.chat_view.prompt.text == "a\nb"
             await pilot.press("enter")
-            await wait_until(pilot, lambda: app.current is not None and app.current.finished)
+            await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
             assert backend.calls[0][-1]["content"] == "a\nb"
             await pilot.press("up")
-            assert app.prompt.text == "a\nb"
+            assert app.chat_view.prompt.text == "a\nb"
             await pilot.press("down", "down")
-            assert app.prompt.text == ""
+            assert app.chat_view.prompt.text == ""
 
     @pytest.mark.asyncio
     async def test_error_event_keeps_partial_text_and_app_stays_open(self):
         events = [Token(1, "partial ", "target", 0.01), Error("boom: out of memory", "oom", "partial text", (1, 2))]
         app = ChatApp(FakeBackend([events, ssd_events(["fine"])]))
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
-            await app.submit("go")
-            await wait_until(pilot, lambda: app.current.finished)
+            await wait_until(pilot, lambda: app.chat_view.ready)
+            await app.chat_view.submit("go")
+            await wait_until(pilot, lambda: app.chat_view.current.finished)
             assert replies_text(app) == ["partial text"]
-            assert app.current.status == "error"
+            assert app.chat_view.current.status == "error"
             assert any("boom" in str(n.text) for n in app.query("Notice"))
-            await app.submit("again")
-            await wait_until(pilot, lambda: app.current.prompt == "again" and app.current.finished)
+            await app.chat_view.submit("again")
+            await wait_until(pilot, lambda: app.chat_view.current.prompt == "again" and app.chat_view.current.finished)
             assert replies_text(app)[-1] == "fine"
 
     @pytest.mark.asyncio
@@ -252,10 +252,10 @@ class TestSend:
 
         app = ChatApp(Broken([]))
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.load_error is not None)
-            assert "model 'nope' not found" in app.load_error
-            assert "Traceback" not in app.load_error
-            await app.submit("hello")  # refused politely
+            await wait_until(pilot, lambda: app.chat_view.load_error is not None)
+            assert "model 'nope' not found" in app.chat_view.load_error
+            assert "Traceback" not in app.chat_view.load_error
+            await app.chat_view.submit("hello")  # refused politely
             assert not app.query(AssistantMessage)
 
 
@@ -269,19 +269,19 @@ class TestSession:
         backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"])])
         app = ChatApp(backend, settings={"system": "be brief"})
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
-            await app.submit("first")
-            await wait_until(pilot, lambda: app.current.finished)
-            first = app.session
+            await wait_until(pilot, lambda: app.chat_view.ready)
+            await app.chat_view.submit("first")
+            await wait_until(pilot, lambda: app.chat_view.current.finished)
+            first = app.chat_view.session
             assert isinstance(first, Session) and first.system == "be brief"
             turn = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "one"}]
-            assert first.messages == turn and app.messages is first.messages
-            await app.submit("second")
-            await wait_until(pilot, lambda: app.current.finished)
+            assert first.messages == turn and app.chat_view.messages is first.messages
+            await app.chat_view.submit("second")
+            await wait_until(pilot, lambda: app.chat_view.current.finished)
             assert backend.calls[1] == messages_for("second", "be brief", turn)
             await pilot.press("ctrl+n")
-            await wait_until(pilot, lambda: app.session is not first)
-            assert app.session.messages == [] and app.session.system == "be brief" and len(first.messages) == 4
+            await wait_until(pilot, lambda: app.chat_view.session is not first)
+            assert app.chat_view.session.messages == [] and app.chat_view.session.system == "be brief" and len(first.messages) == 4
 
 
 class TestStop:
@@ -291,21 +291,21 @@ class TestStop:
         history = History(tmp_path / "h.db")
         app = ChatApp(backend, history=history)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
-            await app.submit("tell me")
+            await wait_until(pilot, lambda: app.chat_view.ready)
+            await app.chat_view.submit("tell me")
             await wait_until(pilot, lambda: backend.blocked.is_set())
-            await wait_until(pilot, lambda: app.current.text != "")
-            partial = app.current.text
+            await wait_until(pilot, lambda: app.chat_view.current.text != "")
+            partial = app.chat_view.current.text
             await pilot.press("escape")
-            assert app.current.finished and app.current.status == "stopped"  # at once, not after the engine
+            assert app.chat_view.current.finished and app.chat_view.current.status == "stopped"  # at once, not after the engine
             assert partial and "".join(WORDS).startswith(partial)
-            assert app.prompt.text == "tell me"  # the prompt is back for editing
+            assert app.chat_view.prompt.text == "tell me"  # the prompt is back for editing
             await wait_until(pilot, lambda: backend.thread_ended.is_set())
-            await wait_until(pilot, lambda: app.current.text.endswith("<held>"))  # Done.text is authoritative
-            assert app.messages[-1] == {"role": "assistant", "content": app.current.text}
+            await wait_until(pilot, lambda: app.chat_view.current.text.endswith("<held>"))  # Done.text is authoritative
+            assert app.chat_view.messages[-1] == {"role": "assistant", "content": app.chat_view.current.text}
             # the app is still usable
-            await app.submit("go on")
-            await wait_until(pilot, lambda: app.current.prompt == "go on" and app.current.finished)
+            await app.chat_view.submit("go on")
+            await wait_until(pilot, lambda: app.chat_view.current.prompt == "go on" and app.chat_view.current.finished)
         msgs = History(tmp_path / "h.db").messages(History(tmp_path / "h.db").list_conversations()[0].id)
         assert msgs[1].status == "stopped" and msgs[1].content.startswith(partial)
 
@@ -314,8 +314,8 @@ class TestStop:
         backend = FakeBackend([ssd_events(WORDS)], block=True)
         app = ChatApp(backend)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
-            await app.submit("x")
+            await wait_until(pilot, lambda: app.chat_view.ready)
+            await app.chat_view.submit("x")
             await wait_until(pilot, lambda: backend.blocked.is_set())
             await pilot.press("ctrl+c")
             await pilot.pause()
@@ -337,12 +337,12 @@ class TestHistory:
         backend = FakeBackend([ssd_events(["new"])])
         app = ChatApp(backend, history=History(tmp_path / "h.db"), resume=cid)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
+            await wait_until(pilot, lambda: app.chat_view.ready)
             assert [u.text for u in app.query(UserMessage)] == ["old question", "cut"]
             assert replies_text(app) == ["old *answer*", "half a rep"]
             assert "stopped" in app.query(AssistantMessage)[1]._meta_text
-            await app.submit("more")
-            await wait_until(pilot, lambda: app.current is not None and app.current.finished)
+            await app.chat_view.submit("more")
+            await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
             assert backend.calls[0][:3] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "old question"},
                                             {"role": "assistant", "content": "old *answer*"}]
         assert len(History(tmp_path / "h.db").messages(cid)) == 6
@@ -354,11 +354,11 @@ class TestHistory:
         bad.write_bytes(b"this is not sqlite at all" * 100)
         app = ChatApp(FakeBackend([ssd_events(["ok"])]), history=History(bad))
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
+            await wait_until(pilot, lambda: app.chat_view.ready)
             notices = [n.text for n in app.query("Notice")]
             assert any("corrupt" in n and "in memory" in n for n in notices)
-            await app.submit("hi")
-            await wait_until(pilot, lambda: app.current.finished)
+            await app.chat_view.submit("hi")
+            await wait_until(pilot, lambda: app.chat_view.current.finished)
             assert replies_text(app) == ["ok"]
         assert bad.read_bytes().startswith(b"this is not sqlite")  # untouched
 
@@ -374,10 +374,10 @@ class TestPanel:
         expected = m.stats(done.stats.elapsed_s)
         app = ChatApp(FakeBackend([events]))
         async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
-            await app.submit("q")
-            await wait_until(pilot, lambda: app.current.finished)
-            p = app.panel
+            await wait_until(pilot, lambda: app.chat_view.ready)
+            await app.chat_view.submit("q")
+            await wait_until(pilot, lambda: app.chat_view.current.finished)
+            p = app.chat_view.panel
             assert p.stats == done.stats
             assert p.values["tau"] == f"{expected.mean_accepted_length:.2f}"
             assert p.values["acceptance"] == f"{expected.acceptance_rate:.1%}"
@@ -412,11 +412,11 @@ class TestPanel:
         backend = FakeBackend([ssd_events(WORDS)], block=True, delay=0.04 if slow_render else 0.0)
         app = ChatApp(backend)
         async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
-            await app.submit("q")
+            await wait_until(pilot, lambda: app.chat_view.ready)
+            await app.chat_view.submit("q")
             await wait_until(pilot, lambda: backend.blocked.is_set())
-            await wait_until(pilot, lambda: app.panel.live and app.panel.stats is not None and app.panel.stats.rounds > 0)
-            assert app.panel.stats == app.current.metrics.stats(app.current.last_t_s)
+            await wait_until(pilot, lambda: app.chat_view.panel.live and app.chat_view.panel.stats is not None and app.chat_view.panel.stats.rounds > 0)
+            assert app.chat_view.panel.stats == app.chat_view.current.metrics.stats(app.chat_view.current.last_t_s)
             await pilot.press("escape")
 
     def test_speedups_name_their_source(self):
@@ -444,10 +444,10 @@ class TestCacheView:
         events = ssd_events(WORDS, k=3, hits=[True, False])
         app = ChatApp(FakeBackend([events]))
         async with app.run_test(size=(160, 50)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
-            await app.submit("q")
-            await wait_until(pilot, lambda: app.current.finished)
-            rows = list(app.cache.rows)
+            await wait_until(pilot, lambda: app.chat_view.ready)
+            await app.chat_view.submit("q")
+            await wait_until(pilot, lambda: app.chat_view.current.finished)
+            rows = list(app.chat_view.cache.rows)
             assert {r.hit for r in rows} == {True, False}
             hit = next(r for r in rows if r.hit)
             miss = next(r for r in rows if r.hit is False and r.chosen_j is not None)
@@ -457,10 +457,10 @@ class TestCacheView:
             rounds = {e.index: e for e in events if isinstance(e, Round)}
             assert (hit.chosen_j, hit.chosen_id) == (rounds[hit.index - 1].accepted, rounds[hit.index - 1].bonus_id)
             assert hit.chosen_text == WORDS[hit.chosen_id - 100].replace("\n", "\\n")
-            text = plain(app.cache)
+            text = plain(app.chat_view.cache)
             assert "hit" in text and "miss" in text and "target chose" in text
             # candidate ids the backend can decode show as text, others as #id
-            assert "x" in str(app.cache.predicted_cell(miss)) and "#950" in str(app.cache.predicted_cell(miss))
+            assert "x" in str(app.chat_view.cache.predicted_cell(miss)) and "#950" in str(app.chat_view.cache.predicted_cell(miss))
 
 
 class TestSettings:
@@ -469,17 +469,17 @@ class TestSettings:
         backend = FakeBackend([ssd_events(["a"])])
         app = ChatApp(backend)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
-            await app.submit("/mode sd")
-            await app.submit("/k 6")
-            await app.submit("/temp 0.7")
+            await wait_until(pilot, lambda: app.chat_view.ready)
+            await app.chat_view.submit("/mode sd")
+            await app.chat_view.submit("/k 6")
+            await app.chat_view.submit("/temp 0.7")
             assert backend.info_["mode"] == "sd" and backend.info_["k"] == 6
-            assert app.params["temperature"] == 0.7
-            await app.submit("/k zero")
+            assert app.chat_view.params["temperature"] == 0.7
+            await app.chat_view.submit("/k zero")
             assert any("k must be a whole number" in n.text for n in app.query("Notice"))
-            await app.submit("/mode bogus")
+            await app.chat_view.submit("/mode bogus")
             assert backend.info_["mode"] == "sd"
-            assert "SD" in plain(app.panel.query_one("#setup"))
+            assert "SD" in plain(app.chat_view.panel.query_one("#setup"))
 
     @pytest.mark.asyncio
     async def test_a_prompt_sent_while_the_mode_switches_waits_in_the_box(self):
@@ -495,22 +495,22 @@ class TestSettings:
         backend = SlowSwitch([ssd_events(["hi"])])
         app = ChatApp(backend)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
+            await wait_until(pilot, lambda: app.chat_view.ready)
             k_before = backend.info_["k"]
-            switch = asyncio.create_task(app.submit("/mode sd"))
-            await wait_until(pilot, lambda: app.switching is not None)
-            app.prompt.set_text("tell me")
-            await app.submit("tell me")
-            assert app.prompt.text == "tell me" and app.current is None and backend.calls == []
-            await app.submit(f"/k {k_before + 2}")
+            switch = asyncio.create_task(app.chat_view.submit("/mode sd"))
+            await wait_until(pilot, lambda: app.chat_view.switching is not None)
+            app.chat_view.prompt.set_text("tell me")
+            await app.chat_view.submit("tell me")
+            assert app.chat_view.prompt.text == "tell me" and app.chat_view.current is None and backend.calls == []
+            await app.chat_view.submit(f"/k {k_before + 2}")
             notices = [n.text for n in app.query("Notice")]
             assert any("still switching to mode sd; your prompt stays in the box" in t for t in notices), notices
             assert any("still switching to mode sd; change settings after that" in t for t in notices), notices
             release.set()
             await switch
-            assert app.switching is None and backend.info_["mode"] == "sd" and backend.info_["k"] == k_before
-            await app.submit("tell me")
-            await wait_until(pilot, lambda: app.current is not None and app.current.finished)
+            assert app.chat_view.switching is None and backend.info_["mode"] == "sd" and backend.info_["k"] == k_before
+            await app.chat_view.submit("tell me")
+            await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
             assert len(backend.calls) == 1
 
     @pytest.mark.asyncio
@@ -518,7 +518,7 @@ class TestSettings:
         backend = FakeBackend([])
         app = ChatApp(backend)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
+            await wait_until(pilot, lambda: app.chat_view.ready)
             await pilot.press("ctrl+o")
             await pilot.pause()
             from textual.widgets import Input
@@ -539,30 +539,30 @@ class TestSettings:
         backend = FakeBackend([ssd_events(["copy", " me"]), ssd_events(["b"])])
         app = ChatApp(backend)
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
-            await app.submit("a")
-            await wait_until(pilot, lambda: app.current.finished)
+            await wait_until(pilot, lambda: app.chat_view.ready)
+            await app.chat_view.submit("a")
+            await wait_until(pilot, lambda: app.chat_view.current.finished)
             await pilot.press("ctrl+y")
-            assert app.clipboard_text == "copy me"
+            assert app.chat_view.clipboard_text == "copy me"
             await pilot.press("ctrl+s")
             await pilot.pause()
             app.screen.query_one("#system-text").text = "You are terse."
             await pilot.press("ctrl+s")
-            await wait_until(pilot, lambda: app.system == "You are terse.")
+            await wait_until(pilot, lambda: app.chat_view.system == "You are terse.")
             await pilot.press("ctrl+n")
             await wait_until(pilot, lambda: not app.query(UserMessage))
-            assert app.messages == []
-            await app.submit("b")
-            await wait_until(pilot, lambda: app.current.finished)
+            assert app.chat_view.messages == []
+            await app.chat_view.submit("b")
+            await wait_until(pilot, lambda: app.chat_view.current.finished)
             assert backend.calls[1] == [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "b"}]
 
     @pytest.mark.asyncio
     async def test_token_colouring_is_off_by_default_and_toggles(self):
         app = ChatApp(FakeBackend([ssd_events(WORDS)]))
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
-            await app.submit("q")
-            await wait_until(pilot, lambda: app.current.finished)
+            await wait_until(pilot, lambda: app.chat_view.ready)
+            await app.chat_view.submit("q")
+            await wait_until(pilot, lambda: app.chat_view.current.finished)
             msg = app.query_one(AssistantMessage)
             assert not msg.has_class("-colour")
             await pilot.press("ctrl+t")
@@ -576,9 +576,9 @@ class TestSettings:
 async def test_q_in_prompt_is_text():
     app = ChatApp(FakeBackend([]))
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
+        await wait_until(pilot, lambda: app.chat_view.ready)
         await pilot.press("q")
-        assert app.prompt.text == "q"
+        assert app.chat_view.prompt.text == "q"
         assert app.is_running
         await pilot.press("ctrl+r")  # in a dialog, q is not quit either
         await wait_until(pilot, lambda: app.screen.query("#chat-list"))
@@ -587,7 +587,7 @@ async def test_q_in_prompt_is_text():
         assert app.is_running
         await pilot.press("escape")
         await wait_until(pilot, lambda: not app.screen.query("#chat-list"))
-        app.chat.focus()  # elsewhere, q quits
+        app.chat_view.chat.focus()  # elsewhere, q quits
         await pilot.press("q")
         await pilot.pause()
         assert not app.is_running and app.return_code == 0
@@ -599,14 +599,14 @@ async def test_a_crash_mid_reply_keeps_what_streamed(tmp_path):
     backend = FakeBackend([ssd_events(WORDS)], block=True)
     app = ChatApp(backend, history=History(tmp_path / "h.db"))
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
-        await app.submit("q")
-        await wait_until(pilot, lambda: backend.blocked.is_set() and app.current.text)
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        await app.chat_view.submit("q")
+        await wait_until(pilot, lambda: backend.blocked.is_set() and app.chat_view.current.text)
 
         def saved():
             other = History(tmp_path / "h.db")
             try:
-                return [(m.content, m.status) for m in other.messages(app.conversation_id) if m.role == "assistant"]
+                return [(m.content, m.status) for m in other.messages(app.chat_view.conversation_id) if m.role == "assistant"]
             finally:
                 other.close()
 
@@ -648,11 +648,11 @@ async def test_measured_baselines_make_the_speedups_measured(tmp_path):
     # under their bounds: this reply's mean accepted length (2.0) and 1 + draft/verify of its SD estimate (1.93)
     app = ChatApp(FakeBackend([events]), baselines=baselines_from_bench(bench_report(tmp_path, tps / 1.5, tps / 1.25)))
     async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
-        await app.submit("q")
-        await wait_until(pilot, lambda: app.current.finished)
-        assert app.panel.values["vs_ar"] == "1.50× meas."
-        assert app.panel.values["vs_sd"] == "1.25× meas."
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        await app.chat_view.submit("q")
+        await wait_until(pilot, lambda: app.chat_view.current.finished)
+        assert app.chat_view.panel.values["vs_ar"] == "1.50× meas."
+        assert app.chat_view.panel.values["vs_sd"] == "1.25× meas."
 
 
 @pytest.mark.asyncio
@@ -672,7 +672,7 @@ async def test_load_progress_is_shown_and_quit_during_load_does_not_wait():
             assert app.query_one("#load-bar").percentage == pytest.approx(0.4)
             await pilot.press("ctrl+c")
             await pilot.pause()
-        assert app.return_code == 0 and not app.ready
+        assert app.return_code == 0 and not app.chat_view.ready
         loaders = [t for t in threading.enumerate() if t.name == "ssd-chat-load"]
         assert loaders and all(t.daemon for t in loaders)  # cannot keep the process alive
     finally:
@@ -689,7 +689,7 @@ async def test_chats_dialog_resumes_and_deletes(tmp_path):
     h.add_message(drop, "user", "drop me")
     app = ChatApp(FakeBackend([]), history=h)
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
+        await wait_until(pilot, lambda: app.chat_view.ready)
         await pilot.press("ctrl+r")
         await wait_until(pilot, lambda: app.screen.query("#chat-list"))
         ol = app.screen.query_one("#chat-list")
@@ -700,15 +700,15 @@ async def test_chats_dialog_resumes_and_deletes(tmp_path):
         assert h.get_conversation(drop) is None
         ol.highlighted = 0
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.conversation_id == keep and app.messages)
-        assert app.messages == [{"role": "user", "content": "keep me"}, {"role": "assistant", "content": "kept"}]
+        await wait_until(pilot, lambda: app.chat_view.conversation_id == keep and app.chat_view.messages)
+        assert app.chat_view.messages == [{"role": "user", "content": "keep me"}, {"role": "assistant", "content": "kept"}]
 
 
 @pytest.mark.asyncio
 async def test_command_palette_lists_mode_switches_and_actions():
     app = ChatApp(FakeBackend([]))
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
+        await wait_until(pilot, lambda: app.chat_view.ready)
         titles = {c.title for c in app.get_system_commands(app.screen)}
         assert {"New chat", "Copy last reply", "System prompt", "Settings", "Switch to AR", "Switch to SD",
                 "Switch to SSD", "Chats", "Toggle token colours", "Stop reply"} <= titles
@@ -723,13 +723,13 @@ async def test_export_from_the_app_writes_the_chat_with_metrics(tmp_path, monkey
     monkeypatch.setenv("SSD_CHAT_DATA_DIR", str(tmp_path / "data"))
     app = ChatApp(FakeBackend([ssd_events(["An", " answer"])]), history=History(tmp_path / "h.db"))
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
-        assert app.export_chat("md") is None  # nothing yet
-        await app.submit("a question")
-        await wait_until(pilot, lambda: app.current.finished)
-        md = app.export_chat("md").read_text()
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        assert app.chat_view.export_chat("md") is None  # nothing yet
+        await app.chat_view.submit("a question")
+        await wait_until(pilot, lambda: app.chat_view.current.finished)
+        md = app.chat_view.export_chat("md").read_text()
         assert "a question" in md and "An answer" in md and "τ" in md
-        rows = [__import__("json").loads(x) for x in app.export_chat("jsonl").read_text().splitlines()]
+        rows = [__import__("json").loads(x) for x in app.chat_view.export_chat("jsonl").read_text().splitlines()]
         assert rows[-1]["content"] == "An answer" and rows[-1]["metrics"]["mode"] == "ssd"
 
 
@@ -739,12 +739,12 @@ async def test_cache_view_for_sd_rounds_shows_their_own_outcome():
               Round(0, (1, 5), 1, 2, 2, 0.001, 0.002, 0.02), Done("eos", "Hi!", (1, 2), Metrics("sd").stats(0.03))]
     app = ChatApp(FakeBackend([events], mode="sd"))
     async with app.run_test(size=(150, 40)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
-        await app.submit("q")
-        await wait_until(pilot, lambda: app.current.finished)
-        [row] = app.cache.rows
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        await app.chat_view.submit("q")
+        await wait_until(pilot, lambda: app.chat_view.current.finished)
+        [row] = app.chat_view.cache.rows
         assert row.hit is None and row.bonus_text == "!" and row.accepted == 1
-        text = plain(app.cache)
+        text = plain(app.chat_view.cache)
         assert "accepted 1 + !" in text and "no speculation cache (SD)" in text
 
 
@@ -765,12 +765,12 @@ async def test_a_reply_that_switches_from_ssd_to_sd_says_so_everywhere(tmp_path)
     history = History(tmp_path / "h.db")
     app = ChatApp(FakeBackend([switched_events(WORDS, 2)]), history=history)
     async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
+        await wait_until(pilot, lambda: app.chat_view.ready)
         assert app.sub_title.startswith("SSD ·")
-        await app.submit("hi")
-        await wait_until(pilot, lambda: app.current is not None and app.current.finished)
+        await app.chat_view.submit("hi")
+        await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
         assert app.sub_title.startswith("SSD → SD after round 2 ·")
-        assert "SSD → SD after round 2" in plain(app.panel.query_one("#setup"))
+        assert "SSD → SD after round 2" in plain(app.chat_view.panel.query_one("#setup"))
         assert "ssd → sd after round 2" in app.query_one(AssistantMessage)._meta_text
     msgs = History(tmp_path / "h.db").messages(History(tmp_path / "h.db").list_conversations()[0].id)
     assert msgs[1].metrics["ran_as"] == "sd" and msgs[1].metrics["switched_after"] == 2

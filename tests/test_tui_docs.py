@@ -36,8 +36,8 @@ def quit_keys() -> list[str]:
 async def test_each_key_the_readme_gives_for_quitting_quits_from_the_first_screen(key):
     app = ChatApp(FakeBackend([]))
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
-        assert app.focused is app.prompt
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        assert app.focused is app.chat_view.prompt
         await pilot.press(key.lower())
         await wait_until(pilot, lambda: not app.is_running)
     assert app.return_code == 0
@@ -59,7 +59,7 @@ async def test_the_readme_names_the_colours_the_tokens_have_on_screen():
     named = {who: colour for colour, who in re.findall(r"(\w+) = (accepted draft|the target)", row)}
     app = ChatApp(FakeBackend([]))
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
+        await wait_until(pilot, lambda: app.chat_view.ready)
         theme = app.ansi_theme  # how the app draws the 16 ANSI colours
 
         def shown(style: str) -> str:

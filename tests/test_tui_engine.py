@@ -11,7 +11,7 @@ import pytest
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.engine.events import Done
 from ssd_chat.tui.app import ChatApp
-from ssd_chat.tui.backend import EngineBackend
+from ssd_chat.backend import EngineBackend
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_tui import AssistantMessage, plain, wait_until  # noqa: E402
@@ -46,12 +46,12 @@ async def test_real_engine_reply_matches_a_direct_greedy_run(smollm2):
     direct = direct_greedy_reply(engine, "Name a colour.", 5)
     app = ChatApp(Preloaded(engine), settings={"max_new_tokens": 5, "temperature": 0.0, "repetition_penalty": 1.0})
     async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.ready, timeout=60)
-        await app.submit("Name a colour.")
-        await wait_until(pilot, lambda: app.current.finished, timeout=120)
+        await wait_until(pilot, lambda: app.chat_view.ready, timeout=60)
+        await app.chat_view.submit("Name a colour.")
+        await wait_until(pilot, lambda: app.chat_view.current.finished, timeout=120)
         assert app.query_one(AssistantMessage).text == direct.text
-        assert app.panel.stats.new_tokens == direct.stats.new_tokens
-        setup = plain(app.panel.query_one("#setup"))
+        assert app.chat_view.panel.stats.new_tokens == direct.stats.new_tokens
+        setup = plain(app.chat_view.panel.query_one("#setup"))
         assert "AR" in setup and "cpu" in setup
 
 
@@ -62,13 +62,13 @@ async def test_switching_an_ar_session_to_sd_derives_the_default_draft(smollm2):
     direct = direct_greedy_reply(engine, "Name a colour.", 8)
     app = ChatApp(Preloaded(engine), settings={"max_new_tokens": 8, "temperature": 0.0, "repetition_penalty": 1.0})
     async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.ready, timeout=60)
-        await app.submit("/mode sd")
+        await wait_until(pilot, lambda: app.chat_view.ready, timeout=60)
+        await app.chat_view.submit("/mode sd")
         await wait_until(pilot, lambda: engine.config.mode == "sd", timeout=60)
         assert engine.draft is not None and engine.draft.name.startswith("trained (2 shared layers")
-        await app.submit("Name a colour.")
-        await wait_until(pilot, lambda: app.current is not None and app.current.finished, timeout=120)
+        await app.chat_view.submit("Name a colour.")
+        await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished, timeout=120)
         assert app.query_one(AssistantMessage).text == direct.text
-        setup = plain(app.panel.query_one("#setup"))
+        setup = plain(app.chat_view.panel.query_one("#setup"))
         assert "SD" in setup and "trained (2 shared layers" in setup
     engine.close()

@@ -35,7 +35,7 @@ async def test_hostile_chat_titles_in_the_chats_dialog_and_on_resume(tmp_path):
         h.add_message(cid, "assistant", "ok")
     app = ChatApp(FakeBackend([ssd_events(["fine"])]), history=h)
     async with app.run_test(size=(140, 40)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
+        await wait_until(pilot, lambda: app.chat_view.ready)
         for _ in range(2):  # the list is drawn again on every Ctrl+R
             await pilot.press("ctrl+r")
             await wait_until(pilot, lambda: app.screen.query("#chat-list"))
@@ -50,12 +50,12 @@ async def test_hostile_chat_titles_in_the_chats_dialog_and_on_resume(tmp_path):
         await wait_until(pilot, lambda: app.screen.query("#chat-list"))
         app.screen.query_one("#chat-list").highlighted = 0  # newest first: the last hostile title
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.messages)
-        assert app.messages[0]["content"] == HOSTILE[-1]
+        await wait_until(pilot, lambda: app.chat_view.messages)
+        assert app.chat_view.messages[0]["content"] == HOSTILE[-1]
         notices = [shown(n) for n in app.query(".notice")]
-        assert any(f"resumed chat {app.conversation_id}: {HOSTILE[-1]}" in n for n in notices), notices
-        await app.submit("and now?")
-        await wait_until(pilot, lambda: app.current is not None and app.current.finished)
+        assert any(f"resumed chat {app.chat_view.conversation_id}: {HOSTILE[-1]}" in n for n in notices), notices
+        await app.chat_view.submit("and now?")
+        await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
         await pilot.press("ctrl+c")
     assert app.return_code == 0
 
@@ -74,15 +74,15 @@ async def test_hostile_model_names_load_errors_and_paths(tmp_path):
     blocker.write_text("")  # a file where the database's folder would be: the history warns, quoting the path
     app = ChatApp(backend, history=History(blocker / "h.db"))
     async with app.run_test(size=(140, 40), notifications=True) as pilot:
-        await wait_until(pilot, lambda: app.load_error is not None)
+        await wait_until(pilot, lambda: app.chat_view.load_error is not None)
         await pilot.pause()
         assert f"/models/{HOSTILE[1]}" in shown(app.query_one("#load-stage"))
         await wait_until(pilot, lambda: app.screen.query("Toast"))
         toasts = [shown(t) for t in app.screen.query("Toast")]
         assert any("x[/][bold]file" in t for t in toasts), toasts
-        app.panel.set_info(backend.info())
+        app.chat_view.panel.set_info(backend.info())
         await pilot.pause()
-        setup = plain(app.panel.query_one("#setup"))
+        setup = plain(app.chat_view.panel.query_one("#setup"))
         for text in (HOSTILE[0], HOSTILE[2], HOSTILE[3]):
             assert text in setup, setup
         app.notify(f"exported to /tmp/{HOSTILE[1]}")
@@ -96,7 +96,7 @@ async def test_hostile_text_in_the_settings_dialog_error():
     backend = FakeBackend([])
     app = ChatApp(backend)
     async with app.run_test(size=(140, 40)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
+        await wait_until(pilot, lambda: app.chat_view.ready)
         await pilot.press("ctrl+o")
         await pilot.pause()
         from textual.widgets import Input

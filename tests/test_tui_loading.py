@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_tui import ssd_events, wait_until  # noqa: E402
 
 from ssd_chat.tui.app import ChatApp  # noqa: E402
-from ssd_chat.tui.backend import EngineBackend  # noqa: E402
+from ssd_chat.backend import EngineBackend  # noqa: E402
 from ssd_chat.tui.widgets.settings_dialog import SettingsDialog  # noqa: E402
 
 
@@ -76,7 +76,7 @@ async def test_settings_while_loading_are_applied_once_the_engine_is_ready():
     app = ChatApp(backend)
     async with app.run_test(size=(140, 44)) as pilot:
         await pilot.pause()
-        assert not app.ready
+        assert not app.chat_view.ready
         await pilot.press("ctrl+o")  # used to exit with InvalidSelectValueError: 'auto'
         await wait_until(pilot, lambda: isinstance(app.screen, SettingsDialog))
         from textual.widgets import Input
@@ -84,20 +84,20 @@ async def test_settings_while_loading_are_applied_once_the_engine_is_ready():
         app.screen.query_one("#k", Input).value = "6"
         await pilot.click("#apply")
         await wait_until(pilot, lambda: not isinstance(app.screen, SettingsDialog))
-        await app.submit("/mode sd")  # used to print AttributeError: 'NoneType' object has no attribute 'reconfigure'
+        await app.chat_view.submit("/mode sd")  # used to print AttributeError: 'NoneType' object has no attribute 'reconfigure'
         await palette_mode_switch(app, pilot, "ar")
-        await app.submit("/temp 0.5")
+        await app.chat_view.submit("/temp 0.5")
         await pilot.pause()
         said = notices(app)
         assert not any("Error" in t or "NoneType" in t for t in said), said
         assert sum("the model is still loading" in t and "once it is ready" in t for t in said) == 4, said
-        assert app.is_running and not app.ready
+        assert app.is_running and not app.chat_view.ready
         backend.release.set()
-        await wait_until(pilot, lambda: app.ready and backend.engine is not None and backend.engine.changes)
+        await wait_until(pilot, lambda: app.chat_view.ready and backend.engine is not None and backend.engine.changes)
         await wait_until(pilot, lambda: any("from the next reply" in t for t in notices(app)))
         # the later choice wins (ar after sd), all in one switch
         assert backend.engine.changes == [{"k": 6, "mode": "ar"}], backend.engine.changes
-        assert app.params["temperature"] == 0.5
+        assert app.chat_view.params["temperature"] == 0.5
         await pilot.press("ctrl+o")  # now with the resolved mode
         await wait_until(pilot, lambda: isinstance(app.screen, SettingsDialog))
         from textual.widgets import Select
@@ -114,11 +114,11 @@ async def test_settings_after_a_load_failure_say_so():
     backend.release.set()
     app = ChatApp(backend)
     async with app.run_test(size=(140, 44)) as pilot:
-        await wait_until(pilot, lambda: app.load_error is not None)
+        await wait_until(pilot, lambda: app.chat_view.load_error is not None)
         await pilot.press("ctrl+o")
         await pilot.pause()
         assert not isinstance(app.screen, SettingsDialog)
-        await app.submit("/k 5")
+        await app.chat_view.submit("/k 5")
         await palette_mode_switch(app, pilot, "sd")
         await pilot.pause()
         said = notices(app)
@@ -140,7 +140,7 @@ async def test_settings_dialog_opens_on_a_mode_it_does_not_list():
     backend.info_["mode"] = "auto"
     app = ChatApp(backend)
     async with app.run_test(size=(140, 44)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
+        await wait_until(pilot, lambda: app.chat_view.ready)
         await pilot.press("ctrl+o")
         await wait_until(pilot, lambda: isinstance(app.screen, SettingsDialog))
         assert app.screen.query_one("#mode", Select).value == "auto"
@@ -163,10 +163,10 @@ async def test_a_history_warning_from_the_start_is_shown_once(tmp_path):
     assert history.warning
     app = ChatApp(FakeBackend([ssd_events(["a"]), ssd_events(["b"])]), history=history)
     async with app.run_test(size=(140, 44)) as pilot:
-        await wait_until(pilot, lambda: app.ready)
+        await wait_until(pilot, lambda: app.chat_view.ready)
         for prompt in ("one", "two"):
-            await app.submit(prompt)
-            await wait_until(pilot, lambda: app.current is not None and app.current.finished)
+            await app.chat_view.submit(prompt)
+            await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
         said = [t for t in notices(app) if "could not open the chat history" in t]
         assert len(said) == 1, said
         await pilot.press("ctrl+c")

@@ -26,13 +26,13 @@ def saved(path) -> list[tuple[str, list[tuple[str, str]]]]:
 
 def on_screen(app: ChatApp) -> list[tuple[str, str]]:
     return [("user" if isinstance(w, UserMessage) else "assistant", w.text)
-            for w in app.chat.children if isinstance(w, (UserMessage, AssistantMessage))]
+            for w in app.chat_view.chat.children if isinstance(w, (UserMessage, AssistantMessage))]
 
 
 async def chat(app: ChatApp, pilot, *prompts: str) -> None:
     for p in prompts:
-        await app.submit(p)
-        await wait_until(pilot, lambda: app.current is not None and app.current.finished and not app._reply_worker.is_running)
+        await app.chat_view.submit(p)
+        await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished and not app.chat_view._reply_worker.is_running)
 
 
 def notices(app: ChatApp) -> list[str]:
@@ -45,21 +45,21 @@ class TestRegenerate:
         backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["again"])])
         app = ChatApp(backend, history=History(tmp_path / "h.db"))
         async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
+            await wait_until(pilot, lambda: app.chat_view.ready)
             await chat(app, pilot, "a", "b")
-            await app.submit("/temp 0.7")
-            app.prompt.set_text("half typed")
+            await app.chat_view.submit("/temp 0.7")
+            app.chat_view.prompt.set_text("half typed")
             await pilot.press("f5")
-            await wait_until(pilot, lambda: len(backend.calls) == 3 and app.current.finished)
+            await wait_until(pilot, lambda: len(backend.calls) == 3 and app.chat_view.current.finished)
             # the model saw the chat without the dropped reply, and the temperature set after it
             assert backend.calls[2] == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "one"},
                                         {"role": "user", "content": "b"}]
-            assert app.params["temperature"] == 0.7
+            assert app.chat_view.params["temperature"] == 0.7
             want = [("user", "a"), ("assistant", "one"), ("user", "b"), ("assistant", "again")]
-            assert app.messages == [{"role": r, "content": c} for r, c in want]
+            assert app.chat_view.messages == [{"role": r, "content": c} for r, c in want]
             assert on_screen(app) == want
             assert any("from the next reply: temperature 0.7" in n for n in notices(app))  # later notices stay
-            assert app.prompt.text == "half typed"  # what was being typed stays in the box
+            assert app.chat_view.prompt.text == "half typed"  # what was being typed stays in the box
         assert saved(tmp_path / "h.db") == [("a", want)]
 
     @pytest.mark.asyncio
@@ -67,15 +67,15 @@ class TestRegenerate:
         backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["three"])])
         app = ChatApp(backend, history=History(tmp_path / "h.db"))
         async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
-            await app.submit("/regen")
+            await wait_until(pilot, lambda: app.chat_view.ready)
+            await app.chat_view.submit("/regen")
             assert any("no reply to regenerate yet" in n for n in notices(app)) and backend.calls == []
             await chat(app, pilot, "a")
-            await app.submit("/regenerate")
-            await wait_until(pilot, lambda: len(backend.calls) == 2 and app.current.finished)
+            await app.chat_view.submit("/regenerate")
+            await wait_until(pilot, lambda: len(backend.calls) == 2 and app.chat_view.current.finished)
             cmd = next(c for c in app.get_system_commands(app.screen) if c.title == "Regenerate last reply")
             await cmd.callback()
-            await wait_until(pilot, lambda: len(backend.calls) == 3 and app.current.finished)
+            await wait_until(pilot, lambda: len(backend.calls) == 3 and app.chat_view.current.finished)
             assert on_screen(app) == [("user", "a"), ("assistant", "three")]
         assert saved(tmp_path / "h.db") == [("a", [("user", "a"), ("assistant", "three")])]
 
@@ -85,15 +85,15 @@ class TestRegenerate:
         backend = FakeBackend([ssd_events(["long", " reply", " here", " and", " more"]), ssd_events(["fresh"])], block=True)
         app = ChatApp(backend, history=History(tmp_path / "h.db"))
         async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
-            await app.submit("a")
+            await wait_until(pilot, lambda: app.chat_view.ready)
+            await app.chat_view.submit("a")
             await wait_until(pilot, lambda: backend.blocked.is_set())
             await pilot.press("f5")  # refused while it streams
-            assert len(backend.calls) == 1 and app.current.status == "streaming"
+            assert len(backend.calls) == 1 and app.chat_view.current.status == "streaming"
             await pilot.press("escape")
             await pilot.press("f5")
-            await wait_until(pilot, lambda: len(backend.calls) == 2 and app.current.finished)
-            assert app.messages == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "fresh"}]
+            await wait_until(pilot, lambda: len(backend.calls) == 2 and app.chat_view.current.finished)
+            assert app.chat_view.messages == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "fresh"}]
             assert on_screen(app) == [("user", "a"), ("assistant", "fresh")]
         assert saved(tmp_path / "h.db") == [("a", [("user", "a"), ("assistant", "fresh")])]
 
@@ -104,30 +104,30 @@ class TestEdit:
         backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["three"]), ssd_events(["new"])])
         app = ChatApp(backend, history=History(tmp_path / "h.db"))
         async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
+            await wait_until(pilot, lambda: app.chat_view.ready)
             await chat(app, pilot, "first", "second", "third")
             before = [("user", "first"), ("assistant", "one"), ("user", "second"), ("assistant", "two"),
                       ("user", "third"), ("assistant", "three")]
             await wait_until(pilot, lambda: sum(isinstance(w, UserMessage) for w in app.screen.focus_chain) == 3)  # laid out
-            app.prompt.focus()
-            await wait_until(pilot, lambda: app.focused is app.prompt)
+            app.chat_view.prompt.focus()
+            await wait_until(pilot, lambda: app.focused is app.chat_view.prompt)
             await pilot.press("shift+tab")  # from the prompt box: the last message, then the one before
             await wait_until(pilot, lambda: isinstance(app.focused, UserMessage) and app.focused.text == "third")
             await pilot.press("shift+tab")
             await wait_until(pilot, lambda: isinstance(app.focused, UserMessage) and app.focused.text == "second")
             await pilot.press("e")
-            assert app.prompt.text == "second" and app.focused is app.prompt
-            assert "editing your message 2 of 3" in str(app.prompt.border_title)
+            assert app.chat_view.prompt.text == "second" and app.focused is app.chat_view.prompt
+            assert "editing your message 2 of 3" in str(app.chat_view.prompt.border_title)
             assert on_screen(app) == before  # nothing is cut before it is sent
-            app.prompt.set_text("second, edited")
+            app.chat_view.prompt.set_text("second, edited")
             await pilot.press("enter")
-            await wait_until(pilot, lambda: len(backend.calls) == 4 and app.current.finished)
+            await wait_until(pilot, lambda: len(backend.calls) == 4 and app.chat_view.current.finished)
             assert backend.calls[3] == [{"role": "user", "content": "first"}, {"role": "assistant", "content": "one"},
                                         {"role": "user", "content": "second, edited"}]
             after = [("user", "first"), ("assistant", "one"), ("user", "second, edited"), ("assistant", "new")]
             assert on_screen(app) == after
-            assert app.messages == [{"role": r, "content": c} for r, c in after]
-            assert app.editing is None and not app.prompt.border_title
+            assert app.chat_view.messages == [{"role": r, "content": c} for r, c in after]
+            assert app.chat_view.editing is None and not app.chat_view.prompt.border_title
             copy = [n for n in notices(app) if "kept as saved chat" in n]
             assert copy and "re-running from your message 2" in copy[0]
         assert saved(tmp_path / "h.db") == [("first", after), ("first (before edit)", before)]
@@ -137,25 +137,25 @@ class TestEdit:
         backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["renamed"])])
         app = ChatApp(backend, history=History(tmp_path / "h.db"))
         async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
+            await wait_until(pilot, lambda: app.chat_view.ready)
             await chat(app, pilot, "first", "second")
             for bad in ("/edit 0", "/edit x", "/edit 3"):
-                await app.submit(bad)
+                await app.chat_view.submit(bad)
             assert any("usage: /edit [N]" in n for n in notices(app))
             assert any("no message 3: this chat has 2 of yours" in n for n in notices(app))
-            await app.submit("/edit")  # the last message
-            assert app.prompt.text == "second" and app.editing.index == 1
+            await app.chat_view.submit("/edit")  # the last message
+            assert app.chat_view.prompt.text == "second" and app.chat_view.editing.index == 1
             await pilot.press("escape")
-            assert app.editing is None and app.prompt.text == "" and len(backend.calls) == 2
-            app.prompt.set_text("my draft")
+            assert app.chat_view.editing is None and app.chat_view.prompt.text == "" and len(backend.calls) == 2
+            app.chat_view.prompt.set_text("my draft")
             await next(c for c in app.get_system_commands(app.screen) if c.title == "Edit your last message").callback()
-            assert app.prompt.text == "second"
+            assert app.chat_view.prompt.text == "second"
             await pilot.press("escape")  # the box gets back what was being typed
-            assert app.editing is None and app.prompt.text == "my draft" and len(backend.calls) == 2
-            await app.submit("/edit 1")
-            app.prompt.set_text("a new first")
+            assert app.chat_view.editing is None and app.chat_view.prompt.text == "my draft" and len(backend.calls) == 2
+            await app.chat_view.submit("/edit 1")
+            app.chat_view.prompt.set_text("a new first")
             await pilot.press("enter")
-            await wait_until(pilot, lambda: len(backend.calls) == 3 and app.current.finished)
+            await wait_until(pilot, lambda: len(backend.calls) == 3 and app.chat_view.current.finished)
             assert backend.calls[2] == [{"role": "user", "content": "a new first"}]
             assert on_screen(app) == [("user", "a new first"), ("assistant", "renamed")]
         chats = saved(tmp_path / "h.db")
@@ -167,13 +167,13 @@ class TestEdit:
         backend = FakeBackend([ssd_events(["one"]), ssd_events(["fresh"])])
         app = ChatApp(backend, history=History(tmp_path / "h.db"))
         async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
+            await wait_until(pilot, lambda: app.chat_view.ready)
             await chat(app, pilot, "first")
             cmd = next(c for c in app.get_system_commands(app.screen) if c.title == "Edit your last message")
             await cmd.callback()
-            assert app.editing is not None and app.prompt.text == "first"
+            assert app.chat_view.editing is not None and app.chat_view.prompt.text == "first"
             await pilot.press("ctrl+n")
-            await wait_until(pilot, lambda: app.editing is None and not app.query(UserMessage))
+            await wait_until(pilot, lambda: app.chat_view.editing is None and not app.query(UserMessage))
             await chat(app, pilot, "elsewhere")
             assert backend.calls[1] == [{"role": "user", "content": "elsewhere"}]
         assert [t for t, _ in saved(tmp_path / "h.db")] == ["elsewhere", "first"]
@@ -184,7 +184,7 @@ class TestHint:
     async def test_an_empty_chat_names_help_the_palette_and_the_send_key(self):
         app = ChatApp(FakeBackend([ssd_events(["one"])]))
         async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
+            await wait_until(pilot, lambda: app.chat_view.ready)
             [hint] = app.query(".hint")
             assert "/help" in hint.content and "Ctrl+P" in hint.content and "Enter to send" in hint.content
             await chat(app, pilot, "hi")
@@ -199,7 +199,7 @@ class TestSettingsFields:
         backend = FakeBackend([ssd_events(["one"])])
         app = ChatApp(backend, settings={"temperature": 0.8})
         async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
+            await wait_until(pilot, lambda: app.chat_view.ready)
             await pilot.press("ctrl+o")
             await wait_until(pilot, lambda: isinstance(app.screen, SettingsDialog))
             field = {key: app.screen.query_one(f"#{key}", Input) for key in FIELDS}
@@ -223,7 +223,7 @@ class TestSettingsFields:
             field["repetition_penalty"].value = "1.2"
             await pilot.click("#apply")
             await wait_until(pilot, lambda: not isinstance(app.screen, SettingsDialog))
-            assert app.params == {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7, "repetition_penalty": 1.2}
+            assert app.chat_view.params == {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7, "repetition_penalty": 1.2}
             assert backend.info_.get("fan_out") is None  # untouched fields are not re-applied
             await chat(app, pilot, "hi")
             await pilot.press("ctrl+o")
@@ -232,7 +232,7 @@ class TestSettingsFields:
             app.screen.query_one("#seed", Input).value = ""  # empty: a new seed each reply
             await pilot.click("#apply")
             await wait_until(pilot, lambda: not isinstance(app.screen, SettingsDialog))
-            assert app.params["seed"] is None
+            assert app.chat_view.params["seed"] is None
 
     def test_slash_commands_for_sampling_and_one_table_for_the_fields(self):
         assert parse_settings({"top_p": "0.5", "top_k": "4", "seed": "3"}) == {"top_p": 0.5, "top_k": 4, "seed": 3}
@@ -254,7 +254,7 @@ class TestDeleteChat:
             ids.append(cid)
         app = ChatApp(FakeBackend([]), history=h)
         async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
+            await wait_until(pilot, lambda: app.chat_view.ready)
             await pilot.press("ctrl+r")
             await wait_until(pilot, lambda: app.screen.query("#chat-list"))
             ol = app.screen.query_one("#chat-list")
@@ -292,7 +292,7 @@ class TestDeleteChat:
         backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"])])
         app = ChatApp(backend, history=History(tmp_path / "h.db"))
         async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
+            await wait_until(pilot, lambda: app.chat_view.ready)
             await chat(app, pilot, "doomed")
             await pilot.press("ctrl+r")
             await wait_until(pilot, lambda: app.screen.query("#chat-list"))
@@ -300,7 +300,7 @@ class TestDeleteChat:
             await wait_until(pilot, lambda: isinstance(app.screen, ConfirmDialog))
             await pilot.press("y")
             await pilot.press("escape")
-            await wait_until(pilot, lambda: app.conversation_id is None and not app.query(UserMessage))
+            await wait_until(pilot, lambda: app.chat_view.conversation_id is None and not app.query(UserMessage))
             await chat(app, pilot, "next")
             assert app.history.warning is None
         assert saved(tmp_path / "h.db") == [("next", [("user", "next"), ("assistant", "two")])]
@@ -316,10 +316,10 @@ class TestSavedChats:
         backend = FakeBackend([ssd_events(["fresh"])])
         app = ChatApp(backend, history=h, resume=cid)
         async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.ready and len(app.messages) == 4)
+            await wait_until(pilot, lambda: app.chat_view.ready and len(app.chat_view.messages) == 4)
             assert not app.query(".hint")
             await pilot.press("f5")
-            await wait_until(pilot, lambda: len(backend.calls) == 1 and app.current.finished)
+            await wait_until(pilot, lambda: len(backend.calls) == 1 and app.chat_view.current.finished)
             assert backend.calls[0][-1] == {"role": "user", "content": "more"}
         assert saved(tmp_path / "h.db") == [("old question", [("user", "old question"), ("assistant", "old answer"),
                                                               ("user", "more"), ("assistant", "fresh")])]
@@ -330,11 +330,11 @@ class TestSavedChats:
         backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["again"])])
         app = ChatApp(backend, history=History(tmp_path / "h.db"))
         async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.ready)
+            await wait_until(pilot, lambda: app.chat_view.ready)
             await chat(app, pilot, "a", "b")
             app.history.db.execute("DELETE FROM messages WHERE content='one'")  # a write the file never got
             app.history.db.commit()
             await pilot.press("f5")
-            await wait_until(pilot, lambda: len(backend.calls) == 3 and app.current.finished)
+            await wait_until(pilot, lambda: len(backend.calls) == 3 and app.chat_view.current.finished)
         assert saved(tmp_path / "h.db") == [("a", [("user", "a"), ("assistant", "one"), ("user", "b"), ("assistant", "again")]),
                                             ("a", [("user", "a"), ("user", "b"), ("assistant", "two")])]

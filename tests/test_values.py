@@ -67,11 +67,11 @@ def test_the_app_refuses_an_infinite_temperature_in_words():
         backend = FakeBackend([ssd_events(["a"])])
         app_ = ChatApp(backend)
         async with app_.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app_.ready)
-            before = app_.params.get("temperature")
+            await wait_until(pilot, lambda: app_.chat_view.ready)
+            before = app_.chat_view.params.get("temperature")
             for bad in ("inf", "nan", "1e400"):
-                await app_.submit(f"/temp {bad}")
-            assert app_.params.get("temperature") == before
+                await app_.chat_view.submit(f"/temp {bad}")
+            assert app_.chat_view.params.get("temperature") == before
             notices = [n.text for n in app_.query("Notice")]
             assert sum("temperature must be a finite number" in t for t in notices) == 3, notices
 

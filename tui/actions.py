@@ -1,25 +1,19 @@
-"""Between-reply actions of the chat app: new chat, copy, system prompt, settings (mode / k /
-fan-out / temperature without reloading models), saved chats, token colours, slash commands and
-the command palette.  Mixed into :class:`ssd_chat.tui.app.ChatApp`, whose state they use.
+"""Between-reply actions of the chat: new chat, copy, system prompt, settings (mode / k / fan-out /
+temperature without reloading models), resuming and exporting saved chats, token colours and slash
+commands.  Part of :class:`~ssd_chat.tui.chat_view.ChatView`, whose state they use; the app opens the
+dialogs that lead here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from textual.app import SystemCommand
-from textual.screen import Screen
-
+from ..backend import readable
 from ..config import SAMPLING_KEYS
 from ..engine import threads
 from ..history import HistoryError, data_dir, metrics_line
-from .backend import readable
 from .changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
-from .widgets.chats_dialog import ChatsDialog
-from .widgets.settings_dialog import SettingsDialog
-from .widgets.system_prompt import SystemPromptDialog
 
 
 HELP = """Keys: Enter send · Shift+Enter / Ctrl+J new line · ↑/↓ prompt history · Esc stop the reply ·
@@ -32,7 +26,7 @@ Commands: /mode ar|sd|ssd · /k N · /fan-out SPEC · /temp X · /top-p X · /to
 
 
 class ChatActions:
-    """Actions and commands; ``self`` is the ChatApp."""
+    """Actions and commands; ``self`` is the ChatView."""
 
     async def action_new_chat(self) -> None:
         if self.current is not None and not self.current.finished:
@@ -56,33 +50,14 @@ class ChatActions:
             self.notify("no reply to copy yet")
             return
         self.clipboard_text = text
-        self.copy_to_clipboard(text)
+        self.app.copy_to_clipboard(text)
         self.notify(f"copied the last reply ({len(text)} characters)")
-
-    def action_system_prompt(self) -> None:
-        def done(value: str | None) -> None:
-            if value is not None:
-                self.run_worker(self.set_system(value), exclusive=False)
-
-        self.push_screen(SystemPromptDialog(self.system), done)
 
     async def set_system(self, value: str) -> None:
         self.system = value or None
         if self.conversation_id is not None:
             self.history.set_system(self.conversation_id, self.system)
         await self.chat.add_notice(f"system prompt: {self.system}" if self.system else "system prompt cleared")
-
-    def action_settings(self) -> None:
-        if self.load_error:
-            self.run_worker(self.apply_settings({}), exclusive=False)  # says why nothing can change
-            return
-        current = {**self.backend.info(), **self.backend.sampling_defaults(), **self.params, **self.pending_settings}  # the temperature in force
-
-        def done(changes: dict | None) -> None:
-            if changes:
-                self.run_worker(self.apply_settings(changes), exclusive=False)
-
-        self.push_screen(SettingsDialog(current), done)
 
     async def apply_settings(self, changes: dict[str, Any]) -> bool:
         """Apply mode / k / fan-out (engine, no reload) and sampling settings from the next reply on.
@@ -106,7 +81,7 @@ class ChatActions:
                 return False
             self.switching = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in engine_changes.items())
             try:
-                await threads.in_thread(self.compute_threads, self.backend.reconfigure, **engine_changes)  # may derive a draft (seconds)
+                await threads.in_thread(threads.count(), self.backend.reconfigure, **engine_changes)  # may derive a draft (seconds)
             except Exception as e:  # noqa: BLE001 - shown, the old settings stay
                 await self.chat.add_notice(f"cannot change {', '.join(engine_changes)}: {readable(e)}", "error")
                 return False
@@ -123,13 +98,6 @@ class ChatActions:
         changes, self.pending_settings = self.pending_settings, {}
         self.switching = None  # apply_settings takes it over before its first await
         await self.apply_settings(changes)
-
-    def action_chats(self) -> None:
-        def done(cid: int | None) -> None:
-            if cid is not None:
-                self.run_worker(self.resume(cid), exclusive=False)
-
-        self.push_screen(ChatsDialog(self.history), done)
 
     async def resume(self, conversation_id: int) -> bool:
         """Show a saved chat and continue it."""
@@ -209,7 +177,7 @@ class ChatActions:
         elif name == "copy":
             self.action_copy_reply()
         elif name == "chats":
-            self.action_chats()
+            self.app.action_chats()
         elif name in ("colour", "color"):
             self.action_toggle_colour()
         elif name == "compare":
@@ -220,22 +188,3 @@ class ChatActions:
             await self.chat.add_notice(HELP)
         else:
             await self.chat.add_notice(f"unknown command '/{name}' — /help lists them", "warning")
-
-
-    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
-        yield SystemCommand("New chat", "Start a new conversation (Ctrl+N)", self.action_new_chat)
-        yield SystemCommand("Copy last reply", "Copy the last reply to the clipboard (Ctrl+Y)", self.action_copy_reply)
-        yield SystemCommand("System prompt", "Change the system prompt (Ctrl+S)", self.action_system_prompt)
-        yield SystemCommand("Settings", "Mode, k, fan-out, temperature, top-p, top-k, seed, repeat penalty, max tokens (Ctrl+O)", self.action_settings)
-        for m in ("ar", "sd", "ssd"):
-            yield SystemCommand(f"Switch to {m.upper()}", f"Decode the next reply with {m.upper()} (models stay loaded)",
-                                lambda m=m: self.run_worker(self.apply_settings({"mode": m})))
-        yield SystemCommand("Compare AR, SD and SSD", "The prompt in the box (or the last one) in each mode: tok/s, identical? (Ctrl+G)",
-                            self.action_compare)
-        yield SystemCommand("Chats", "Resume or delete a saved chat (Ctrl+R)", self.action_chats)
-        yield SystemCommand("Export chat as Markdown", "With each reply's metrics, to the data dir's exports/", lambda: self.export_chat("md"))
-        yield SystemCommand("Export chat as JSONL", "With each reply's metrics, to the data dir's exports/", lambda: self.export_chat("jsonl"))
-        yield SystemCommand("Toggle token colours", "Colour accepted draft vs target tokens (Ctrl+T)", self.action_toggle_colour)
-        yield SystemCommand("Stop reply", "Stop the reply and keep what streamed (Esc)", self.action_stop)
-        yield SystemCommand("Help", "Keys and commands", lambda: self.run_worker(self.chat.add_notice(HELP)))

@@ -1,10 +1,8 @@
-"""The chat app: transcript + prompt on the left, live speculation panel and cache view on the right.
+"""The chat app: the window around one :class:`~ssd_chat.tui.chat_view.ChatView`.
 
-Engine work runs in thread workers that only post messages; handlers here touch the widgets.  The
-conversation is a :class:`~ssd_chat.session.Session`, as in ``ask`` and the demo; this module holds
-the layout, loading, quitting and the state the mixins share: :mod:`.replies` (a prompt and its
-streaming reply), :mod:`.actions` (keys, settings, saved chats, slash commands) and
-:mod:`.comparing` (AR, SD and SSD on one prompt).
+The chat (its session, transcript, prompt box and panel) is the widget; the app holds what is not
+one chat's: the keys, the dialogs and the command palette, loading the backend in a thread, the
+saved-chat history and quitting (Ctrl+C, SIGTERM, SIGHUP).
 """
 
 from __future__ import annotations
@@ -14,37 +12,28 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from textual import on
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.containers import Vertical
 from textual.message import Message
-from textual.screen import ModalScreen
-from textual.widgets import Footer, Header, Static
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Footer, Header
 
-from ..config import sampling_settings
+from ..backend import Backend, readable
 from ..engine import threads
-from ..engine.events import Event, Notice
+from ..engine.events import Notice
 from ..history import History
-from ..session import Session
 from ..terminal import printable
 from . import signals
-from .actions import ChatActions
-from .backend import Backend, readable
-from .comparing import CompareActions
+from .actions import HELP
+from .chat_view import ChatView
 from .figures import Baseline
-from .replies import ReplyActions, Turn
-from .rerun import RerunActions
-from .widgets.cache_view import CacheView
-from .widgets.chat_log import ChatLog
+from .widgets.chats_dialog import ChatsDialog
 from .widgets.load_status import LoadStatus
-from .widgets.metrics_panel import MetricsPanel
-from .widgets.prompt_input import PromptInput
-
-FRAME_S = 0.1  # screen updates while streaming: 10 per second
+from .widgets.settings_dialog import SettingsDialog
+from .widgets.system_prompt import SystemPromptDialog
 
 
-class ChatApp(RerunActions, ReplyActions, CompareActions, ChatActions, App[int]):
+class ChatApp(App[int]):
     CSS_PATH = "app.tcss"
     TITLE = "ssd-chat"
     BINDINGS = [
@@ -64,11 +53,6 @@ class ChatApp(RerunActions, ReplyActions, CompareActions, ChatActions, App[int])
     ]
     MAIN_SCREEN_ACTIONS = {"new_chat", "copy_reply", "system_prompt", "settings", "chats", "toggle_colour", "stop", "quit_key",
                            "compare"}
-
-    class ReplyEvent(Message):
-        def __init__(self, turn: int, event: Event) -> None:
-            super().__init__()
-            self.turn, self.event = turn, event
 
     class LoadProgress(Message):
         def __init__(self, stage: str, frac: float | None) -> None:
@@ -93,52 +77,13 @@ class ChatApp(RerunActions, ReplyActions, CompareActions, ChatActions, App[int])
         baselines: Iterable[Baseline] = (),
     ) -> None:
         super().__init__()
-        settings = dict(settings or {})
         self.backend = backend
         self.history = history if history is not None else History(None)
-        self.recorder = recorder
-        self.session = self.new_session(settings.get("system") or None)
-        self.params: dict[str, Any] = sampling_settings(settings)
-        self.colour = bool(settings.get("colour_tokens"))
-        self.conversation_id: int | None = None
         self.resume_id = resume
-        self.script = list(script) or list(backend.scripted_prompts)
-        self.type_delay_s = type_delay_s
-        self.baselines = list(baselines)
-        self.ready = False
-        self.load_error: str | None = None
-        self.current: Turn | None = None
-        self.turn_count = 0
-        self.clipboard_text: str | None = None
-        self._reply_worker: Any = None
-        self.switching: str | None = None  # an engine change in progress ("mode sd"): prompts wait for it
-        self.pending_settings: dict[str, Any] = {}  # changed while the model loads: applied once it is ready
-        self._token_text: dict[int, str] = {}
-        self._seen_ids: set[int] = set()
         self._quitting = False
         self.signalled: int | None = None  # SIGTERM / SIGHUP that made the app quit
-
-    # -- the conversation: a Session over the backend --------------------------------------
-    def new_session(self, system: str | None, messages: list[dict[str, str]] | None = None) -> Session:
-        """A fresh conversation (a new chat, a resumed one).  A reply still ending in its worker after Esc
-        finishes into the session it started in, never into the next chat."""
-        return Session(system=system, messages=messages, reply=self.backend.stream)
-
-    @property
-    def messages(self) -> list[dict[str, str]]:
-        return self.session.messages
-
-    @messages.setter
-    def messages(self, value: list[dict[str, str]]) -> None:
-        self.session.messages = list(value)
-
-    @property
-    def system(self) -> str | None:
-        return self.session.system
-
-    @system.setter
-    def system(self, value: str | None) -> None:
-        self.session.system = value
+        self.chat_view = ChatView(backend, self.history, settings=dict(settings or {}), recorder=recorder, script=script,
+                                  type_delay_s=type_delay_s, baselines=baselines)
 
     def notify(self, message: str, *, title: str = "", severity: Any = "information", timeout: float | None = None,
                markup: bool = False) -> None:
@@ -150,52 +95,19 @@ class ChatApp(RerunActions, ReplyActions, CompareActions, ChatActions, App[int])
             return False  # let the dialog have its keys (ctrl+s saves the system prompt there)
         return True
 
-    # -- layout --------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
-        self._chat, self._panel = ChatLog(id="chat"), MetricsPanel(id="panel")
-        self._cache, self._prompt = CacheView(id="cache"), PromptInput(id="prompt")
         yield Header(show_clock=False)
-        with Vertical(id="main"):
-            yield LoadStatus(id="load")
-            yield self._chat
-            yield self._prompt
-        with Vertical(id="side"):
-            yield Static("Speculation", classes="side-title")
-            yield self._panel
-            yield Static("Speculation cache: latest rounds (j: predicted bonus)", classes="side-title")
-            yield self._cache
+        yield self.chat_view
         yield Footer()
-
-    @property
-    def chat(self) -> ChatLog:
-        return self._chat
-
-    @property
-    def panel(self) -> MetricsPanel:
-        return self._panel
-
-    @property
-    def cache(self) -> CacheView:
-        return self._cache
-
-    @property
-    def prompt(self) -> PromptInput:
-        return self._prompt
 
     async def on_mount(self) -> None:
         self.compute_threads = threads.coordinator()  # the UI thread starts no OpenMP pool (engine/threads.py)
         self.sub_title = "loading…"
-        for b in self.baselines:
-            self.panel.set_measured(b)
-        self.cache.token_text = self._lookup_text
-        self.prompt.focus()
         signals.catch(self)  # SIGTERM / SIGHUP quit as Ctrl+C does
-        self._flush_lock = asyncio.Lock()
-        self._frames = self.set_interval(FRAME_S, self._flush_pending, pause=True)  # runs only while a reply streams
-        await self._check_history()  # the start's warning: shown once, not again at the first prompt
-        self.set_interval(2.0, self._check_history)  # writes held back by a lock are saved when it goes, even when idle
+        await self.chat_view.check_history()  # the start's warning: shown once, not again at the first prompt
+        self.set_interval(2.0, self.chat_view.check_history)  # writes held back by a lock are saved when it goes, even when idle
         if self.resume_id is not None:
-            await self.resume(self.resume_id)
+            await self.chat_view.resume(self.resume_id)
         self.load_backend()
 
     # -- loading -------------------------------------------------------------------------
@@ -206,7 +118,7 @@ class ChatApp(RerunActions, ReplyActions, CompareActions, ChatActions, App[int])
     def _load(self) -> None:
         threads.worker(self.compute_threads)
         # warnings found before loading (a model too large for this machine) reach the chat at once
-        self.backend.warn = lambda message: self.post_message(self.ReplyEvent(-1, Notice(message, "warning")))
+        self.backend.warn = lambda message: self.chat_view.post_message(ChatView.ReplyEvent(-1, Notice(message, "warning")))
         try:
             self.backend.load(lambda stage, frac: self.post_message(self.LoadProgress(stage, frac)))
         except BaseException as e:  # noqa: BLE001 - shown in the app, never as a traceback
@@ -220,37 +132,12 @@ class ChatApp(RerunActions, ReplyActions, CompareActions, ChatActions, App[int])
     async def on_chat_app_loaded(self, msg: Loaded) -> None:
         load = self.query_one(LoadStatus)
         if msg.error:
-            self.load_error = msg.error
             load.fail(msg.error)
             self.sub_title = "load failed"
-            await self.chat.add_notice(msg.error + " — press Ctrl+C to quit", "error")
+            await self.chat_view.load_failed(msg.error)
             return
         load.display = False
-        self.ready = True
-        self._update_info()
-        if self.pending_settings:  # prompts wait for the switch, as after /mode; keys are not held up by it
-            self.switching = "the settings chosen while loading"
-            self.run_worker(self.apply_pending(), exclusive=False)
-        if self.script:
-            self.type_next_prompt()
-
-    def _update_info(self) -> None:
-        info = dict(self.backend.info())
-        info.setdefault("sampling", {**self.backend.sampling_defaults(), **self.params})  # what a reply samples with
-        self.panel.set_info(info)
-        self.sub_title = printable(f"{(info.get('mode') or '?').upper()} · {info.get('target') or ''}", one_line=True)
-
-    def _show_mode(self, label: str) -> None:
-        """The status line and the panel name the mode that is really running this reply."""
-        info = dict(self.backend.info())
-        info.setdefault("sampling", {**self.backend.sampling_defaults(), **self.params})  # what a reply samples with
-        info["mode_label"] = label
-        self.panel.set_info(info)
-        self.sub_title = f"{label} · {info.get('target') or ''}"
-
-    @on(PromptInput.Submitted)
-    async def on_prompt_submitted(self, event: PromptInput.Submitted) -> None:
-        await self.submit(event.text)
+        await self.chat_view.loaded()
 
     # -- quitting ------------------------------------------------------------------------
     async def action_quit_key(self) -> None:
@@ -261,51 +148,85 @@ class ChatApp(RerunActions, ReplyActions, CompareActions, ChatActions, App[int])
         if self._quitting:
             return
         self._quitting = True
-        self.script.clear()
-        if self.current is not None and self.current.status == "streaming":
-            await self.action_stop()
-        w = self._reply_worker
-        if w is not None and w.is_running:
-            try:
-                await asyncio.wait_for(w.wait(), 15)
-            except Exception:  # noqa: BLE001
-                pass
-        await self.stop_compare()
-        await self._release()
-        self.exit(0)
-
-    async def _release(self) -> None:
-        if self.recorder is not None:
-            vocab = {i: s for i in sorted(self._seen_ids) if (s := self._lookup_text(i)) is not None}
-            if vocab:
-                self.recorder.vocab(vocab)
-            self.recorder.close()
+        await self.chat_view.close()
         try:
             await asyncio.to_thread(self.backend.close)
         except Exception:  # noqa: BLE001 - closing must not raise at exit
             pass
         self.history.close()
+        self.exit(0)
 
-    # -- helpers -------------------------------------------------------------------------
-    def _lookup_text(self, token_id: int) -> str | None:
-        return self._token_text.get(token_id) or self.backend.token_text(token_id)
+    # -- keys: the chat does the work --------------------------------------------------------
+    async def action_new_chat(self) -> None:
+        await self.chat_view.action_new_chat()
 
-    async def _warn(self, message: str) -> None:
-        await self.chat.add_notice("warning: " + message, "warning")
-        self.notify(message, severity="warning", timeout=8)
+    def action_copy_reply(self) -> None:
+        self.chat_view.action_copy_reply()
 
-    async def _check_recorder(self) -> None:
-        r = self.recorder
-        if r is not None and r.error:
-            self.recorder = None  # one notice, no more writes (launch still closes the file)
-            await self._warn(f"{r.stopped_reason}; the chat goes on")
+    def action_toggle_colour(self) -> None:
+        self.chat_view.action_toggle_colour()
 
-    async def _check_history(self) -> None:
-        self.history.retry()
-        w = self.history.warning
-        if w and w != getattr(self, "_shown_warning", None):
-            self._shown_warning = w
-            await self._warn(w)
-        if self.history.resumed:
-            message, self.history.resumed, self._shown_warning = self.history.resumed, None, None
-            await self.chat.add_notice(message, "info")
+    async def action_stop(self) -> None:
+        await self.chat_view.action_stop()
+
+    async def action_compare(self) -> None:
+        await self.chat_view.action_compare()
+
+    async def action_regenerate(self) -> None:
+        await self.chat_view.action_regenerate()
+
+    # -- dialogs -------------------------------------------------------------------------
+    def action_system_prompt(self) -> None:
+        view = self.chat_view
+
+        def done(value: str | None) -> None:
+            if value is not None:
+                self.run_worker(view.set_system(value), exclusive=False)
+
+        self.push_screen(SystemPromptDialog(view.system), done)
+
+    def action_settings(self) -> None:
+        view = self.chat_view
+        if view.load_error:
+            self.run_worker(view.apply_settings({}), exclusive=False)  # says why nothing can change
+            return
+        current = {**self.backend.info(), **self.backend.sampling_defaults(), **view.params, **view.pending_settings}  # the temperature in force
+
+        def done(changes: dict | None) -> None:
+            if changes:
+                self.run_worker(view.apply_settings(changes), exclusive=False)
+
+        self.push_screen(SettingsDialog(current), done)
+
+    def action_chats(self) -> None:
+        def done(cid: int | None) -> None:
+            if cid is not None:
+                self.run_worker(self.chat_view.resume(cid), exclusive=False)
+
+        self.push_screen(ChatsDialog(self.history), done)
+
+    async def on_chats_dialog_deleted(self, msg: ChatsDialog.Deleted) -> None:
+        await self.chat_view.chat_deleted(msg.conversation_id)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        view = self.chat_view
+        yield SystemCommand("New chat", "Start a new conversation (Ctrl+N)", self.action_new_chat)
+        yield SystemCommand("Copy last reply", "Copy the last reply to the clipboard (Ctrl+Y)", self.action_copy_reply)
+        yield SystemCommand("System prompt", "Change the system prompt (Ctrl+S)", self.action_system_prompt)
+        yield SystemCommand("Settings", "Mode, k, fan-out, temperature, top-p, top-k, seed, repeat penalty, max tokens (Ctrl+O)", self.action_settings)
+        for m in ("ar", "sd", "ssd"):
+            yield SystemCommand(f"Switch to {m.upper()}", f"Decode the next reply with {m.upper()} (models stay loaded)",
+                                lambda m=m: self.run_worker(view.apply_settings({"mode": m})))
+        yield SystemCommand("Compare AR, SD and SSD", "The prompt in the box (or the last one) in each mode: tok/s, identical? (Ctrl+G)",
+                            self.action_compare)
+        yield SystemCommand("Chats", "Resume or delete a saved chat (Ctrl+R)", self.action_chats)
+        yield SystemCommand("Export chat as Markdown", "With each reply's metrics, to the data dir's exports/", lambda: view.export_chat("md"))
+        yield SystemCommand("Export chat as JSONL", "With each reply's metrics, to the data dir's exports/", lambda: view.export_chat("jsonl"))
+        yield SystemCommand("Toggle token colours", "Colour accepted draft vs target tokens (Ctrl+T)", self.action_toggle_colour)
+        yield SystemCommand("Stop reply", "Stop the reply and keep what streamed (Esc)", self.action_stop)
+        yield SystemCommand("Help", "Keys and commands", lambda: self.run_worker(view.chat.add_notice(HELP)))
+        yield SystemCommand("Regenerate last reply", "Drop the last reply and decode it again with the current settings (F5)",
+                            self.action_regenerate)
+        yield SystemCommand("Edit your last message", "Put it back in the box; Enter re-runs the chat from it "
+                            "(earlier ones: Shift+Tab to one and press e, or /edit N)", view.start_edit)

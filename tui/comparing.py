@@ -1,14 +1,15 @@
 """Ctrl+G in the app: the prompt in the box (or the last one sent) answered greedily in AR, SD and
 SSD in turn, :data:`ssd_chat.compare.DEFAULT_REPEATS` times over, on the loaded models, each run's
 figures as it ends, then whether every output is identical and the speedups measured on that
-prompt (median, spread, physical bound).  Mixed into
-:class:`ssd_chat.tui.app.ChatApp`; the loop itself is :func:`ssd_chat.compare.run`.
+prompt (median, spread, physical bound).  Part of
+:class:`~ssd_chat.tui.chat_view.ChatView`; the loop itself is :func:`ssd_chat.compare.run`.
 
 The comparison is not part of the conversation: nothing is added to the chat's messages or history.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from dataclasses import replace
 from typing import Any
@@ -20,24 +21,24 @@ from .. import compare as cmp
 from ..engine import threads
 from ..engine.chat import messages_for
 from ..engine.params import SamplingParams
-from .backend import readable
+from ..backend import readable
 from .figures import Baseline, baseline_from_reply
 
 
-class CompareRun(Message):
+class CompareRun(Message, bubble=False):
     def __init__(self, run: cmp.Run) -> None:
         super().__init__()
         self.run = run
 
 
-class CompareDone(Message):
+class CompareDone(Message, bubble=False):
     def __init__(self, result: cmp.Comparison | None, error: str | None) -> None:
         super().__init__()
         self.result, self.error = result, error
 
 
 class CompareActions:
-    """``self`` is the ChatApp."""
+    """``self`` is the ChatView."""
 
     _compare_stop: threading.Event | None = None
     _compare_worker: Any = None
@@ -79,7 +80,7 @@ class CompareActions:
 
     @work(thread=True, group="compare", exit_on_error=False)
     def run_compare(self, msgs: list[dict[str, str]], params: SamplingParams, current: str, stop: threading.Event) -> None:
-        threads.worker(self.compute_threads)
+        threads.worker(threads.count())
         try:
             result = cmp.run(lambda m: self.backend.reconfigure(mode=m),
                              lambda n: self.backend.stream(msgs, replace(params, max_new_tokens=n) if n else params, stop),
@@ -137,8 +138,6 @@ class CompareActions:
             self._compare_stop.set()
         w = self._compare_worker
         if w is not None and w.is_running:
-            import asyncio
-
             try:
                 await asyncio.wait_for(w.wait(), 15)
             except Exception:  # noqa: BLE001

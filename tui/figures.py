@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ..engine.events import Stats
 from ..engine.metrics import over_ar_bound, ssd_over_sd_bound
+from ..stats import fmt, ran_as
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,11 +44,6 @@ class Baseline:
 
 
 MIN_BASELINE_TOKENS = 8  # a reply shorter than this has too few token gaps to be a decode rate
-
-
-def ran_as(s: Stats) -> str:
-    """The mode that produced this reply (its end, when it switched): what its figures and labels must name."""
-    return s.ran_as or s.mode
 
 
 def baseline_from_reply(s: Stats, label: str, min_tokens: int = MIN_BASELINE_TOKENS) -> Baseline | None:
@@ -142,22 +138,6 @@ def baselines_from_bench(path: str | Path) -> list[Baseline]:
     if not out:
         raise ValueError(f"{path} has no AR or SD tok/s to compare with")
     return out
-
-
-def format_stats(s: Stats) -> str:
-    """One line for a finished reply (``ask --stats``, the demo): mode, tokens, tok/s, TTFT, acceptance, hits."""
-    parts = [f"{s.label.lower()}: {s.new_tokens} token{'' if s.new_tokens == 1 else 's'}", f"{fmt(s.tok_per_s, '.1f', na='n/a')} tok/s",
-             f"TTFT {fmt(s.ttft_s, '.2f', na='n/a')} s"]
-    if s.mean_accepted_length is not None:
-        parts += [f"accepted length {s.mean_accepted_length:.2f}", f"acceptance {fmt(s.acceptance_rate, '.0%', na='n/a')}"]
-    if s.cache_hit_rate is not None:
-        parts.append(f"cache hits {s.cache_hit_rate:.0%}")
-    return ", ".join(parts)
-
-
-def fmt(v: float | None, spec: str, suffix: str = "", na: str = "—") -> str:
-    return na if v is None else format(v, spec) + suffix
-
 
 
 def fmt_speedup(sp: Speedup) -> str:

@@ -1,6 +1,6 @@
-"""Sending a prompt and showing its reply: the mixin of :class:`ssd_chat.tui.app.ChatApp` that owns a turn.
+"""Sending a prompt and showing its reply: the part of :class:`~ssd_chat.tui.chat_view.ChatView` that owns a turn.
 
-The reply runs in a thread worker over the app's :class:`~ssd_chat.session.Session`, which keeps the
+The reply runs in a thread worker over the chat's :class:`~ssd_chat.session.Session`, which keeps the
 conversation; the worker only posts events.  Token text is coalesced and written to the screen by a
 10 Hz timer, so hundreds of tokens per second cost ~10 Markdown appends per second.  The turn's end
 (Done or Error) is posted after the session has taken the turn into its history.
@@ -23,7 +23,7 @@ from ..engine.metrics import Metrics
 from ..engine.params import SamplingParams
 from ..history import metrics_line
 from ..session import Session
-from .backend import readable, sampling_of
+from ..backend import readable, sampling_of
 from .figures import baseline_from_reply, ran_as
 from .widgets.chat_log import AssistantMessage
 
@@ -49,7 +49,7 @@ class Turn:
 
 
 class ReplyActions:
-    """``self`` is the ChatApp."""
+    """``self`` is the ChatView."""
 
     # -- sending -------------------------------------------------------------------------
     async def submit(self, text: str) -> None:
@@ -89,7 +89,7 @@ class ReplyActions:
             self.conversation_id = self.history.new_conversation(text, self.system)
         self.history.add_message(self.conversation_id, "user", text)
         mid = self.history.add_message(self.conversation_id, "assistant", "", status="streaming")
-        await self._check_history()
+        await self.check_history()
         info = self.backend.info()
         turn = Turn(self.turn_count, text, threading.Event(), widget, mid, Metrics(info.get("mode") or "?"))
         self.turn_count += 1
@@ -107,7 +107,7 @@ class ReplyActions:
     def run_reply(self, turn: int, session: Session, text: str, params: SamplingParams, stop: threading.Event) -> None:
         """The engine loop: iterate the session's reply and post each event to the UI.  The end (Done or Error)
         is posted once the stream is over, so the session already holds the turn when the app shows its end."""
-        threads.worker(self.compute_threads)
+        threads.worker(threads.count())
         end: Done | Error | None = None
         try:
             for ev in session.stream(text, params, stop):
@@ -126,7 +126,7 @@ class ReplyActions:
         self.post_message(self.ReplyEvent(turn, ev))
 
     # -- receiving -----------------------------------------------------------------------
-    async def on_chat_app_reply_event(self, msg: Any) -> None:
+    async def on_chat_view_reply_event(self, msg: Any) -> None:
         t = self.current
         ev = msg.event
         if msg.turn == -1 and isinstance(ev, Notice):  # not part of a reply
@@ -225,7 +225,7 @@ class ReplyActions:
         await t.widget.finish(text, status, meta)
         self.prompt.remove_class("-busy")
         self._frames.pause()
-        await self._check_history()
+        await self.check_history()
         await self._check_recorder()
         t.finished = True
         if self.script and not self._quitting:

@@ -1,5 +1,5 @@
-"""Regenerate the last reply, and edit an earlier message and re-run the chat from it: the mixin of
-:class:`ssd_chat.tui.app.ChatApp` that rewrites the end of a conversation, plus the first-screen hint.
+"""Regenerate the last reply, and edit an earlier message and re-run the chat from it: the part of
+:class:`~ssd_chat.tui.chat_view.ChatView` that rewrites the end of a conversation, plus the first-screen hint.
 
 Both cut the conversation just before one of the user's messages, on screen, in the session and in
 the saved chat alike, then send that message (edited or not) through :meth:`ReplyActions.submit`, so
@@ -11,19 +11,16 @@ chat is kept as it was in a new saved chat ("… (before edit)", Ctrl+R): nothin
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from textual.app import SystemCommand
-from textual.screen import ModalScreen, Screen
+from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from ..engine.params import SamplingParams
 from ..history import HistoryError
 from ..history_edit import copy_conversation, truncate
 from .widgets.chat_log import AssistantMessage, UserMessage
-from .widgets.chats_dialog import ChatsDialog
 
 HINT = ("Type a message and press Enter to send (Shift+Enter: new line) · /help lists the keys and commands · "
         "Ctrl+P opens the command palette")
@@ -44,12 +41,12 @@ class Editing:
 
 
 class RerunActions:
-    """``self`` is the ChatApp."""
+    """``self`` is the ChatView."""
 
     editing: Editing | None = None
 
     # -- the first-screen hint -----------------------------------------------------------
-    async def on_mount(self) -> None:  # after ChatApp.on_mount (Textual calls each class's handler)
+    async def on_mount(self) -> None:  # after ChatView.on_mount (Textual calls each class's handler)
         await self.refresh_hint()
 
     async def refresh_hint(self) -> None:
@@ -75,15 +72,15 @@ class RerunActions:
         await self.refresh_hint()
         return ok
 
-    async def on_chats_dialog_deleted(self, msg: ChatsDialog.Deleted) -> None:
-        """The open chat was deleted in Ctrl+R: its next message would have no saved chat to go to (and the
-        failed write would put the whole history in memory), so the app goes on with a new chat."""
-        if msg.conversation_id == self.conversation_id:
+    async def chat_deleted(self, conversation_id: int) -> None:
+        """A chat was deleted in Ctrl+R.  The open one's next message would have no saved chat to go to (and
+        the failed write would put the whole history in memory), so the chat goes on as a new one."""
+        if conversation_id == self.conversation_id:
             if self.current is not None and not self.current.finished:
                 await self.action_stop()
             await self.action_new_chat()
             if self.conversation_id is None:
-                await self.chat.add_notice(f"chat {msg.conversation_id} was deleted; this is a new chat")
+                await self.chat.add_notice(f"chat {conversation_id} was deleted; this is a new chat")
 
     # -- sending: an edit in progress re-runs the chat from the edited message -----------
     async def submit(self, text: str) -> None:
@@ -181,12 +178,12 @@ class RerunActions:
             self.conversation_id = self.history.new_conversation(kept[0]["content"] if kept else "", self.system)
             for m in kept:
                 self.history.add_message(self.conversation_id, m["role"], m["content"])
-        await self._check_history()
+        await self.check_history()
         return copy_id
 
     # -- regenerate ----------------------------------------------------------------------
     async def action_regenerate(self) -> None:
-        if isinstance(self.screen, ModalScreen):
+        if isinstance(self.app.screen, ModalScreen):
             return  # F5 behind a dialog
         if self.editing is not None:
             await self.chat.add_notice("finish the edit first (Enter re-runs it, Esc cancels it)", "warning")
@@ -253,10 +250,3 @@ class RerunActions:
             await self.start_edit(int(arg) - 1 if arg else None)
         else:
             await super().command(line)
-
-    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
-        yield SystemCommand("Regenerate last reply", "Drop the last reply and decode it again with the current settings (F5)",
-                            self.action_regenerate)
-        yield SystemCommand("Edit your last message", "Put it back in the box; Enter re-runs the chat from it "
-                            "(earlier ones: Shift+Tab to one and press e, or /edit N)", self.start_edit)

@@ -49,10 +49,11 @@ def terminal_alive() -> bool:
 def leave_now(app: Any, sig: int) -> None:
     """Stop the engine's work, release the models and the speculator, close the history; exit without
     writing to the dead terminal."""
-    for stop in (getattr(app.current, "stop", None), app._compare_stop):
+    view = app.chat_view
+    for stop in (getattr(view.current, "stop", None), view._compare_stop):
         if stop is not None:
             stop.set()
-    for close in (app.backend.close, getattr(app.recorder, "close", None), app.history.close):
+    for close in (app.backend.close, getattr(view.recorder, "close", None), app.history.close):
         try:
             if close is not None:
                 close()

@@ -1,4 +1,4 @@
-"""What the chat app drives: a live engine, a recorded session, or (in tests) a scripted fake.
+"""What the chat app and the demo drive: a live engine, a recorded session, or (in tests) a scripted fake.
 
 Every backend turns a conversation into the engine's one event stream; the app never
 looks further in.  All methods but :meth:`Backend.stream`'s iteration are called from the
@@ -11,8 +11,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..engine.events import Event
-from ..engine.params import SamplingParams
+from .engine.events import Event
+from .engine.params import SamplingParams
 
 Progress = Callable[[str, "float | None"], None]
 SAMPLING = ("temperature", "top_p", "top_k", "repetition_penalty", "frequency_penalty", "presence_penalty")
@@ -60,7 +60,7 @@ class Backend:
 
 
 def readable(e: BaseException) -> str:
-    from ..engine.errors import SSDChatError
+    from .engine.errors import SSDChatError
 
     if isinstance(e, (SSDChatError, ValueError, FileNotFoundError)):
         return str(e) or type(e).__name__
@@ -75,9 +75,9 @@ class EngineBackend(Backend):
         self.engine: Any = None
 
     def load(self, progress: Progress) -> None:
-        from ..config import engine_config
-        from ..engine import Engine
-        from ..loading import quiet_libraries, tqdm_to
+        from .config import engine_config
+        from .engine import Engine
+        from .loading import quiet_libraries, tqdm_to
 
         quiet_libraries()
         self.engine = Engine.load(engine_config(self.values), progress=progress, tqdm_class=tqdm_to(progress), warn=self.warn)
@@ -99,7 +99,7 @@ class EngineBackend(Backend):
         return self.engine.sampling_defaults if self.engine is not None else {}
 
     def stream(self, messages: list[dict[str, str]], params: SamplingParams, stop: threading.Event) -> Iterator[Event]:
-        from ..session import stream_messages  # a chat longer than the context leaves out its oldest turns
+        from .session import stream_messages  # a chat longer than the context leaves out its oldest turns
 
         return stream_messages(self.engine, messages, params, stop)
 
@@ -146,10 +146,10 @@ class ReplayBackend(Backend):
         return i
 
     def stream(self, messages: list[dict[str, str]], params: SamplingParams, stop: threading.Event) -> Iterator[Event]:
-        from ..recorder import replay
+        from .recorder import replay
 
         if self._next >= len(self.recording.turns):
-            from ..engine.events import Error
+            from .engine.events import Error
 
             return iter([Error("the recording has no more turns", "replay")])
         turn = self.recording.turns[self._next]

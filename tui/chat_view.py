@@ -1,0 +1,210 @@
+"""The chat: one widget that owns the conversation, its transcript, the prompt box and the side panel.
+
+:class:`ChatView` holds a :class:`~ssd_chat.session.Session` (as ``ask`` and the demo do) and the
+state of the reply in progress.  Its behaviour is written by role in one module each:
+:mod:`.replies` (a prompt and its streaming reply, Esc), :mod:`.actions` (new chat, settings, saved
+chats, slash commands), :mod:`.rerun` (regenerate, edit and re-run) and :mod:`.comparing` (AR, SD and
+SSD on one prompt).  The app around it loads the backend, opens the dialogs, owns the keys and quits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+from textual import on
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.message import Message
+from textual.widget import Widget
+from textual.widgets import Static
+
+from ..backend import Backend
+from ..config import sampling_settings
+from ..engine.events import Event
+from ..history import History
+from ..session import Session
+from ..terminal import printable
+from .actions import ChatActions
+from .comparing import CompareActions
+from .figures import Baseline
+from .replies import ReplyActions, Turn
+from .rerun import RerunActions
+from .widgets.cache_view import CacheView
+from .widgets.chat_log import ChatLog
+from .widgets.load_status import LoadStatus
+from .widgets.metrics_panel import MetricsPanel
+from .widgets.prompt_input import PromptInput
+
+FRAME_S = 0.1  # screen updates while streaming: 10 per second
+
+
+class ChatView(RerunActions, ReplyActions, CompareActions, ChatActions, Widget):
+    """Transcript + prompt on the left, live speculation panel and cache view on the right."""
+
+    class ReplyEvent(Message, bubble=False):
+        """An engine event of reply ``turn`` (-1: a warning from loading), posted by a worker thread."""
+
+        def __init__(self, turn: int, event: Event) -> None:
+            super().__init__()
+            self.turn, self.event = turn, event
+
+    def __init__(
+        self,
+        backend: Backend,
+        history: History,
+        *,
+        settings: dict[str, Any],
+        recorder: Any = None,
+        script: Iterable[str] = (),
+        type_delay_s: float = 0.03,
+        baselines: Iterable[Baseline] = (),
+    ) -> None:
+        super().__init__(id="chat-view")
+        self.backend, self.history, self.recorder = backend, history, recorder
+        self.session = self.new_session(settings.get("system") or None)
+        self.params: dict[str, Any] = sampling_settings(settings)
+        self.colour = bool(settings.get("colour_tokens"))
+        self.conversation_id: int | None = None
+        self.script = list(script) or list(backend.scripted_prompts)
+        self.type_delay_s = type_delay_s
+        self.baselines = list(baselines)
+        self.ready = False
+        self.load_error: str | None = None
+        self.current: Turn | None = None
+        self.turn_count = 0
+        self.clipboard_text: str | None = None
+        self._reply_worker: Any = None
+        self.switching: str | None = None  # an engine change in progress ("mode sd"): prompts wait for it
+        self.pending_settings: dict[str, Any] = {}  # changed while the model loads: applied once it is ready
+        self._token_text: dict[int, str] = {}
+        self._seen_ids: set[int] = set()
+        self._quitting = False
+        self._shown_warning: str | None = None
+        self._flush_lock = asyncio.Lock()
+        self.chat, self.panel = ChatLog(id="chat"), MetricsPanel(id="panel")
+        self.cache, self.prompt = CacheView(id="cache"), PromptInput(id="prompt")
+
+    # -- the conversation: a Session over the backend --------------------------------------
+    def new_session(self, system: str | None, messages: list[dict[str, str]] | None = None) -> Session:
+        """A fresh conversation (a new chat, a resumed one).  A reply still ending in its worker after Esc
+        finishes into the session it started in, never into the next chat."""
+        return Session(system=system, messages=messages, reply=self.backend.stream)
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        return self.session.messages
+
+    @messages.setter
+    def messages(self, value: list[dict[str, str]]) -> None:
+        self.session.messages = list(value)
+
+    @property
+    def system(self) -> str | None:
+        return self.session.system
+
+    @system.setter
+    def system(self, value: str | None) -> None:
+        self.session.system = value
+
+    # -- layout --------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        with Vertical(id="main"):
+            yield LoadStatus(id="load")
+            yield self.chat
+            yield self.prompt
+        with Vertical(id="side"):
+            yield Static("Speculation", classes="side-title")
+            yield self.panel
+            yield Static("Speculation cache: latest rounds (j: predicted bonus)", classes="side-title")
+            yield self.cache
+
+    def on_mount(self) -> None:
+        for b in self.baselines:
+            self.panel.set_measured(b)
+        self.cache.token_text = self._lookup_text
+        self.prompt.focus()
+        self._frames = self.set_interval(FRAME_S, self._flush_pending, pause=True)  # runs only while a reply streams
+
+    @on(PromptInput.Submitted)
+    async def on_prompt_submitted(self, event: PromptInput.Submitted) -> None:
+        await self.submit(event.text)
+
+    # -- the model: loaded or not --------------------------------------------------------
+    async def loaded(self) -> None:
+        """The backend is ready: replies can start, settings chosen meanwhile apply, the demo types."""
+        self.ready = True
+        self._update_info()
+        if self.pending_settings:  # prompts wait for the switch, as after /mode; keys are not held up by it
+            self.switching = "the settings chosen while loading"
+            self.run_worker(self.apply_pending(), exclusive=False)
+        if self.script:
+            self.type_next_prompt()
+
+    async def load_failed(self, error: str) -> None:
+        self.load_error = error
+        await self.chat.add_notice(error + " — press Ctrl+C to quit", "error")
+
+    def _update_info(self) -> None:
+        info = dict(self.backend.info())
+        info.setdefault("sampling", {**self.backend.sampling_defaults(), **self.params})  # what a reply samples with
+        self.panel.set_info(info)
+        self.app.sub_title = printable(f"{(info.get('mode') or '?').upper()} · {info.get('target') or ''}", one_line=True)
+
+    def _show_mode(self, label: str) -> None:
+        """The status line and the panel name the mode that is really running this reply."""
+        info = dict(self.backend.info())
+        info.setdefault("sampling", {**self.backend.sampling_defaults(), **self.params})  # what a reply samples with
+        info["mode_label"] = label
+        self.panel.set_info(info)
+        self.app.sub_title = f"{label} · {info.get('target') or ''}"
+
+    # -- quitting ------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Stop any reply or comparison and wait for the engine thread; then write the recording's vocabulary."""
+        self._quitting = True
+        self.script.clear()
+        if self.current is not None and self.current.status == "streaming":
+            await self.action_stop()
+        w = self._reply_worker
+        if w is not None and w.is_running:
+            try:
+                await asyncio.wait_for(w.wait(), 15)
+            except Exception:  # noqa: BLE001
+                pass
+        await self.stop_compare()
+        if self.recorder is not None:
+            vocab = {i: s for i in sorted(self._seen_ids) if (s := self._lookup_text(i)) is not None}
+            if vocab:
+                self.recorder.vocab(vocab)
+            self.recorder.close()
+
+    # -- helpers -------------------------------------------------------------------------
+    def notify(self, message: str, *, title: str = "", severity: Any = "information", timeout: float | None = None,
+               markup: bool = False) -> None:
+        """Plain text unless asked, as the app's (a widget's notify defaults to markup)."""
+        self.app.notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
+
+    def _lookup_text(self, token_id: int) -> str | None:
+        return self._token_text.get(token_id) or self.backend.token_text(token_id)
+
+    async def _warn(self, message: str) -> None:
+        await self.chat.add_notice("warning: " + message, "warning")
+        self.notify(message, severity="warning", timeout=8)
+
+    async def _check_recorder(self) -> None:
+        r = self.recorder
+        if r is not None and r.error:
+            self.recorder = None  # one notice, no more writes (launch still closes the file)
+            await self._warn(f"{r.stopped_reason}; the chat goes on")
+
+    async def check_history(self) -> None:
+        self.history.retry()
+        w = self.history.warning
+        if w and w != self._shown_warning:
+            self._shown_warning = w
+            await self._warn(w)
+        if self.history.resumed:
+            message, self.history.resumed, self._shown_warning = self.history.resumed, None, None
+            await self.chat.add_notice(message, "info")
