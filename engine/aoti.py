@@ -14,17 +14,27 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
-from .config import cache_dir
-from .devices import cpu_name
-
-if TYPE_CHECKING:
-    from .core import Core
+from .config import cache_dir, cpu_name
+from .static_kv import StaticKV
 
 VERSION = "v1"  # bump when the graph's code changes in a way the key does not see
+
+
+class Trunk(Protocol):
+    """What the compilers need of a model's trunk (a :class:`core.Core`), so that they depend on
+    no core: its name, model, mid-layer tap, cache and device, and the graph for a row count."""
+
+    name: str
+    model: torch.nn.Module
+    mid_layer: int | None
+    kv: StaticKV
+    device: torch.device
+
+    def graph_for(self, rows: int) -> Callable: ...
 
 
 def fingerprint(model: torch.nn.Module) -> str:
@@ -44,14 +54,14 @@ def fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()[:20]
 
 
-def path_for(core: "Core", rows: int) -> Path:
+def path_for(core: Trunk, rows: int) -> Path:
     ident = [cpu_name(), torch.__version__, torch.get_num_threads(), rows, fingerprint(core.model),
              core.mid_layer, os.environ.get("SSD_CHAT_CPU_KERNELS", ""), VERSION]
     key = hashlib.sha256(json.dumps(ident, default=str).encode()).hexdigest()[:20]
     return cache_dir() / "aoti" / f"{core.name.replace('/', '_')}-{rows}rows-{key}.pt2"
 
 
-def load_or_build(core: "Core", rows: int, example: tuple, progress: Callable[[str], None]) -> Callable:
+def load_or_build(core: Trunk, rows: int, example: tuple, progress: Callable[[str], None]) -> Callable:
     """The package for ``core``'s graph of ``rows`` rows: loaded from the cache, else exported,
     compiled (minutes on a small CPU; ``progress`` says so first) and stored."""
     path = path_for(core, rows)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .core_compile import Compiler
 from .errors import ModelError
 from .static_kv import StaticKV
 
@@ -179,8 +180,6 @@ class Core:
         ok, why = supports(model)
         if not ok:
             raise ModelError(f"'{name}' cannot run on the compact core: {why}")
-        from .core_compile import Compiler
-
         cfg, inner = model.config, model.model
         self.model, self.name = model, name
         self.embed = inner.embed_tokens

@@ -28,15 +28,13 @@ import time
 import traceback
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
-from . import quant
+from . import aoti, quant
+from .aoti import Trunk
 from .config import cache_dir
-
-if TYPE_CHECKING:
-    from .core import Core
 
 MODES = ("off", "on", "auto")
 AUTO_WIDTH = 256  # attention window of the warm-up calls
@@ -55,7 +53,7 @@ _default_compile = _compile
 
 
 class Compiler:
-    def __init__(self, core: "Core", mode: str, rows: tuple[int, ...], notify: Callable[[str], None] | None,
+    def __init__(self, core: Trunk, mode: str, rows: tuple[int, ...], notify: Callable[[str], None] | None,
                  progress: Callable[[str], None] | None) -> None:
         if mode not in MODES:
             raise ValueError(f"compile must be one of {', '.join(MODES)}, got '{mode}'")
@@ -166,8 +164,6 @@ class Compiler:
             fn = self._fns.get(key)
             first = fn is None
             if first and not self.cuda and _compile is _default_compile:  # CPU: an AOTInductor package (aoti)
-                from . import aoti
-
                 fn = self._fns[key] = aoti.load_or_build(self.core, r, (kv.k, kv.v, ids, pos, slots, mask), self.progress)
             elif first:
                 self.progress(f"compiling {self.core.name} for {r} rows (once)")

@@ -202,6 +202,10 @@ class Engine:
         self.draft = draft
         self.config = new
 
+    def new_decoder(self, mode: str) -> Any:
+        """A decoder of its own for ``mode`` (the mode probe times each mode with one)."""
+        return DECODERS[mode](self)
+
     def decoder(self) -> Any:
         key = (self.config.mode, self.config)
         if self._decoder is None or self._decoder_key != key:

@@ -14,8 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from .config import cache_dir
-from .devices import cpu_name
+from .config import cache_dir, cpu_name
 from .rowkernels import MAX_ROWS
 
 Tune = Callable[[list[torch.Tensor], bool], dict[int, str]]

@@ -68,7 +68,8 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _cpu_cores() -> list[int]:
+def cores_present() -> list[int]:
+    """The CPU cores this process may run on."""
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
@@ -79,7 +80,7 @@ def plan_target(target_device: str = "auto", draft_device: str = "auto", kv_head
     A DeviceError (one line, naming the option) for anything that cannot work."""
     spec = (target_device or "auto").strip().lower()
     n_gpus = _gpu_count() if gpus is None and ("cuda" in spec or spec == "auto" or "cuda" in (draft_device or "")) else (gpus or 0)
-    avail = cpu_cores if cpu_cores is not None else _cpu_cores()
+    avail = cpu_cores if cpu_cores is not None else cores_present()
     if spec == "auto":
         plan = _auto(n_gpus, kv_heads)
     else:
@@ -92,7 +93,7 @@ def parse_devices(spec: str, given: str | None = None, option: str = "--target-d
     """One option's device list (not ``auto``), checked against this machine; no draft resolved."""
     spec = spec.strip().lower()
     n = (_gpu_count() if "cuda" in spec else 0) if gpus is None else gpus
-    return _parse(spec, given or spec, n, cpu_cores if cpu_cores is not None else _cpu_cores(), option)
+    return _parse(spec, given or spec, n, cpu_cores if cpu_cores is not None else cores_present(), option)
 
 
 def _auto(gpus: int, kv_heads: int | None) -> TargetPlan:
@@ -111,6 +112,13 @@ def _auto(gpus: int, kv_heads: int | None) -> TargetPlan:
     return TargetPlan("single", ("cpu",), note="--target-device auto: the CPU (no CUDA GPU)")
 
 
+def parse_form(spec: str, given: str | None = None, option: str = "--target-device") -> TargetPlan:
+    """One option's value (not ``auto``) read by the grammar above, without this machine: the devices and
+    cores it names, for the caller to check against the hardware."""
+    spec = spec.strip().lower()
+    return _parse(spec, given or spec, None, None, option)
+
+
 def check_forms(target_device: str | None, draft_device: str | None = None) -> None:
     """Both options' spelling, without this machine (no torch import, no GPU count, no core list):
     what the command line checks before anything loads or the app opens.  A DeviceError in one
@@ -119,7 +127,7 @@ def check_forms(target_device: str | None, draft_device: str | None = None) -> N
         spec = (value or "auto").strip().lower()
         if spec == "auto":
             continue
-        plan = _parse(spec, value or spec, None, None, option)
+        plan = parse_form(spec, value, option)
         if plan.kind != "single" and option == "--draft-device":
             raise DeviceError(f"--draft-device {value}: the draft runs on one device (list several for the target only)")
 

@@ -25,14 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .config import cache_dir
-from .devices import cpu_name as _cpu_name  # a seam: tests give it another CPU
-
-if TYPE_CHECKING:
-    from .config import EngineConfig
-    from .engine import Engine
+from .config import EngineConfig, cache_dir
+from .config import cpu_name as _cpu_name  # a seam: tests give it another CPU
 
 FILE = "mode-probe.json"
 PROMPT = "Explain in a few sentences how a bicycle works."
@@ -59,6 +55,18 @@ class Sample:
     verify_s: float | None = None  # median verification time (SD, SSD)
     hit_rate: float | None = None  # SSD: speculation cache hits per round
     failed: str | None = None  # the mode did not run as itself (e.g. SSD without its speculator)
+
+
+class Probed(Protocol):
+    """What the probe needs of an :class:`engine.Engine`, which calls it (so it imports no engine)."""
+
+    config: EngineConfig
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[str, ...]]: ...
+
+    def new_decoder(self, mode: str) -> Any: ...
+
+    def settle(self, mode: str, reason: str, decoder: Any = None) -> None: ...
 
 
 Run = Callable[[Any, list[int], Any], Sample]  # (decoder, prompt ids, params) -> Sample
@@ -203,7 +211,7 @@ def _model_identity(name: str) -> list[Any]:
     return [spec.kind, spec.source]
 
 
-def key_fields(config: "EngineConfig", draft: str | None) -> dict[str, Any]:
+def key_fields(config: EngineConfig, draft: str | None) -> dict[str, Any]:
     """Everything that can change which mode is fastest here."""
     import torch
 
@@ -253,7 +261,7 @@ def store(fields: dict[str, Any], result: Result, path: Path | None = None) -> N
         pass
 
 
-def cached_choice(config: "EngineConfig", draft: str | None, path: Path | None = None) -> tuple[str, str] | None:
+def cached_choice(config: EngineConfig, draft: str | None, path: Path | None = None) -> tuple[str, str] | None:
     """(mode, reason) from an earlier probe of exactly this setup, or None (the next start measures)."""
     r = cached(key_fields(config, draft), path)
     if r is None:
@@ -272,11 +280,10 @@ def in_config(pre: Any) -> tuple[str | None, str]:
 
 
 # -- measuring ---------------------------------------------------------------------------------------
-def measure(engine: "Engine", modes: tuple[str, ...], progress: Callable[[str, float | None], None], run: Run | None = None,
+def measure(engine: Probed, modes: tuple[str, ...], progress: Callable[[str, float | None], None], run: Run | None = None,
             repeats: int = REPEATS, tokens: int = TOKENS, decoders: dict[str, Any] | None = None) -> Result:
     """Time ``modes`` (AR first) with the engine's models; ``decoders`` receives the decoders it makes
     (the caller keeps the chosen one and closes the rest)."""
-    from .engine import DECODERS
     from .params import SamplingParams
 
     stage = STAGE.format(listed(modes))
@@ -294,7 +301,7 @@ def measure(engine: "Engine", modes: tuple[str, ...], progress: Callable[[str, f
             if m not in failed:
                 try:
                     if m not in decoders:
-                        decoders[m] = DECODERS[m](engine)
+                        decoders[m] = engine.new_decoder(m)
                     s = run(decoders[m], prompt, warm if rep == 0 else params)
                 except Exception as e:  # noqa: BLE001 - a mode that cannot run here is not chosen
                     s = Sample(0.0, failed=f"{type(e).__name__}: {e}")
@@ -320,7 +327,7 @@ def measure(engine: "Engine", modes: tuple[str, ...], progress: Callable[[str, f
     return Result(med, engine.config.k, accepted, verify, median_of("ssd", "hit_rate"), failed or None)
 
 
-def settle(engine: "Engine", draft: str | None, modes: tuple[str, ...], progress: Callable[[str, float | None], None],
+def settle(engine: Probed, draft: str | None, modes: tuple[str, ...], progress: Callable[[str, float | None], None],
            run: Run | None = None, path: Path | None = None) -> Result | None:
     """Give ``engine`` auto's measured mode: from the cache for this setup, else measured now and stored
     (None: measuring failed, and the engine runs AR, the one mode that needs nothing else)."""

@@ -1,9 +1,8 @@
 """The code stays one a newcomer can live in: no module of the installed packages over 400 lines,
-and no import cycles in the app's packages (``ssd_chat/`` and ``tui/``).  An import inside a function
-counts: it is still a dependency, and a cycle through one is how bottom-of-file imports and lazy
-workarounds start.  The engine still has cycles of its own (the core with its compiler and placement,
-the engine with its probe), so here its modules only end an edge.  The measurement scripts in
-``lab/`` are not installed, and nothing installed imports them."""
+and no import cycles in the app's packages (``ssd_chat/``, ``tui/`` and the engine).  An import inside a
+function counts, and so does one for type checking only: it is still a dependency, and a cycle through one
+is how bottom-of-file imports and lazy workarounds start.  The measurement scripts in ``lab/`` are not
+installed, and nothing installed imports them."""
 
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ def installed_packages(pyproject: Path) -> dict[str, Path]:
 
 
 PACKAGES = installed_packages(ROOT / "pyproject.toml")
-CHECKED = ("ssd_chat", "ssd_chat.tui")  # the packages held to the no-cycle rule
+CHECKED = ("ssd_chat", "ssd_chat.tui", "ssd_chat.engine")  # the packages held to the no-cycle rule
 MAX_LINES = 400
 
 
