@@ -1,9 +1,9 @@
 """The ``ssd-chat`` command line.
 
 ``ssd-chat`` with no subcommand opens the chat app; ``ssd-chat ask "..."`` answers once
-on stdout; the other commands register here from their own modules.  The engine and sampling
-options (:mod:`ssd_chat.options`) are shared by every command and stay stable: given before the
-subcommand (``ssd-chat --target X ask ...``) or after it.
+on stdout; the other commands are defined in their own modules and registered at the end.  The
+engine and sampling options (:func:`ssd_chat.options.engine_options`) are shared by every command
+and stay stable: given before the subcommand (``ssd-chat --target X ask ...``) or after it.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ from typer.core import TyperGroup
 
 from . import __version__
 from .bench.command import bench_command
-from .commands import register as register_app_commands
+from .chats_cmd import chats_app
+from .commands import compare, demo
 from .config import sampling_params
+from .config_cmd import config_app
 from .draft_cmd import draft_app
 from .loading import load_engine
-from .options import (Budget, Draft, DraftDevice, Dtype, Compile, Fallback, FanOut, K, MaxNew, Mode, SaguaroC, Seed, System, Target,
-                      TargetDevice, Temperature, TopK, TopP, TrustRemote, RepetitionPenalty, FrequencyPenalty, PresencePenalty, console, fail, merge, settings, utf8_text)
-from .serve_cmd import register as register_serve
+from .options import console, engine_options, fail, merge, settings, utf8_text
+from .serve_cmd import serve
 from .stats import format_stats, ran_as
 
 
@@ -62,14 +63,10 @@ app = typer.Typer(
 
 
 @app.callback(invoke_without_command=True)
+@engine_options()
 def main_callback(
     ctx: typer.Context,
-    target: Target = None, draft: Draft = None, mode: Mode = None, k: K = None,
-    temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
-    repetition_penalty: RepetitionPenalty = None, frequency_penalty: FrequencyPenalty = None, presence_penalty: PresencePenalty = None,
-    max_new_tokens: MaxNew = None, target_device: TargetDevice = None, draft_device: DraftDevice = None,
-    dtype: Dtype = None, fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None,
-    fallback: Fallback = None, compile: Compile = None, trust_remote_code: TrustRemote = None, system: System = None,
+    given: dict[str, Any],
     record: Annotated[Optional[str], typer.Option("--record", help="Write the app session's event stream to this JSONL file (replay: ssd-chat demo --replay FILE).", show_default=False)] = None,
     db: Annotated[Optional[str], typer.Option("--db", help="Chat history database (default: $XDG_DATA_HOME/ssd-chat/history.db).", show_default=False)] = None,
     resume: Annotated[Optional[int], typer.Option("--resume", help="Reopen saved chat ID in the app (see `ssd-chat chats list`).", show_default=False)] = None,
@@ -80,8 +77,8 @@ def main_callback(
     if version:
         typer.echo(f"ssd-chat {__version__}")
         raise typer.Exit(0)
-    values = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "version") and v is not None}
-    ctx.obj = values
+    values = merge(given, {"record": record, "db": db, "resume": resume, "baseline": baseline})
+    ctx.obj = values  # what the subcommands' own options update (engine_options)
     if values.get("system"):
         values["system"] = utf8_text(values["system"], "--system")
     if ctx.invoked_subcommand is None:
@@ -91,26 +88,20 @@ def main_callback(
 
 
 @app.command()
+@engine_options()
 def ask(
-    ctx: typer.Context,
     prompt: Annotated[Optional[str], typer.Argument(help="The question; '-' or nothing reads standard input.", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object with the text, token ids and stats at the end.")] = False,
     stats: Annotated[bool, typer.Option("--stats", help="Print a one-line summary (tok/s, TTFT, acceptance) to stderr.")] = False,
     server: Annotated[Optional[str], typer.Option("--server", help="Answer through this `ssd-chat serve` (e.g. http://127.0.0.1:8000) instead of loading the models.", show_default=False)] = None,
     no_server: Annotated[bool, typer.Option("--no-server", help="Load the models here even if a matching `ssd-chat serve` is running.")] = False,
-    target: Target = None, draft: Draft = None, mode: Mode = None, k: K = None,
-    temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
-    repetition_penalty: RepetitionPenalty = None, frequency_penalty: FrequencyPenalty = None, presence_penalty: PresencePenalty = None,
-    max_new_tokens: MaxNew = None, target_device: TargetDevice = None, draft_device: DraftDevice = None,
-    dtype: Dtype = None, fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None,
-    fallback: Fallback = None, compile: Compile = None, trust_remote_code: TrustRemote = None, system: System = None,
+    *, given: dict[str, Any],
 ) -> None:
     """Answer one question on stdout (plain text; --json for machines).
 
     Exit status: 0 on success, 2 on bad usage, 1 on a runtime failure, 130 on Ctrl-C.
     """
-    local = {k_: v for k_, v in locals().items() if k_ not in ("ctx", "prompt", "json_out", "stats", "server", "no_server")}
-    values = settings(merge(ctx, local))
+    values = settings(given)
     if prompt is None or prompt == "-":
         if sys.stdin is None or sys.stdin.isatty():
             raise typer.BadParameter("give a PROMPT, or pipe one on standard input", param_hint="PROMPT")
@@ -124,7 +115,7 @@ def ask(
     # a running `ssd-chat serve` has the models loaded: ask it before even importing torch
     from .server_client import ask_via_server
 
-    served = ask_via_server(server, no_server, merge(ctx, local), values, prompt, json_out, format_stats if stats else None)
+    served = ask_via_server(server, no_server, given, values, prompt, json_out, format_stats if stats else None)
     if served is not None:
         raise typer.Exit(served)
     from .engine.errors import ParamError, SSDChatError
@@ -248,8 +239,11 @@ def models(json_out: Annotated[bool, typer.Option("--json", help="Machine-readab
 
 app.command("bench")(bench_command)
 app.add_typer(draft_app, name="draft")
-register_app_commands(app)  # demo, compare, config, chats
-register_serve(app)
+app.command()(demo)
+app.command()(compare)
+app.add_typer(config_app, name="config")
+app.add_typer(chats_app, name="chats")
+app.command()(serve)
 
 
 def main() -> None:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from ..options import (Budget, Compile, Draft, DraftDevice, Dtype, Fallback, FanOut, K, SaguaroC, Seed, Target, TargetDevice,
-                       Temperature, TopK, TopP, TrustRemote, fail, merge, settings)
+from ..options import engine_options, fail, settings
 from . import BenchError
 from .machine import busy_note, machine_info
 from .prompts import load_prompts
@@ -26,8 +25,9 @@ def _parse_list(value: str, allowed: tuple[str, ...], what: str) -> tuple[str, .
     return items
 
 
+# --modes and --max-new-tokens are its own
+@engine_options(exclude=("mode", "repetition_penalty", "frequency_penalty", "presence_penalty", "max_new_tokens", "system"))
 def bench_command(
-    ctx: typer.Context,
     modes: Annotated[str, typer.Option("--modes", help="Comma list of modes to race: ar, sd, ssd.")] = "ar,sd,ssd",
     prompts: Annotated[str, typer.Option("--prompts", help="Prompt set: all, or families (code,instructions,math,chat), or a .jsonl ({\"prompt\": ...} per line) / .txt (one per line) file.")] = "all",
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="At most N prompts per family (of a file: its first N).", show_default=False)] = None,
@@ -44,11 +44,7 @@ def bench_command(
     simulate: Annotated[Optional[str], typer.Option("--simulate", metavar="PROFILE", help="Race on simulated GPU hardware: the real decoders and speculator on small models, every forward padded to PROFILE's latency (h100-70b-1b, h200-8b-1b, rtx4090-8b-1b, or a .json file). Its figures are a simulation, never a GPU measurement.", show_default=False)] = None,
     acceptance: Annotated[str, typer.Option("--acceptance", help="With --simulate: the per-token acceptances to sweep (the draft is calibrated to each).")] = "0.5,0.6,0.7,0.8,0.9",
     against: Annotated[Optional[tuple[str, str]], typer.Option("--against", metavar="llama.cpp PATH", help="Also time llama.cpp's llama-bench (PATH: the binary or its build folder) on the same GGUF, cores and token count, and report the ratios.", show_default=False)] = None,
-    target: Target = None, draft: Draft = None, k: K = None,
-    temperature: Temperature = None, top_p: TopP = None, top_k: TopK = None, seed: Seed = None,
-    target_device: TargetDevice = None, draft_device: DraftDevice = None, dtype: Dtype = None,
-    fan_out: FanOut = None, budget: Budget = None, saguaro_c: SaguaroC = None, fallback: Fallback = None,
-    compile: Compile = None, trust_remote_code: TrustRemote = None,
+    *, given: dict[str, Any],
 ) -> None:
     """Race AR, SD and SSD on the same prompts, models and hardware; report tok/s, TTFT, acceptance and ratios.
 
@@ -60,39 +56,34 @@ def bench_command(
     from ..engine.errors import ModelError
     from ..engine.models import resolve
 
-    local = {"target": target, "draft": draft, "k": k, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-             "seed": seed, "target_device": target_device, "draft_device": draft_device, "dtype": dtype,
-             "fan_out": fan_out, "budget": budget, "saguaro_c": saguaro_c, "fallback": fallback,
-             "compile": compile, "trust_remote_code": trust_remote_code}
-    merged = merge(ctx, local)
-    given = {k_ for k_, v in merged.items() if v is not None}
+    named = set(given)  # the options given (and the app's, before the subcommand)
     mode_list = _parse_list(modes, ("ar", "sd", "ssd"), "mode")
     protos = PROTOCOLS if protocol.strip().lower() == "both" else _parse_list(protocol, PROTOCOLS, "protocol")
     if preset is not None and preset.strip().lower() != "gpu":
         raise typer.BadParameter(f"unknown preset '{preset}' (the only preset is gpu)", param_hint="--preset")
-    max_new = max_new_tokens or merged.get("max_new_tokens") or DEFAULT_MAX_NEW
+    max_new = max_new_tokens or given.get("max_new_tokens") or DEFAULT_MAX_NEW
     console = Console() if sys.stdout.isatty() else Console(width=120)  # a log or a pipe: room for the tables
     err = Console(stderr=True)
     if simulate is not None:
         from .simulate import command as simulated
 
-        models = sorted(given & {"target", "draft", "target_device", "draft_device", "dtype", "compile"})
+        models = sorted(named & {"target", "draft", "target_device", "draft_device", "dtype", "compile"})
         if models or preset or against:
             raise fail(f"--simulate runs its own small models on simulated hardware; {', '.join(models) or 'preset/against'} does not apply", 2)
-        raise typer.Exit(simulated(simulate, acceptance, limit or 4, max_new_tokens or 128, merged.get("seed") or 0,
+        raise typer.Exit(simulated(simulate, acceptance, limit or 4, max_new_tokens or 128, given.get("seed") or 0,
                                    json_file, plot_file, markdown_file, console, err, quiet))
     try:
         prompt_list, prompt_source = load_prompts(prompts, limit)
         from ..config import ConfigError
 
         try:
-            values = settings(merged)
+            values = settings(given)
         except ConfigError as e:
             raise BenchError(str(e)) from None
         hw = Hardware.detect()
         notes: list[str] = []
         if preset is not None:
-            values, notes = gpu_preset(values, given, hw)
+            values, notes = gpu_preset(values, named, hw)
         plans, more = make_plans(protos, mode_list, values.get("target_device") or "auto", values.get("draft_device") or "auto", hw)
         notes += more
         if against is not None:
