@@ -133,18 +133,22 @@ class _Fault:
             os._exit(3)
 
 
+def stops_tree(msg: Any, building: frozenset[tuple[int, int]]) -> bool:
+    """Whether a message that arrives during a tree ends the tree: a new reply or close, or a request
+    for an outcome the tree does not answer (a miss: its fallback should start now, not after the
+    tree).  A ping, or a request the tree answers (a hit), waits for the tree."""
+    return isinstance(msg, (Begin, Close)) or (isinstance(msg, Spec) and (msg.k_prev, msg.bonus) not in building)
+
+
 def _serve_loop(conn: Any, spec: Speculator, qbuf: torch.Tensor, fault: _Fault | None, spin_s: float = 0.0) -> None:
     pending: list[Any] = []
     num_requests = 0
     ready = Poller(conn)
 
     def abort() -> bool:
-        # a message while building: a ping or a request this tree answers (keep building); a request it
-        # cannot answer (a miss: the fallback should start now), a new reply or close
         while conn.poll():
             pending.append(conn.recv())
-        return any(isinstance(m, (Begin, Close)) or (isinstance(m, Spec) and (m.k_prev, m.bonus) not in spec.building)
-                   for m in pending)
+        return any(stops_tree(m, spec.building) for m in pending)
 
     while True:
         if not pending:

@@ -337,3 +337,24 @@ def test_bad_draft_device_is_a_clear_error(pair):
 
     with pytest.raises(DeviceError, match="cores"):
         ssd(*pair, k=2, draft_device="cpu:99")
+
+def test_a_request_the_tree_cannot_answer_stops_the_tree(pair):
+    """A miss arriving while the speculator drafts its tree stops the tree (the fallback starts at once);
+    a hit, a ping or nothing lets it finish; a new reply stops it."""
+    from ssd_chat.engine.channel import Begin, Ping, Spec
+    from ssd_chat.engine.spec_worker import stops_tree
+
+    target, draft = pair
+    k = 3
+    sp = Speculator(draft.model, k, parse("uniform:2", k), "neural", vocab=64)
+    sp.begin(PROMPTS[2], Settings(0.0, 0, 1.0, 0, 1.0))
+    sp.serve(1, -1, 11)
+    sp.build()
+    assert len(sp.tree) == 2 * (k + 1)
+    hit = next(iter(sp.tree))
+    miss = next((j, c) for j in range(k + 1) for c in range(64) if (j, c) not in sp.tree)
+    for msg, stops in ((Spec(2, *hit, 0.0), False), (Spec(2, *miss, 0.0), True), (Ping(2), False),
+                       (Begin((1, 2), Settings(0.0, 0, 1.0, 0, 1.0)), True)):
+        sp.build(lambda msg=msg: stops_tree(msg, sp.building))
+        assert (sp.tree == {}) == stops, msg
+        assert sp.building == frozenset(sp.tree) or stops
