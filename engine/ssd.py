@@ -19,8 +19,8 @@ in :mod:`sampling`.
 The round asks a :mod:`proposers` object for its drafts and does not know which one it has.
 Around it, on the frame every decoder shares (:mod:`decoder`), :meth:`SSDDecoder._prepare`
 starts (or restarts) the speculator, and :meth:`SSDDecoder._reply` pins the verifier to its
-cores and keeps the SD estimate.
-If the speculator dies, raises or stays silent for ``speculator_timeout_s``, the reply continues here with a :class:`Notice`: as plain SD with
+cores and keeps the SD estimate.  If the speculator dies, raises or stays silent for
+``speculator_timeout_s``, the reply continues here with a :class:`Notice`: as plain SD with
 the in-process draft (``engine.draft``), else as AR.  No speculator process outlives the app: it is a daemon
 child that is closed by :meth:`SSDDecoder.close`, a finalizer at interpreter exit, and
 (Linux) PR_SET_PDEATHSIG if the app is killed; it ignores SIGINT.
