@@ -17,8 +17,9 @@ was sampled from (Saguaro-reshaped or a point mass) and verification is the one 
 in :mod:`sampling`.
 
 The round asks a :mod:`proposers` object for its drafts and does not know which one it has.
-Around it, :meth:`SSDDecoder.stream` starts (or restarts) the speculator, pins the verifier to
-its cores, and keeps the SD estimate.  If the speculator dies, raises or stays silent for
+Around it, on the frame every decoder shares (:mod:`decoder`), :meth:`SSDDecoder._prepare`
+starts (or restarts) the speculator, and :meth:`SSDDecoder._reply` pins the verifier to its
+cores and keeps the SD estimate.  If the speculator dies, raises or stays silent for
 ``speculator_timeout_s``, the reply continues here with a :class:`Notice`: as plain SD with
 the in-process draft (``engine.draft``), else as AR.  No speculator process outlives the app: it is a daemon
 child that is closed by :meth:`SSDDecoder.close`, a finalizer at interpreter exit, and
@@ -37,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,19 +46,19 @@ import torch
 import torch.nn.functional as F
 
 from . import fanout, fastlinear, forward, kv
-from .ar import context_budget, error_event
 from .channel import Settings
+from .decoder import Decoder, Reply, context_budget, emit_block
 from .detok import ReplyBuilder
 from .drafting import vocab_size
 from .drafts import check_draft_for_mode
 from .errors import ParamError, SpeculatorError
-from .events import Done, Event, Notice, Round, Token
+from .events import Event, Notice, Round, Token
 from .metrics import Metrics
+from .models import LoadedModel
 from .params import SamplingParams
 from .penalties import Penalties
 from .proposers import LocalProposer, NoProposer, RemoteProposer
 from .sampling import greedy_outcome, logits_to_probs, make_generator, sample_next, verify
-from .sd import emit_block
 from .spec_worker import recipe_for
 from .ssd_plan import Plan, pinned, plan  # noqa: F401 - Plan and plan: SSD's placement, public here
 
@@ -83,7 +84,7 @@ class _Reply:
     sd_s: float = 0.0  # what SD would have spent on the same rounds: verify + k draft steps (estimate)
 
 
-class SSDDecoder:
+class SSDDecoder(Decoder):
     mode = "ssd"
     fault: str | None = None  # test hook passed to the worker: "raise:N", "sleep:N:S", "exit:N"
     max_restarts = 2
@@ -152,8 +153,12 @@ class SSDDecoder:
         self._worker.wait_ready(LOAD_TIMEOUT_S)
         return self._worker.ping()
 
-    def _remote(self) -> RemoteProposer | None:
-        """The speculator process for a reply: restarted after a failure in an earlier reply and loaded
+    @property
+    def target(self) -> LoadedModel:
+        return self.engine.target
+
+    def _prepare(self) -> None:
+        """Readies the speculator process for a reply: restarted after a failure in an earlier reply and loaded
         before the reply's clock starts.  ``max_restarts`` bounds *consecutive* failures (a speculator
         that cannot work at all); a reply it serves to the end resets the count, so failures that one
         request caused, between working replies, never disable SSD."""
@@ -165,18 +170,16 @@ class SSDDecoder:
                 self._worker.wait_ready(LOAD_TIMEOUT_S)
             except SpeculatorError as e:
                 self._drop_worker(str(e))
-        return self._worker
 
     # -- decoding -------------------------------------------------------------------------
-    def stream(self, prompt_ids: list[int], params: SamplingParams, stop: threading.Event | None = None) -> Iterator[Event]:
-        cfg, target = self.engine.config, self.engine.target
-        budget = context_budget(target, len(prompt_ids), params, lookahead=self.k + 1)
-        builder = ReplyBuilder(target.tokenizer, target.eos_ids, params.stop, budget, params.ignore_eos)
-        metrics = Metrics(self.mode)
+    def _budget(self, num_prompt: int, params: SamplingParams) -> int:
+        return context_budget(self.target, num_prompt, params, lookahead=self.k + 1)
+
+    def _reply(self, prompt_ids: list[int], r: Reply) -> Generator[Event, None, None]:
+        cfg, params, metrics = self.engine.config, r.params, r.metrics
         settings = Settings(params.temperature, params.top_k, params.top_p, params.seed, cfg.saguaro_c,
                             params.repetition_penalty, params.frequency_penalty, params.presence_penalty, len(prompt_ids))
-        spec: Any = self._remote()
-        t0 = time.perf_counter()
+        spec: Any = self._worker  # readied by _prepare
         if spec is None:
             yield self._switch(metrics, f"SSD speculator unavailable ({self._last_error}); {self._local_mode_name()} in this process", 0)
         elif self.plan.shared and not self._told_shared:
@@ -186,66 +189,51 @@ class SSDDecoder:
             for note in spec.notices:
                 yield Notice(f"speculator: {note}", "info")
             spec.notices = ()
-        pins = contextlib.ExitStack()
-        reason = None
-        try:
-            with pins:
-                if spec is not None:
-                    pins.enter_context(pinned(self.plan.target_cores, self.plan.target_threads))
-                    try:
-                        spec.begin(prompt_ids, settings)  # the draft's prefill overlaps the target's
-                    except SpeculatorError as e:
-                        self._drop_worker(str(e))
-                        spec = None
-                        pins.close()
-                        yield self._switch(metrics, f"{e}; {self._local_mode_name()} in this process", 0)
-                st = yield from self._prefill(prompt_ids, params, builder, metrics, t0, stop)
-                if spec is None:
-                    spec = self._local(st.seq, settings)
-                spec.request(-1, st.pending, 0.0)  # the first round's drafts
-                while not builder.finished:
-                    for note in forward.take_notices(self.engine.target.model, self.engine.draft.model):
-                        yield Notice(note, "info")  # on transformers, a compile that failed
-                    if stop is not None and stop.is_set():
-                        reason = "cancelled"
+        with contextlib.ExitStack() as pins:
+            if spec is not None:
+                pins.enter_context(pinned(self.plan.target_cores, self.plan.target_threads))
+                try:
+                    spec.begin(prompt_ids, settings)  # the draft's prefill overlaps the target's
+                except SpeculatorError as e:
+                    self._drop_worker(str(e))
+                    spec = None
+                    pins.close()
+                    yield self._switch(metrics, f"{e}; {self._local_mode_name()} in this process", 0)
+            st = yield from self._prefill(prompt_ids, r)
+            if spec is None:
+                spec = self._local(st.seq, settings)
+            spec.request(-1, st.pending, 0.0)  # the first round's drafts
+            while (yield from r.go_on(self.engine.target.model, self.engine.draft.model)):
+                try:
+                    if not (yield from self._round(st, spec)):
+                        r.cancelled = True  # while waiting for the drafts
                         break
-                    try:
-                        if not (yield from self._round(st, spec)):
-                            reason = "cancelled"  # while waiting for the drafts
-                            break
-                    except SpeculatorError as e:
-                        self._drop_worker(str(e))
-                        pins.close()  # unpin: the verifier has the machine to itself now
-                        yield self._switch(metrics, f"{e}; continuing {self._local_mode_name()} in this process", st.index)
-                        spec = self._local(st.seq, settings)
-                        spec.request(-1, st.pending)
-                if reason is None:
-                    reason = builder.reason
-                if isinstance(spec, RemoteProposer):  # it served this reply: earlier failures were not its own
-                    self._restarts = 0
-        except Exception as e:  # noqa: BLE001 - reported as an event, with the partial reply
-            yield error_event(e, builder)
-            return
+                except SpeculatorError as e:
+                    self._drop_worker(str(e))
+                    pins.close()  # unpin: the verifier has the machine to itself now
+                    yield self._switch(metrics, f"{e}; continuing {self._local_mode_name()} in this process", st.index)
+                    spec = self._local(st.seq, settings)
+                    spec.request(-1, st.pending)
+            if isinstance(spec, RemoteProposer):  # it served this reply: earlier failures were not its own
+                self._restarts = 0
         if metrics.num_rounds:
             metrics.sd_estimate_s = (metrics.t_first or metrics.prefill_s) + st.sd_s
-        yield Done(reason, builder.text + builder.flush(), tuple(builder.token_ids), metrics.stats(time.perf_counter() - t0))
 
-    def _prefill(self, prompt_ids: list[int], params: SamplingParams, builder: ReplyBuilder, metrics: Metrics, t0: float,
-                 stop: threading.Event | None) -> Generator[Event, None, _Reply]:
+    def _prefill(self, prompt_ids: list[int], r: Reply) -> Generator[Event, None, _Reply]:
         """The target's prefill; it samples the first token itself (spec §2.8)."""
-        target = self.engine.target
+        target, params, builder, metrics = self.engine.target, r.params, r.builder, r.metrics
         gen = make_generator(params.seed, target.device)
         runner = forward.runner(target.model, "target", self.engine.config.compile, (self.k + 1,), target.device, title=target.name)
         logits = forward.prefill(runner, prompt_ids)
-        metrics.prefill_s = time.perf_counter() - t0
+        metrics.prefill_s = time.perf_counter() - r.t0
         pen = Penalties.of(params, prompt_ids)
         pending = sample_next(pen.with_extra(logits, None), params.temperature, params.top_k, params.top_p, gen)
         delta = builder.push(pending)
         if builder.reason != "eos":
-            ev = Token(pending, delta, "target", time.perf_counter() - t0)
+            ev = Token(pending, delta, "target", time.perf_counter() - r.t0)
             metrics.add(ev)
             yield ev
-        return _Reply(runner, builder, metrics, params, gen, t0, stop, list(prompt_ids), pending, pen)
+        return _Reply(runner, builder, metrics, params, gen, r.t0, r.stop, list(prompt_ids), pending, pen)
 
     def _round(self, st: _Reply, spec: Any) -> Generator[Event, None, bool]:
         """One SSD round: the drafts for the last outcome, one target forward over [bonus, d_1..d_k],
