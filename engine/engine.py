@@ -8,24 +8,27 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from . import chat, drafts, forward, models, precision, tp_load
-from .ar import ARDecoder
 from .config import CONFIG_MODES, MODES, EngineConfig
-from .drafting import is_feature_draft
-from .drafts import check_draft_for_mode, default_draft
+from .decode.ar import ARDecoder
+from .drafts import shipped as drafts
+from .drafts.drafter import is_feature_draft
+from .drafts.shipped import check_draft_for_mode, default_draft
 from .errors import ParamError
 from .events import Event
+from .load import chat, models, precision
+from .model import forward
 from .params import SamplingParams
+from .tp import load as tp_load
 
 
 def _sd(e: "Engine") -> Any:
-    from .sd import SDDecoder
+    from .decode.sd import SDDecoder
 
     return SDDecoder(e)
 
 
 def _ssd(e: "Engine") -> Any:
-    from .ssd import SSDDecoder
+    from .decode.ssd import SSDDecoder
 
     return SSDDecoder(e)
 
@@ -54,7 +57,7 @@ class Engine:
              warn: Callable[[str], None] | None = None) -> "Engine":
         """Check what can be checked (:func:`preflight.check`: ``auto``, devices, draft against mode, sizes;
         ``warn`` hears its warnings before any download), then load the models."""
-        from .preflight import check
+        from .load.preflight import check
 
         pre = check(config)
         for w in pre.warnings:
@@ -91,8 +94,8 @@ class Engine:
             forward.close(target.model)  # no rank outlives a load that failed
             raise
         engine = cls(config, target, draft, pre.reason if pre.auto else None)
-        if pre.probe:  # auto with a draft: the mode that measured fastest here (engine/probe.py)
-            from .probe import settle
+        if pre.probe:  # auto with a draft: the mode that measured fastest here (engine/decode/probe.py)
+            from .decode.probe import settle
 
             try:
                 settle(engine, draft_name, pre.probe, progress)
@@ -126,7 +129,7 @@ class Engine:
         core.compiler.progress = lambda text: progress(text, None)
         where = contextlib.nullcontext()
         if cfg.mode == "ssd":  # the verifier's cores and threads: a graph is built for a thread count
-            from .ssd_plan import pinned, plan
+            from .speculate.plan import pinned, plan
 
             p = plan(cfg, self.target.device, self.target.placement.cores)
             where = pinned(p.target_cores, p.target_threads)
@@ -147,7 +150,7 @@ class Engine:
     @property
     def sampling_defaults(self) -> dict[str, Any]:
         """The sampling settings of a reply whose user set none (:mod:`gen_defaults`)."""
-        from .gen_defaults import for_model
+        from .load.gen_defaults import for_model
 
         return for_model(self.target.folder)[0]
 
@@ -170,7 +173,7 @@ class Engine:
             "precision": precision.of(self.target), "draft_precision": precision.of(self.draft) if uses_draft else None,
         }
         if c.mode == "ssd":  # the speculator runs where the SSD decoder's plan puts it, not where the draft was loaded
-            from .ssd import plan
+            from .decode.ssd import plan
 
             p = plan(c, self.target.device, self.target.placement.cores)
             cores = f" (cores {','.join(map(str, p.draft_cores))})" if p.draft_cores else ""

@@ -9,7 +9,7 @@ repetition, so a busy machine slows all of them alike), the median of:
 * ``transformers``: the model as ``models.load`` gives it to the app (fastlinear and the GQA
   attention installed) on a ``DynamicCache``: 1 row and k+1 rows as ``kv.forward``, B tree
   rows as the SSD speculator calls it (4D mask, explicit positions);
-* ``core eager``: :class:`~ssd_chat.engine.core.Core` uncompiled (its projections are the
+* ``core eager``: :class:`~ssd_chat.engine.model.core.Core` uncompiled (its projections are the
   same fastlinear modules);
 * ``core compiled``: the same with ``compile="on"`` for every row count; the first call of
   each shape is the compile time (inductor's on-disk cache makes a second run faster).
@@ -51,7 +51,7 @@ def _tree_args(L: int, rows: int) -> tuple[list[int], list[int], list[int], list
 
 
 def _hf_call(model: Any, rows: int, tree: bool) -> Callable[[Any, int], None]:
-    from ssd_chat.engine import kv
+    from ssd_chat.engine.model import runner as kv
 
     def run(cache: Any, L: int) -> None:
         if not tree:
@@ -80,8 +80,9 @@ def _core_call(core: Any, rows: int, tree: bool) -> Callable[[], None]:
 
 def measure(lm: Any, threads: int, rows_list: list[int], context: int, reps: int, compile_on: bool,
             tree_from: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    from ssd_chat.engine import fastlinear, kv
-    from ssd_chat.engine.core import Core
+    from ssd_chat.engine.cpu import fastlinear
+    from ssd_chat.engine.model import runner as kv
+    from ssd_chat.engine.model.core import Core
 
     torch.set_num_threads(threads)
     fastlinear.prepare()  # the fast path's choices for this thread count (timed once per machine)
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    from ssd_chat.engine import models
+    from ssd_chat.engine.load import models
 
     def log(s: str) -> None:
         print(s, file=sys.stderr, flush=True)

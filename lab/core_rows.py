@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from ssd_chat.engine import forward
+from ssd_chat.engine.model import forward
 from ssd_chat.engine.config import EngineConfig
 from ssd_chat.engine.engine import Engine
 

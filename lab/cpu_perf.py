@@ -8,7 +8,7 @@ Sections (docs/performance-cpu.md shows a run):
 * ``bandwidth``: GB/s a torch sum reads (512 MB), 1 thread.
 * ``linears``: the 211 linears of one forward, float32 ``F.linear`` against the GGUF kernels
   (quant.GGUFLinear), at 1/3/6/8 rows; MB per forward and the bound MB / bandwidth.
-* ``core``: one compact-core forward (engine/core.py) of 1 row, a verify of 3 rows and SSD tree
+* ``core``: one compact-core forward (engine/model/core.py) of 1 row, a verify of 3 rows and SSD tree
   steps of 6 and 8 rows after 200 tokens: float32 core (fastlinear, as the app loads it), GGUF
   core, GGUF core with row-independent attention, and with ``--compile`` the compiled GGUF core.
 * ``ar``: greedy decoding with the GGUF core (one token per forward): tok/s.
@@ -72,8 +72,8 @@ def linears(m: Models, rows_list: list[int], reps: int) -> list[dict[str, Any]]:
 
 
 def cores_section(m: Models, rows_list: list[int], reps: int, threads: int, compile_on: bool) -> list[dict[str, Any]]:
-    from ssd_chat.engine import fastlinear
-    from ssd_chat.engine.core import Core
+    from ssd_chat.engine.cpu import fastlinear
+    from ssd_chat.engine.model.core import Core
 
     pin((0,) if threads == 1 else (0, 1), threads)
     fastlinear.prepare()
@@ -108,7 +108,7 @@ def cores_section(m: Models, rows_list: list[int], reps: int, threads: int, comp
 
 
 def ar(m: Models, tokens: int, row_attention: bool) -> dict[str, Any]:
-    from ssd_chat.engine.core import Core
+    from ssd_chat.engine.model.core import Core
 
     pin((0,), 1)
     m.swapped(True)
@@ -127,8 +127,8 @@ def ar(m: Models, tokens: int, row_attention: bool) -> dict[str, Any]:
 def app_ar(m: Models, gguf: bool, n_lo: int = 16, n_hi: int = 80) -> dict[str, Any]:
     """The app's AR decoder (transformers' forward over the KV cache, what ``ask --mode ar`` and the
     bench run), one thread: CPU ms per token from the difference of a long and a short greedy reply."""
-    from ssd_chat.engine.ar import ARDecoder
-    from ssd_chat.engine.chat import prompt_ids
+    from ssd_chat.engine.decode.ar import ARDecoder
+    from ssd_chat.engine.load.chat import prompt_ids
     from ssd_chat.engine.params import SamplingParams
 
     pin((0,), 1)
@@ -151,7 +151,7 @@ def app_ar(m: Models, gguf: bool, n_lo: int = 16, n_hi: int = 80) -> dict[str, A
 
 
 def accuracy(m: Models, tokens: int) -> dict[str, Any]:
-    from ssd_chat.engine.core import Core
+    from ssd_chat.engine.model.core import Core
 
     pin((0,), 1)
     agree = total = 0

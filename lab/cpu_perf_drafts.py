@@ -29,7 +29,7 @@ TOKENS = 48
 
 
 def _prompts(m: Models) -> list[list[int]]:
-    from ssd_chat.engine.chat import messages_for, prompt_ids
+    from ssd_chat.engine.load.chat import messages_for, prompt_ids
 
     from ssd_chat.bench.prompts import load_prompts
 
@@ -38,7 +38,7 @@ def _prompts(m: Models) -> list[list[int]]:
 
 
 def _continuations(m: Models, prompts: list[list[int]]) -> list[list[int]]:
-    from ssd_chat.engine.core import Core
+    from ssd_chat.engine.model.core import Core
 
     m.swapped(True)
     core = Core(m.model, "target", row_attention=True)
@@ -46,7 +46,7 @@ def _continuations(m: Models, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def acceptance(model: torch.nn.Module, prompts: list[list[int]], conts: list[list[int]]) -> float:
-    from ssd_chat.engine.core import Core
+    from ssd_chat.engine.model.core import Core
 
     core = Core(model, "draft")
     hit = total = 0
@@ -59,7 +59,7 @@ def acceptance(model: torch.nn.Module, prompts: list[list[int]], conts: list[lis
 
 
 def cost(model: torch.nn.Module, reps: int) -> dict[str, Any]:
-    from ssd_chat.engine.core import Core
+    from ssd_chat.engine.model.core import Core
 
     core = Core(model, "draft")
     core.append([(i * 37) % 5000 + 10 for i in range(200)], logits="none")
@@ -77,8 +77,9 @@ def estimates(a: float, d: dict[str, float], v: dict[int, float]) -> list[dict[s
 
 
 def run(m: Models, reps: int, log: Callable[[str], None]) -> dict[str, Any]:
-    from ssd_chat.engine import drafts, fast_weights
-    from ssd_chat.engine.core import Core
+    from ssd_chat.engine.drafts import shipped as drafts
+    from ssd_chat.engine.cpu import weights as fast_weights
+    from ssd_chat.engine.model.core import Core
 
     pin((0,), 1)
     prompts = _prompts(m)

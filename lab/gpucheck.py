@@ -9,7 +9,7 @@ core uncompiled and the core compiled (CUDA graphs):
 
 * per-forward cost: target 1 row and k+1 rows (verify); draft 1 row, the SSD glue (k+1
   rows) and the B-row tree step;
-* the channel round trip (the real :class:`~ssd_chat.engine.channel.Channel` to a process);
+* the channel round trip (the real :class:`~ssd_chat.engine.speculate.channel.Channel` to a process);
 * SSD's verifier wait per round (:mod:`lab.gpucheck_rounds`) with a draft identical to
   the rig's oracle (every round a hit) and with a perturbed one (misses);
 * from those, the tok/s AR, SD and SSD would reach at the paper's acceptance rates, next to
@@ -127,7 +127,7 @@ class HFPath:
             self._crop(self.n)
 
     def _crop(self, keep: int) -> None:
-        from ssd_chat.engine import kv
+        from ssd_chat.engine.model import runner as kv
 
         try:
             kv.truncate(self.cache, keep)  # transformers 5: crop takes the count to remove
@@ -137,7 +137,7 @@ class HFPath:
 
 def echo_peer(conn: Any) -> None:
     """The far end of the channel round trip: answers pings and spec requests like the speculator."""
-    from ssd_chat.engine.channel import Close, Ping, Pong, Reply, Spec
+    from ssd_chat.engine.speculate.channel import Close, Ping, Pong, Reply, Spec
 
     while True:
         msg = conn.recv()
@@ -150,7 +150,7 @@ def echo_peer(conn: Any) -> None:
 
 
 def channel_rtt(k: int, vocab: int, reps: int) -> dict[str, float]:
-    from ssd_chat.engine.channel import Channel
+    from ssd_chat.engine.speculate.channel import Channel
 
     ctx = torch.multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=True)
@@ -168,7 +168,7 @@ def channel_rtt(k: int, vocab: int, reps: int) -> dict[str, float]:
             reqs.append(time.perf_counter() - t0)
         return {"ping_us": round(statistics.median(pings) * 1e6, 1), "request_us": round(statistics.median(reqs) * 1e6, 1)}
     finally:
-        from ssd_chat.engine.channel import Close
+        from ssd_chat.engine.speculate.channel import Close
 
         parent.send(Close())
         proc.join(timeout=5)
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from ssd_chat.engine.core import Core
+    from ssd_chat.engine.model.core import Core
 
     smoke = args.cpu_smoke
     if not smoke and not torch.cuda.is_available():

@@ -54,13 +54,13 @@ def agreeing(cfg: dict, perm: torch.Tensor, dtype: torch.dtype, device: torch.de
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from ssd_chat.bench.simulate import Tokens
-    from ssd_chat.engine.ar import ARDecoder
+    from ssd_chat.engine.decode.ar import ARDecoder
     from ssd_chat.engine.engine import Engine, EngineConfig
     from ssd_chat.engine.events import Done, Error, Notice, Round
-    from ssd_chat.engine.models import LoadedModel, ModelSpec, Placement
+    from ssd_chat.engine.load.models import LoadedModel, ModelSpec, Placement
     from ssd_chat.engine.params import SamplingParams
-    from ssd_chat.engine.sd import SDDecoder
-    from ssd_chat.engine.ssd import SSDDecoder
+    from ssd_chat.engine.decode.sd import SDDecoder
+    from ssd_chat.engine.decode.ssd import SSDDecoder
     from .gpucheck import LLAMA_31_8B, LLAMA_32_1B, SMOKE_DRAFT, SMOKE_TARGET
 
     smoke = args.cpu_smoke

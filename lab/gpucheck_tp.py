@@ -1,7 +1,7 @@
 """The GPU check's tensor-parallel step: what one GPU can show of it.
 
 Tensor parallelism over 2 GPUs needs 2 GPUs; the lent machine has one.  So this step runs the
-TP code path with a single rank (:class:`~ssd_chat.engine.tp.TPCore` over one GPU: the shard
+TP code path with a single rank (:class:`~ssd_chat.engine.tp.core.TPCore` over one GPU: the shard
 loader and the parallel modules, compiled into CUDA graphs like the core; one rank makes no
 collectives) and times it against the plain core on the same random target:
 
@@ -33,8 +33,8 @@ def run(target: torch.nn.Module, prompt: list[int], k: int, reps: int, dev: torc
         report: dict[str, Any], note: Callable[[str], None], median_ms: Callable[..., float],
         left: Callable[[], float]) -> None:
     """Add the TP=1 columns to ``report["forwards"]`` and ``report["tp"]``; raises on a failure."""
-    from ssd_chat.engine.core import Core
-    from ssd_chat.engine.tp import TPCore
+    from ssd_chat.engine.model.core import Core
+    from ssd_chat.engine.tp.core import TPCore
 
     tp_report: dict[str, Any] = {"not_measured": NOT_MEASURED}
     report["tp"] = tp_report
@@ -95,8 +95,8 @@ def run_multi(model: torch.nn.Module, prompt: list[int], k: int, reps: int, devi
     raises on a failure."""
     import tempfile
 
-    from ssd_chat.engine.core import Core
-    from ssd_chat.engine.tp import TPCore
+    from ssd_chat.engine.model.core import Core
+    from ssd_chat.engine.tp.core import TPCore
 
     tp_report = report.setdefault("tp", {})
     if devices[0].startswith("cuda"):

@@ -11,7 +11,7 @@ import time
 
 import llama_cpp as L
 import numpy as np
-from ssd_chat.engine import models
+from ssd_chat.engine.load import models
 
 threads = int(sys.argv[1])
 L.llama_backend_init()

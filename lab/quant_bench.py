@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 import numpy as np
 
-from ssd_chat.engine import gguf_map, models, quant
+from ssd_chat.engine.load import gguf_map, models
+from ssd_chat.engine.cpu import quant
 
 
 def bandwidth(threads: int, mb: int = 512, repeats: int = 5) -> float:

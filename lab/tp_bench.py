@@ -65,9 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    from ssd_chat.engine import fastlinear, models
-    from ssd_chat.engine.core import Core
-    from ssd_chat.engine.tp import TPCore
+    from ssd_chat.engine.cpu import fastlinear
+    from ssd_chat.engine.load import models
+    from ssd_chat.engine.model.core import Core
+    from ssd_chat.engine.tp.core import TPCore
 
     def log(s: str) -> None:
         print(s, file=sys.stderr, flush=True)

@@ -146,7 +146,7 @@ def ask(
 
 
 def precision_of(engine) -> dict[str, str | None]:
-    from .engine.precision import of
+    from .engine.load.precision import of
 
     uses_draft = engine.draft is not None and engine.config.mode != "ar"
     return {"target": of(engine.target), "draft": of(engine.draft) if uses_draft else None}
@@ -214,7 +214,7 @@ def _answer(engine, prompt: str, values: dict[str, Any], params, json_out: bool,
 @app.command()
 def models(json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
     """List the model aliases and which models are available locally."""
-    from .engine.models import cache_dir, local_status
+    from .engine.load.models import cache_dir, local_status
 
     rows = local_status()
     if json_out:

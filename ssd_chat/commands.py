@@ -66,7 +66,7 @@ def compare(
     import threading
 
     from . import compare as cmp
-    from .engine import chat
+    from .engine.load import chat
     from .engine.errors import ParamError, SSDChatError
 
     given_n = given.get("max_new_tokens")

@@ -28,9 +28,9 @@ from .engine.params import SamplingParams
 DEFAULTS: dict[str, Any] = {
     "target": "smollm2-135m-gguf",
     "draft": None,
-    "mode": "auto",  # SSD where it can run (engine/preflight.py), else AR with the reason
+    "mode": "auto",  # SSD where it can run (engine/load/preflight.py), else AR with the reason
     "k": None,
-    # sampling: unset (None) takes the model's generation_config, else the chat default (engine/gen_defaults.py)
+    # sampling: unset (None) takes the model's generation_config, else the chat default (engine/load/gen_defaults.py)
     "temperature": None,
     "top_p": None,
     "top_k": None,
@@ -240,7 +240,7 @@ def _check_devices(values: dict[str, Any], sources: dict[str, str], path: Path |
     """The spelling of --target-device / --draft-device, before torch loads or the app opens (the
     hardware is checked when the models load)."""
     from .engine.errors import DeviceError
-    from .engine.placement import check_forms
+    from .engine.load.placement import check_forms
 
     for key in ("target_device", "draft_device"):
         try:
@@ -343,7 +343,7 @@ def _engine_error(values: dict[str, Any], ssd: bool) -> Exception | None:
     """The error that would stop these settings before any weight loads (None: none): the engine's and
     sampling's ranges, also those SSD checks when ``ssd`` (``auto`` may pick SSD), and the devices' spelling."""
     from .engine.errors import DeviceError, ParamError
-    from .engine.placement import check_forms
+    from .engine.load.placement import check_forms
 
     try:
         engine_config(values)
@@ -370,9 +370,9 @@ def check_value(key: str, value: Any, others: dict[str, Any], path: Path) -> Non
                  and _engine_error({**base, key: value, k: DEFAULTS[k]}, ssd) is None]
         raise ConfigError(f"{e}{' (with ' + ', '.join(clash) + ' in the file)' if clash else ''}; {path} is unchanged", usage=True)
     if key in ("target", "draft") and value:
-        from .engine import models
+        from .engine.load import models
         from .engine.errors import SSDChatError
-        from .engine.preflight import draft_kind
+        from .engine.load.preflight import draft_kind
 
         try:
             if key == "target" or draft_kind(value, others.get("target") or DEFAULTS["target"]) == "model":

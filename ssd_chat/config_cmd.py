@@ -66,8 +66,8 @@ def config_show(
             shown = engine["draft_label"] + (" (engine default)" if v is None else "")
         elif key in engine and v is None:
             shown = f"{engine[key]} (engine default)" if engine[key] is not None else "— (AR loads none)"
-        elif v is None and key in ("temperature", "top_p", "top_k", "repetition_penalty"):  # engine/gen_defaults.py
-            from .engine.gen_defaults import CHAT_DEFAULT
+        elif v is None and key in ("temperature", "top_p", "top_k", "repetition_penalty"):  # engine/load/gen_defaults.py
+            from .engine.load.gen_defaults import CHAT_DEFAULT
 
             shown = f"the model's generation_config, else {CHAT_DEFAULT[key]}"
         elif v is None and key in ("frequency_penalty", "presence_penalty"):
@@ -91,10 +91,10 @@ def engine_in_force(values: dict) -> dict:
     ``{"mode_error": ...}`` when the settings cannot load (the same error a start would give)."""
     from .config import engine_config
     from .engine.errors import SSDChatError
-    from .engine.models import parse_placement
-    from .engine.precision import planned
-    from .engine.preflight import check, in_force
-    from .engine.probe import in_config
+    from .engine.load.models import parse_placement
+    from .engine.load.precision import planned
+    from .engine.load.preflight import check, in_force
+    from .engine.decode.probe import in_config
 
     try:
         pre = check(engine_config(values))

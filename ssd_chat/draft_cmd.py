@@ -38,14 +38,14 @@ def _target_name(ctx: typer.Context, target: str | None) -> str:
     obj = ctx.obj if isinstance(ctx.obj, dict) else {}
     if obj.get("target"):
         return str(obj["target"])
-    from .engine import models
+    from .engine.load import models
 
     return models.DEFAULT_TARGET
 
 
 def _load_target(name: str, device: str, dtype: str) -> Any:
     from .loading import quiet_libraries
-    from .engine import models
+    from .engine.load import models
 
     quiet_libraries()
     return models.load(name, models.parse_placement(device, dtype))
@@ -145,7 +145,7 @@ def evaluate(
     """Greedy agreement of DRAFT with the target in real (cached, token by token) decoding,
     and the cost of a draft step relative to a target step timed back to back."""
     from . import train as training
-    from .engine import drafts
+    from .engine.drafts import shipped as drafts
     from .engine.errors import ParamError, SSDChatError
 
     if threads:

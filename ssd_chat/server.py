@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import chat
+from .engine.load import chat
 from .engine.params import SamplingParams
 from .server_limits import DEFAULT_MAX_BODY_MB, Guard, check_prompt_chars, max_token_chars, too_large
 from .server_metrics import CONTENT_TYPE, ServerMetrics

@@ -17,7 +17,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from .engine import chat
+from .engine.load import chat
 from .engine.events import Done, Error, Event, Notice, Token
 from .engine.params import SamplingParams
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ssd_chat.engine import models
-from ssd_chat.engine.models import LoadedModel, ModelSpec, Placement
+from ssd_chat.engine.load import models
+from ssd_chat.engine.load.models import LoadedModel, ModelSpec, Placement
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 
 from ssd_chat.engine.events import Done, Error, Event
-from ssd_chat.engine.models import LoadedModel
+from ssd_chat.engine.load.models import LoadedModel
 from ssd_chat.engine.params import SamplingParams
-from ssd_chat.engine.sampling import logits_to_probs
+from ssd_chat.engine.decode.sampling import logits_to_probs
 
 Outcome = tuple[int, ...]
 StreamFn = Callable[[list[int], SamplingParams], Iterable[Event]]

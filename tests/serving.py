@@ -25,7 +25,7 @@ def tiny_chat_dir(tmp_path_factory, smol_tokenizer):
     model.save_pretrained(folder)
     smol_tokenizer.save_pretrained(folder)
     # the model declares greedy decoding, so replies that set no sampling option are reproducible
-    # (a model that declares nothing would get the chat default: sampling, engine/gen_defaults.py)
+    # (a model that declares nothing would get the chat default: sampling, engine/load/gen_defaults.py)
     (folder / "generation_config.json").write_text(json.dumps({"do_sample": False}), encoding="utf-8")
     return folder
 

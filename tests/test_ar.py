@@ -9,7 +9,7 @@ import torch
 
 from conftest import CharTokenizer, as_loaded, tiny_llama
 from distribution import decoder_distribution_test
-from ssd_chat.engine.ar import ARDecoder
+from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.events import Done, Token
 from ssd_chat.engine.params import SamplingParams

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from transformers.integrations import sdpa_attention
 
 from conftest import tiny_llama
-from ssd_chat.engine import attention
+from ssd_chat.engine.model import attention
 
 
 def _logits_after_prefix(model, prefix: torch.Tensor, block: torch.Tensor) -> torch.Tensor:

@@ -147,7 +147,7 @@ def test_bad_core_is_a_clear_error():
 
 
 def test_gpu_preset_picks_a_local_pair_and_the_last_gpu_for_the_draft(monkeypatch):
-    from ssd_chat.engine import models
+    from ssd_chat.engine.load import models
 
     monkeypatch.setattr(models, "local_status", lambda: [{"alias": a, "local": True} for a in ("smollm2-1.7b", "smollm2-135m")])
     values, notes = gpu_preset({"target": "smollm2-135m-gguf"}, set(), Hardware((0, 1), 4))
@@ -350,7 +350,7 @@ class _Corrupting:
     """An SD decoder that changes the 4th token of every reply: a deliberately wrong decoder."""
 
     def __init__(self, engine):
-        from ssd_chat.engine.sd import SDDecoder
+        from ssd_chat.engine.decode.sd import SDDecoder
 
         self.inner = SDDecoder(engine)
 
@@ -381,7 +381,7 @@ def test_a_mismatching_decoder_is_reported_loudly(tiny_pair, monkeypatch):
 
 def test_an_unavailable_mode_is_skipped_with_a_message(tiny_pair, monkeypatch):
     def missing(engine):  # noqa: ARG001
-        raise ImportError("No module named 'ssd_chat.engine.ssd'")
+        raise ImportError("No module named 'ssd_chat.engine.decode.ssd'")
 
     monkeypatch.setitem(DECODERS, "ssd", missing)
     result, report = _race(tiny_pair, modes=("ar", "ssd"), protocols=("paper",), max_new=4)

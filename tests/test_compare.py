@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from ssd_chat import compare as cmp
-from ssd_chat.engine import Engine, EngineConfig, models
+from ssd_chat.engine import Engine, EngineConfig
+from ssd_chat.engine.load import models
 from ssd_chat.engine.events import Done, Token
 from ssd_chat.engine.metrics import Metrics
 from ssd_chat.backend import EngineBackend
@@ -142,7 +143,7 @@ async def test_ctrl_g_on_the_real_engine_gives_identical_outputs(tiny_chat_dir):
     from ssd_chat.tui.app import ChatApp
 
     target = models.load(str(tiny_chat_dir), models.parse_placement("cpu"))
-    from ssd_chat.engine import drafts
+    from ssd_chat.engine.drafts import shipped as drafts
 
     engine = Engine(EngineConfig(target=str(tiny_chat_dir), mode="ar", k=2), target, drafts.derive("int8", target))
 

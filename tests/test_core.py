@@ -1,14 +1,15 @@
-"""The compact core (engine/core.py, static_kv.py, core_compile.py) against transformers' own forward."""
+"""The compact core (engine/model/core.py, cache.py, compile.py) against transformers' own forward."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ssd_chat.engine import core_compile, drafts, kv
-from ssd_chat.engine.core import Core, supports
+from ssd_chat.engine.model import compile as core_compile, runner as kv
+from ssd_chat.engine.drafts import shipped as drafts
+from ssd_chat.engine.model.core import Core, supports
 from ssd_chat.engine.errors import ModelError
-from ssd_chat.engine.static_kv import MIN_CAPACITY, StaticKV, bucket
+from ssd_chat.engine.model.cache import MIN_CAPACITY, StaticKV, bucket
 
 from conftest import as_loaded, tiny_llama
 
@@ -388,8 +389,8 @@ def test_compiled_projections_compute_the_linear_for_every_row_count(tmp_path):
     numba kernels through the ssd_chat::row_matmul custom op) is the same product."""
     from torch import nn
 
-    from ssd_chat.engine import fastlinear
-    from ssd_chat.engine.core import traceable
+    from ssd_chat.engine.cpu import fastlinear
+    from ssd_chat.engine.model.core import traceable
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(96, 40), nn.Linear(40, 96, bias=False)).eval()

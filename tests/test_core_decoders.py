@@ -9,7 +9,8 @@ import torch
 
 from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
 from distribution import decoder_distribution_test
-from ssd_chat.engine import drafts, forward, static_kv
+from ssd_chat.engine.drafts import shipped as drafts
+from ssd_chat.engine.model import forward, cache as static_kv
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.events import Done, Error, Notice, Round
 from ssd_chat.engine.params import SamplingParams
@@ -85,7 +86,7 @@ def test_a_compile_failure_runs_eagerly_with_one_notice(pair, monkeypatch):
         raise RuntimeError("InductorError: no C++ compiler\nmore detail")
 
     monkeypatch.setattr(torch, "compile", broken)
-    from ssd_chat.engine import aoti
+    from ssd_chat.engine.model import aoti
 
     monkeypatch.setattr(aoti, "load_or_build", broken)  # CPU graphs are AOTInductor packages
     with Engine(EngineConfig(mode="ar", compile="on"), target) as eng:
@@ -132,7 +133,7 @@ def test_no_memory_for_the_cache_is_one_line_naming_the_model_and_size(monkeypat
 
 @pytest.mark.slow
 def test_packaged_model_on_the_core_equals_the_transformers_path(smollm2):
-    from ssd_chat.engine import chat
+    from ssd_chat.engine.load import chat
 
     prompt, _ = chat.prompt_ids(smollm2.tokenizer, [{"role": "user", "content": "Name three planets."}])
     for mode, draft_name in (("ar", None), ("sd", "layers:6"), ("ssd", "copy")):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ssd_chat.engine.detok import ReplyBuilder
+from ssd_chat.engine.decode.detok import ReplyBuilder
 
 
 def feed(builder, ids):

@@ -9,7 +9,8 @@ import torch
 
 from conftest import CharTokenizer, as_loaded, random_prompts, tiny_llama
 from ssd_chat import train as distill
-from ssd_chat.engine import draft_folder, draft_model, drafts, kv
+from ssd_chat.engine.drafts import folder as draft_folder, model as draft_model, shipped as drafts
+from ssd_chat.engine.model import runner as kv
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.errors import ModelError, ParamError
 from ssd_chat.engine.events import Done, Round
@@ -255,7 +256,7 @@ def test_shipped_draft_loads_on_the_packaged_target_and_decodes_exactly(smollm2)
 @pytest.mark.slow
 def test_the_packaged_target_loads_its_trained_draft_by_default_and_ssd_stays_exact():
     """No --draft on the packaged model: the shipped layers draft, in SSD as well (a speculator process)."""
-    from ssd_chat.engine import models
+    from ssd_chat.engine.load import models
 
     engine = Engine.load(EngineConfig(target=models.PACKAGED, mode="ssd", k=2, target_device="cpu", draft_device="cpu"))
     try:
@@ -273,7 +274,7 @@ def test_the_packaged_target_loads_its_trained_draft_by_default_and_ssd_stays_ex
 @pytest.mark.slow
 def test_shipped_feature_draft_is_found_by_alias_and_decodes_exactly(smollm2):
     """`--draft features`: the EAGLE-style draft shipped for the packaged target (SD only)."""
-    from ssd_chat.engine.feature_draft import is_feature_draft
+    from ssd_chat.engine.drafts.feature import is_feature_draft
 
     folder = drafts.shipped_draft("features", smollm2)
     assert folder.endswith("smollm2-135m-instruct-features")

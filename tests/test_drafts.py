@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from conftest import CharTokenizer, as_loaded, tiny_llama
-from ssd_chat.engine import drafts, kv
-from ssd_chat.engine.ar import ARDecoder
+from ssd_chat.engine.drafts import shipped as drafts
+from ssd_chat.engine.model import runner as kv
+from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.errors import ModelError
 from ssd_chat.engine.events import Done
-from ssd_chat.engine.models import Placement
+from ssd_chat.engine.load.models import Placement
 from ssd_chat.engine.params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,7 +53,7 @@ def test_shipped_aliases_name_the_packaged_models_drafts(target):
 
 
 def test_the_default_draft_is_the_trained_one_shipped_for_the_target_else_int8():
-    from ssd_chat.engine import models
+    from ssd_chat.engine.load import models
     from ssd_chat.engine.engine import default_draft
 
     assert default_draft(models.PACKAGED) == "trained"  # assets/drafts/smollm2-135m-instruct
@@ -215,7 +216,7 @@ def test_a_trained_draft_is_named_as_the_draft_it_is_from_its_manifest(target, t
     """Not by its folder's name alone (the shipped `smollm2-135m-instruct` read as the target): what it is
     comes from its manifest, for a draft trained here as for the shipped ones, and the panel, `ask --json`,
     bench and serve all take the loaded draft's name."""
-    from ssd_chat.engine import draft_model
+    from ssd_chat.engine.drafts import model as draft_model
     from ssd_chat.train.folder import save
 
     draft = draft_model.build(target.model, draft_model.DraftShape(1, (2,)), torch.tensor([0, 3, 5, 17]))

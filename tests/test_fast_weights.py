@@ -1,4 +1,4 @@
-"""GGUF-precision weights for a target and its drafts (engine/fast_weights.py) and the tile cache
+"""GGUF-precision weights for a target and its drafts (engine/cpu/weights.py) and the tile cache
 of gguf_map: drafts share the target's blocks, their own weights become Q8_0 blocks, a warm start
 reads the cache instead of parsing the GGUF."""
 
@@ -10,10 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from ssd_chat.engine import drafts, draft_model, fast_weights, gguf_map, quant
-from ssd_chat.engine.core import Core
-from ssd_chat.engine.models import LoadedModel, ModelSpec, Placement
-from ssd_chat.engine.quant import GGUFLinear
+from ssd_chat.engine.drafts import shipped as drafts, model as draft_model
+from ssd_chat.engine.cpu import weights as fast_weights, quant
+from ssd_chat.engine.load import gguf_map
+from ssd_chat.engine.model.core import Core
+from ssd_chat.engine.load.models import LoadedModel, ModelSpec, Placement
+from ssd_chat.engine.cpu.quant import GGUFLinear
 
 from conftest import CharTokenizer
 from test_quant import load_gguf, write_tiny_gguf

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssd_chat.engine import fastlinear, rowkernels
-from ssd_chat.engine.fastlinear import FastLinear, FastPath
+from ssd_chat.engine.cpu import fastlinear, rowkernels
+from ssd_chat.engine.cpu.fastlinear import FastLinear, FastPath
 
 
 @pytest.fixture
@@ -238,7 +238,7 @@ def test_a_corrupt_store_means_timing_again(tmp_path) -> None:
 
 
 def test_a_trained_drafts_reduced_head_is_served_too(path) -> None:
-    from ssd_chat.engine.draft_model import ReducedHead
+    from ssd_chat.engine.drafts.model import ReducedHead
 
     head = ReducedHead(torch.randn(50, 16), torch.arange(0, 100, 2), 100)
     h = torch.randn(3, 16)
@@ -254,7 +254,7 @@ def test_a_trained_drafts_reduced_head_is_served_too(path) -> None:
 def test_the_int8_draft_of_an_installed_target_is_quantized(path) -> None:
     """torch's quantization swaps exactly-typed nn.Linear modules: the int8 copy puts them back first."""
     from conftest import CharTokenizer, as_loaded, tiny_llama
-    from ssd_chat.engine import drafts
+    from ssd_chat.engine.drafts import shipped as drafts
 
     model = tiny_llama(dtype=torch.float32)
     assert path.install(model) > 0
@@ -306,7 +306,7 @@ def test_without_numba_everything_runs_on_torchs_products(tmp_path) -> None:
         sys.modules["numba"] = None  # `import numba` raises ImportError, as when it is not installed
         import torch
         from torch import nn
-        from ssd_chat.engine import fastlinear, rowkernels
+        from ssd_chat.engine.cpu import fastlinear, rowkernels
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 96), nn.Linear(96, 32))
         ref = [nn.Linear(32, 96), nn.Linear(96, 32)]

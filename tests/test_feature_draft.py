@@ -11,13 +11,13 @@ import torch
 from conftest import CharTokenizer, as_loaded, random_prompts, tiny_llama
 from distribution import compare, exact_distribution, sample_outcomes
 from ssd_chat import train as distill
-from ssd_chat.engine import draft_folder, draft_model, drafts
+from ssd_chat.engine.drafts import folder as draft_folder, model as draft_model, shipped as drafts
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.errors import ModelError, ParamError
 from ssd_chat.engine.events import Done, Round
-from ssd_chat.engine import kv
-from ssd_chat.engine.drafting import FeatureDrafter, target_features
-from ssd_chat.engine.feature_draft import FeatureDraft, is_feature_draft
+from ssd_chat.engine.model import runner as kv
+from ssd_chat.engine.drafts.drafter import FeatureDrafter, target_features
+from ssd_chat.engine.drafts.feature import FeatureDraft, is_feature_draft
 from ssd_chat.engine.params import SamplingParams
 
 

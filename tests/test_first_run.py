@@ -14,7 +14,8 @@ import torch
 from typer.testing import CliRunner
 
 from ssd_chat.cli import app, format_stats
-from ssd_chat.engine import EngineConfig, models, preflight
+from ssd_chat.engine import EngineConfig
+from ssd_chat.engine.load import models, preflight
 from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.events import Stats
 from ssd_chat.history import metrics_line
@@ -117,7 +118,7 @@ def test_llama_70b_offline_says_how_to_get_it_and_warns_before_any_download(tmp_
     for needle in ("hf download meta-llama/Llama-3.1-70B-Instruct", "gated", "accept its licence", "HF_TOKEN",
                    "about 141 GB", "141 GB of GPU memory", "no CUDA GPU"):
         assert needle in error[0], (needle, error[0])
-    from ssd_chat.engine import catalog
+    from ssd_chat.engine.load import catalog
 
     if (catalog.ram_gb() or 0) < 250:  # 70.6B parameters in float32 need ~282 GB
         warn = [i for i, line in enumerate(err.splitlines()) if line.startswith("ssd-chat: warning:")]
@@ -225,7 +226,7 @@ def test_long_model_messages_wrap_at_the_terminal_width(tmp_path):
     text = " ".join(ln.strip() for ln in lines)
     for needle in ("hf download meta-llama/Llama-3.1-8B-Instruct", "HF_TOKEN", "about 16 GB", "a local model folder or a .gguf file"):
         assert needle in text, needle
-    from ssd_chat.engine import catalog
+    from ssd_chat.engine.load import catalog
 
     if (catalog.ram_gb() or 0) < 30:  # 8.03B parameters in float32 need ~32 GB: the warning says what fits
         assert "will not fit here" in text and "What fits" in text and "`--dtype bfloat16`" in text

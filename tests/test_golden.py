@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ssd_chat.engine import chat, drafts
+from ssd_chat.engine.load import chat
+from ssd_chat.engine.drafts import shipped as drafts
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.events import Done
 from ssd_chat.engine.params import SamplingParams

@@ -105,7 +105,9 @@ def test_engine_backend_reports_the_reason_only_while_the_mode_is_unchanged(tiny
 
 def test_describe_says_where_ssd_runs_without_starting_the_speculator(tiny_target, tiny_draft, monkeypatch):
     """The panel's setup rows come from Engine.describe(): SSD's placement from its plan, before any decoder exists."""
-    from ssd_chat.engine import Engine, EngineConfig, models, ssd_plan
+    from ssd_chat.engine import Engine, EngineConfig
+    from ssd_chat.engine.load import models
+    from ssd_chat.engine.speculate import plan as ssd_plan
 
     monkeypatch.setattr(ssd_plan.os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(models.os, "sched_getaffinity", lambda pid: {0, 1})

@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ssd_chat.engine import gguf_map, quant
-from ssd_chat.engine.core import Core, attend_rows
-from ssd_chat.engine.quant import GGUFLinear
+from ssd_chat.engine.load import gguf_map
+from ssd_chat.engine.cpu import quant
+from ssd_chat.engine.model.core import Core, attend_rows
+from ssd_chat.engine.cpu.quant import GGUFLinear
 
 from test_quant import blocks, gguf_weight, load_gguf, write_tiny_gguf
 
@@ -127,7 +128,7 @@ def test_a_cpu_graph_is_built_once_then_loaded(tmp_path, monkeypatch):
     second = Core(model, "pkg", compile="on", rows=(1,), progress=again.append)
     second.append(PROMPT, logits="none")
     assert torch.equal(second.append([4]).logits, a) and again == []
-    from ssd_chat.engine import aoti
+    from ssd_chat.engine.model import aoti
 
     same, other = load_gguf(path), load_gguf(write_tiny_gguf(tmp_path / "other.gguf", layers=1, seed=10))
     assert aoti.fingerprint(same) == aoti.fingerprint(load_gguf(path)) != aoti.fingerprint(other)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ssd_chat.engine import models
+from ssd_chat.engine.load import models
 
 from test_llamacpp import FAKE
 

@@ -139,7 +139,7 @@ def test_against_times_each_protocols_ar_placement_and_reports_ratios(fake_bench
 
 
 def test_check_against_refuses_other_tools_and_non_gguf_targets(fake_bench):
-    from ssd_chat.engine.models import ModelSpec
+    from ssd_chat.engine.load.models import ModelSpec
 
     spec = ModelSpec("x", "gguf", "/m.gguf")
     assert llamacpp.check_against("llama.cpp", str(fake_bench), spec) == fake_bench

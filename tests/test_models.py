@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from ssd_chat.engine import models
+from ssd_chat.engine.load import models
 from ssd_chat.engine.errors import DeviceError, ModelError, TokenizerMismatchError
 
 
@@ -120,7 +120,7 @@ def test_cli_mismatched_tokenizers(tiny_dir, other_tok_dir):
 
 
 def test_engine_never_imports_ui_libraries():
-    code = "import sys, ssd_chat.engine, ssd_chat.engine.ar, ssd_chat.engine.models; print(sorted(m for m in ('textual','rich','typer') if m in sys.modules))"
+    code = "import sys, ssd_chat.engine, ssd_chat.engine.decode.ar, ssd_chat.engine.load.models; print(sorted(m for m in ('textual','rich','typer') if m in sys.modules))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
@@ -150,7 +150,7 @@ def test_a_pickle_the_weights_only_loader_refuses_is_one_line(tmp_path, tiny_dir
 def test_will_not_fit_says_what_fits_instead(monkeypatch):
     """bfloat16, a 4-bit GGUF (CPU) or the largest smaller sibling from the alias table, each with its size;
     the size, the machine and the download stay in the message."""
-    from ssd_chat.engine import catalog
+    from ssd_chat.engine.load import catalog
 
     monkeypatch.setattr(catalog, "ram_gb", lambda: 25.0)
     monkeypatch.setattr(catalog, "gpu_gb", lambda: [])
@@ -167,7 +167,7 @@ def test_will_not_fit_says_what_fits_instead(monkeypatch):
 
 
 def test_a_model_that_is_not_here_names_the_venvs_hf_when_hf_is_not_on_path(monkeypatch, tmp_path):
-    from ssd_chat.engine import catalog
+    from ssd_chat.engine.load import catalog
 
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "hf").write_text("#!/bin/sh\n")

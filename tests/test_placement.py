@@ -1,4 +1,4 @@
-"""--target-device / --draft-device for tensor parallelism (engine/placement.py), with the GPU count and
+"""--target-device / --draft-device for tensor parallelism (engine/load/placement.py), with the GPU count and
 the CPU cores given, so every case runs on a machine without GPUs."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ssd_chat.engine.errors import DeviceError, ModelError, ParamError
-from ssd_chat.engine.placement import CPU_TP_NOTE, check_target, plan_target
+from ssd_chat.engine.load.placement import CPU_TP_NOTE, check_target, plan_target
 
 CORES = [0, 1, 2, 3]
 
@@ -106,7 +106,7 @@ def test_the_chat_reads_device_lists_as_tensor_parallel_ranks(monkeypatch):
     plan_target: tensor-parallel ranks, ``pipeline:`` a device_map; ``auto`` with 3+ GPUs is TP over all but the last."""
     import torch
 
-    from ssd_chat.engine import models, placement, preflight
+    from ssd_chat.engine.load import models, placement, preflight
     from ssd_chat.engine.config import EngineConfig
 
     cpu = models.parse_placement("cpu:0,cpu:1")
@@ -188,7 +188,7 @@ def test_a_misspelt_placement_in_the_environment_names_the_variable(monkeypatch)
                                    "pipeline:cuda:0,cuda:1", "mps", " CUDA:0-1 "])
 def test_the_spelling_check_leaves_the_hardware_to_the_load(value):
     """Forms that are right but may not fit this machine (no GPU here, 2 cores) pass: preflight checks the hardware."""
-    from ssd_chat.engine.placement import check_forms
+    from ssd_chat.engine.load.placement import check_forms
 
     check_forms(value, "cpu:5" if value.startswith("cpu") else "cuda:9")
 
@@ -216,7 +216,7 @@ def test_ssd_speculator_goes_to_the_first_gpu_the_target_leaves(monkeypatch, tar
     import torch
 
     from ssd_chat.engine.config import EngineConfig
-    from ssd_chat.engine.ssd_plan import plan
+    from ssd_chat.engine.speculate.plan import plan
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)

@@ -29,9 +29,9 @@ def ssd_stats(ttft: float, rounds: int, verify: float, wait: float, k: int, step
 def test_the_speculator_times_a_warm_draft_step_not_its_cold_first_call(tiny_draft, monkeypatch):
     """The 'vs SD 20x' on a first reply: begin() timed the draft's very first decode step (compiling, first touch)
     and every round charged SD k times that.  Now the first call is untimed and the estimate is plausible."""
-    from ssd_chat.engine import speculator as spec_mod
-    from ssd_chat.engine.channel import Settings
-    from ssd_chat.engine.fanout import parse
+    from ssd_chat.engine.speculate import speculator as spec_mod
+    from ssd_chat.engine.speculate.channel import Settings
+    from ssd_chat.engine.speculate.fanout import parse
 
     clock = [0.0]
     monkeypatch.setattr(spec_mod.time, "perf_counter", lambda: clock[0])

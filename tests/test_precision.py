@@ -1,4 +1,4 @@
-"""A GGUF target in its own precision (engine/precision.py): when it applies, its label, the swap,
+"""A GGUF target in its own precision (engine/load/precision.py): when it applies, its label, the swap,
 and the drafts that follow it (layers:N and copy share its GGUF linears, int8 is a Q8_0 copy, a
 trained draft keeps the target's blocks and Q8_0 blocks for its own layers)."""
 
@@ -8,9 +8,10 @@ import torch
 import pytest
 from torch import nn
 
-from ssd_chat.engine import draft_folder, draft_model, gguf_header, precision
-from ssd_chat.engine.models import LoadedModel, ModelSpec, Placement
-from ssd_chat.engine.quant import GGUFLinear
+from ssd_chat.engine.drafts import folder as draft_folder, model as draft_model
+from ssd_chat.engine.load import gguf_header, precision
+from ssd_chat.engine.load.models import LoadedModel, ModelSpec, Placement
+from ssd_chat.engine.cpu.quant import GGUFLinear
 from ssd_chat.train.folder import save
 
 from conftest import CharTokenizer
@@ -145,7 +146,8 @@ def test_a_trained_draft_keeps_the_targets_blocks_and_q8_own_layers(target, tmp_
 def test_precision_load_does_not_time_the_float_linears_it_replaces(gguf_path, monkeypatch):
     """models.load installs the CPU fast path on every float32 linear (0.75 s of a warm start on the
     packaged model); a GGUF target in its own precision replaces them, so its load skips that."""
-    from ssd_chat.engine import fastlinear, models
+    from ssd_chat.engine.cpu import fastlinear
+    from ssd_chat.engine.load import models
 
     seen = []
 

@@ -1,4 +1,4 @@
-"""``--mode auto``'s probe (engine/probe.py): the cache is keyed by what can change the answer, a corrupt
+"""``--mode auto``'s probe (engine/decode/probe.py): the cache is keyed by what can change the answer, a corrupt
 or unwritable cache never crashes, the choice is never slower than AR, and a speculative mode needs a
 clear margin.  The timing function is injected, so the choice is tested on fixed figures."""
 
@@ -11,8 +11,10 @@ from dataclasses import replace
 import pytest
 from serving import tiny_chat_dir  # noqa: F401
 
-from ssd_chat.engine import Engine, EngineConfig, engine as engine_mod, models, probe
-from ssd_chat.engine.probe import Result, Sample, choose, reason
+from ssd_chat.engine import Engine, EngineConfig, engine as engine_mod
+from ssd_chat.engine.load import models
+from ssd_chat.engine.decode import probe
+from ssd_chat.engine.decode.probe import Result, Sample, choose, reason
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -219,7 +221,7 @@ def test_config_shows_the_probes_figures_from_the_cache(figures, mode, tmp_path,
     from typer.testing import CliRunner
 
     from ssd_chat.cli import app
-    from ssd_chat.engine import preflight
+    from ssd_chat.engine.load import preflight
 
     monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})

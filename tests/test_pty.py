@@ -12,7 +12,7 @@ import pytest
 
 pexpect = pytest.importorskip("pexpect")
 
-from ssd_chat.engine import models  # noqa: E402
+from ssd_chat.engine.load import models  # noqa: E402
 
 
 ANSI = re.compile(r"\x1b(\[[0-9;?<>=]*[ -/]*[@-~]|\][^\x07\x1b]*(\x07|\x1b\\)|[()][0-9A-Za-z]|[=>NOMDEc78])")

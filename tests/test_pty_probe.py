@@ -19,7 +19,8 @@ psutil = pytest.importorskip("psutil")
 from test_pty import screen_text  # noqa: E402
 from test_pty_ssd import speculators, turns  # noqa: E402
 
-from ssd_chat.engine import models, probe  # noqa: E402
+from ssd_chat.engine.load import models  # noqa: E402
+from ssd_chat.engine.decode import probe  # noqa: E402
 from ssd_chat.engine.config import cache_dir  # noqa: E402
 
 pytestmark = [pytest.mark.slow,

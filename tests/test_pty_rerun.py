@@ -15,7 +15,7 @@ import pytest
 
 pexpect = pytest.importorskip("pexpect")
 
-from ssd_chat.engine import models  # noqa: E402
+from ssd_chat.engine.load import models  # noqa: E402
 from test_pty import screen_text  # noqa: E402
 
 F5 = "\x1b[15~"

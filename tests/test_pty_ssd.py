@@ -16,7 +16,7 @@ import pytest
 pexpect = pytest.importorskip("pexpect")
 psutil = pytest.importorskip("psutil")
 
-from ssd_chat.engine import models  # noqa: E402
+from ssd_chat.engine.load import models  # noqa: E402
 from test_pty import screen_text  # noqa: E402
 
 pytestmark = [pytest.mark.slow,

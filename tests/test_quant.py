@@ -1,4 +1,4 @@
-"""GGUF-quantized linears (engine/quant.py): block decoding bit-exact against gguf's own
+"""GGUF-quantized linears (engine/cpu/quant.py): block decoding bit-exact against gguf's own
 dequantization, products against F.linear with the dequantized weight, the mapping onto a model
 that transformers loaded from a GGUF (q/k row permutation included), clear errors."""
 
@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
 
-from ssd_chat.engine import gguf_map, quant
-from ssd_chat.engine.quant import GGUFLinear, QuantError
+from ssd_chat.engine.load import gguf_map
+from ssd_chat.engine.cpu import quant
+from ssd_chat.engine.cpu.quant import GGUFLinear, QuantError
 
 
 @pytest.fixture(autouse=True)
@@ -130,7 +131,7 @@ def test_kernels_use_sleeping_threads_unless_the_user_chose(env, layer):
     e = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
     if env:
         e["NUMBA_THREADING_LAYER"] = env
-    code = "import numba; from ssd_chat.engine import qkernels; print(numba.config.THREADING_LAYER)"
+    code = "import numba; from ssd_chat.engine.cpu import qkernels; print(numba.config.THREADING_LAYER)"
     out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True).stdout
     assert out.strip() == layer
 
@@ -303,7 +304,7 @@ def test_packaged_model_greedy_agreement(smollm2, record_property):
     """Same weights bit for bit, float32 sums in another order: logits stay within float32
     rounding of the dequantized model and greedy decoding agrees (reported, not assumed, for
     the continuation: a near-tie may legitimately flip a token)."""
-    from ssd_chat.engine import models
+    from ssd_chat.engine.load import models
 
     model, tok = smollm2.model, smollm2.tokenizer
     mods = gguf_map.gguf_linears(model, models.packaged_gguf())

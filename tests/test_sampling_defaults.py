@@ -13,7 +13,7 @@ from conftest import tiny_llama
 from serving import tiny_chat_dir  # noqa: F401
 from ssd_chat import config
 from ssd_chat.cli import app
-from ssd_chat.engine import gen_defaults
+from ssd_chat.engine.load import gen_defaults
 from ssd_chat.engine.params import SamplingParams
 
 

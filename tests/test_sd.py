@@ -9,13 +9,15 @@ import torch
 
 from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
 from distribution import compare, exact_distribution, sample_outcomes
-from ssd_chat.engine import drafts, kv, sd
-from ssd_chat.engine.ar import ARDecoder
+from ssd_chat.engine.drafts import shipped as drafts
+from ssd_chat.engine.model import runner as kv
+from ssd_chat.engine.decode import sd
+from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.events import Done, Error, Round, Token
 from ssd_chat.engine.params import SamplingParams
-from ssd_chat.engine.sampling import sample
+from ssd_chat.engine.decode.sampling import sample
 
 P_VALUE_MIN = 1e-3  # significance of the distribution tests (fixed seeds: the outcome is reproducible)
 PROMPT = [1, 2, 3, 4, 5]
@@ -425,7 +427,7 @@ SMOL_PROMPTS = ["Write one sentence about the sea.", "List three prime numbers."
 @pytest.fixture(scope="module")
 def smol_ar(smollm2):
     """Greedy AR replies (32 tokens) for SMOL_PROMPTS: the reference."""
-    from ssd_chat.engine import chat
+    from ssd_chat.engine.load import chat
 
     prompts = [chat.prompt_ids(smollm2.tokenizer, [{"role": "user", "content": p}])[0] for p in SMOL_PROMPTS]
     return prompts, [done(run(ARDecoder(smollm2).stream, prompt=p, max_new_tokens=32)) for p in prompts]

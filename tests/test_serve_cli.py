@@ -15,7 +15,8 @@ import time
 import pytest
 
 from serving import get, open_stream, post, read_data_events, running, tiny_chat_dir, wait_until  # noqa: F401
-from ssd_chat.engine import Engine, EngineConfig, SamplingParams, models
+from ssd_chat.engine import Engine, EngineConfig, SamplingParams
+from ssd_chat.engine.load import models
 from ssd_chat.server import create_app
 from ssd_chat.server_client import servers_dir, write_state
 from test_models import cli

@@ -94,7 +94,7 @@ def test_a_chunked_body_is_counted_as_it_arrives(sd_server):
 def test_a_prompt_past_the_context_is_refused_before_it_is_tokenized(sd_server, monkeypatch):
     url, app = sd_server
     api_tokenizer_calls = []
-    from ssd_chat.engine import chat
+    from ssd_chat.engine.load import chat
 
     real = chat.prompt_ids
     monkeypatch.setattr(chat, "prompt_ids", lambda *a: api_tokenizer_calls.append(1) or real(*a))
@@ -108,7 +108,7 @@ def test_a_prompt_past_the_context_is_refused_before_it_is_tokenized(sd_server, 
 
 def test_prompts_are_tokenized_off_the_event_loop(sd_server, monkeypatch):
     url, _ = sd_server
-    from ssd_chat.engine import chat
+    from ssd_chat.engine.load import chat
 
     threads, real = [], chat.prompt_ids
     monkeypatch.setattr(chat, "prompt_ids", lambda *a: threads.append(threading.current_thread().name) or real(*a))

@@ -101,7 +101,7 @@ def scripted(tools_engine, monkeypatch):
     def say(text: str) -> None:
         queue[:] = list(tok(text, add_special_tokens=False)["input_ids"]) + [tok.convert_tokens_to_ids("<|im_end|>")]
 
-    monkeypatch.setattr("ssd_chat.engine.ar.sample_next", lambda *a, **k: queue.pop(0))
+    monkeypatch.setattr("ssd_chat.engine.decode.ar.sample_next", lambda *a, **k: queue.pop(0))
     return say
 
 

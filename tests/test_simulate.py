@@ -1,4 +1,4 @@
-"""Simulated GPU hardware (engine/simulate.py, ssd_chat/bench/simulate.py): the padding gives the
+"""Simulated GPU hardware (engine/model/simulate.py, ssd_chat/bench/simulate.py): the padding gives the
 modelled times, the race stays exact and is labelled a simulation everywhere."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from ssd_chat.bench import simulate as sim
 from ssd_chat.cli import app
-from ssd_chat.engine import forward, simulate
+from ssd_chat.engine.model import forward, simulate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-from ssd_chat.engine.ar import ARDecoder
+from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.events import Done, Token
 from ssd_chat.engine.params import SamplingParams
 

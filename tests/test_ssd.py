@@ -10,15 +10,15 @@ import torch
 
 from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
 from distribution import decoder_distribution_test
-from ssd_chat.engine.ar import ARDecoder
-from ssd_chat.engine.channel import Channel, Settings
+from ssd_chat.engine.decode.ar import ARDecoder
+from ssd_chat.engine.speculate.channel import Channel, Settings
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.events import Done, Notice, Round, Token
-from ssd_chat.engine.fanout import parse
+from ssd_chat.engine.speculate.fanout import parse
 from ssd_chat.engine.params import SamplingParams
-from ssd_chat.engine.speculator import Speculator
-from ssd_chat.engine.ssd import SSDDecoder
+from ssd_chat.engine.speculate.speculator import Speculator
+from ssd_chat.engine.decode.ssd import SSDDecoder
 
 PROMPTS = ([1, 2, 3], [5, 17, 40, 2, 9], [7, 7, 8, 60, 33, 12])
 
@@ -173,7 +173,7 @@ def test_channel_round_trip_is_measured(pair):
 
 def _sequential(model, ids, k, settings, vocab):
     """k greedy tokens and the per-step distributions, one incremental forward at a time."""
-    from ssd_chat.engine.sampling import logits_to_probs
+    from ssd_chat.engine.decode.sampling import logits_to_probs
 
     ids = list(ids)
     toks, qs = [], []
@@ -295,7 +295,8 @@ def test_distribution_test_catches_a_wrong_proposal(small_pair, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize(("draft_name", "min_hit", "max_hit"), [("copy", 0.95, 1.0), ("int8", 0.3, 1.0), ("layers:6", 0.0, 0.5)])
 def test_smollm2_greedy_ssd_equals_ar(smollm2, draft_name, min_hit, max_hit):
-    from ssd_chat.engine import chat, drafts
+    from ssd_chat.engine.load import chat
+    from ssd_chat.engine.drafts import shipped as drafts
 
     draft = drafts.derive(draft_name, smollm2)
     k = 1 if draft_name == "copy" else 2
@@ -322,7 +323,8 @@ def test_smollm2_greedy_ssd_equals_ar(smollm2, draft_name, min_hit, max_hit):
     ({0}, "auto", (None, None, True)),
 ])
 def test_cpu_placement_gives_each_process_its_own_cores(monkeypatch, cores, draft_device, want):
-    from ssd_chat.engine import models, ssd_plan as ssd_mod
+    from ssd_chat.engine.load import models
+    from ssd_chat.engine.speculate import plan as ssd_mod
 
     monkeypatch.setattr(ssd_mod.os, "sched_getaffinity", lambda pid: set(cores))
     monkeypatch.setattr(models.os, "sched_getaffinity", lambda pid: set(cores))
@@ -341,8 +343,8 @@ def test_bad_draft_device_is_a_clear_error(pair):
 def test_a_request_the_tree_cannot_answer_stops_the_tree(pair):
     """A miss arriving while the speculator drafts its tree stops the tree (the fallback starts at once);
     a hit, a ping or nothing lets it finish; a new reply stops it."""
-    from ssd_chat.engine.channel import Begin, Ping, Spec
-    from ssd_chat.engine.spec_worker import stops_tree
+    from ssd_chat.engine.speculate.channel import Begin, Ping, Spec
+    from ssd_chat.engine.speculate.worker import stops_tree
 
     target, draft = pair
     k = 3

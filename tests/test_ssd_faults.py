@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
-from ssd_chat.engine.ar import ARDecoder
+from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.events import Done, Notice, Round
 from ssd_chat.engine.params import SamplingParams
 from test_ssd import PROMPTS, run, ssd
@@ -90,7 +90,7 @@ def test_killed_mid_reply(pair):
 def test_speculator_fault(pair, fault, timeout, message):
     target, draft = pair
     from ssd_chat.engine.engine import Engine, EngineConfig
-    from ssd_chat.engine.ssd import SSDDecoder
+    from ssd_chat.engine.decode.ssd import SSDDecoder
 
     class Faulty(SSDDecoder):
         pass

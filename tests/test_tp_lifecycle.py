@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from ssd_chat.engine.core import Core
+from ssd_chat.engine.model.core import Core
 from ssd_chat.engine.errors import ModelError, TPError
 
 from conftest import tiny_llama
@@ -96,7 +96,7 @@ def _spawned() -> list[int]:
 
 APP = """
 import sys, time, torch
-from ssd_chat.engine.tp import TPCore
+from ssd_chat.engine.tp.core import TPCore
 tp = TPCore(sys.argv[1], ["cpu", "cpu"], "tiny", dtype=torch.float64)
 tp.append([1, 2, 3])
 print("pids", *tp.pids, flush=True)
@@ -145,7 +145,7 @@ def test_the_ranks_end_with_the_app(tmp_path, end):
 GENERATE = """
 import sys, torch
 from ssd_chat.engine.errors import SSDChatError
-from ssd_chat.engine.tp import TPCore
+from ssd_chat.engine.tp.core import TPCore
 tp = TPCore(sys.argv[1], ["cpu", "cpu"], "tiny", dtype=torch.float64, timeout_s=float(sys.argv[2]))
 print("pids", *tp.pids, flush=True)
 try:

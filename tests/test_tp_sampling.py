@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssd_chat.engine.core import Core
+from ssd_chat.engine.model.core import Core
 from ssd_chat.engine.params import SamplingParams
 
 from conftest import CharTokenizer, as_loaded, tiny_llama

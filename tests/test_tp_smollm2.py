@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssd_chat.engine import chat, drafts
-from ssd_chat.engine.core import Core
+from ssd_chat.engine.load import chat
+from ssd_chat.engine.drafts import shipped as drafts
+from ssd_chat.engine.model.core import Core
 from ssd_chat.engine.params import SamplingParams
-from ssd_chat.engine.tp import TPCore
+from ssd_chat.engine.tp.core import TPCore
 
 from distribution import sample_outcomes
 from tp_helpers import greedy, rank_cores, sd_stream

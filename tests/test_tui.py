@@ -263,7 +263,7 @@ class TestSession:
     @pytest.mark.asyncio
     async def test_the_app_keeps_its_conversation_in_a_session(self):
         """As in `ask` and the demo: the Session builds what the backend is asked and keeps each turn."""
-        from ssd_chat.engine.chat import messages_for
+        from ssd_chat.engine.load.chat import messages_for
         from ssd_chat.session import Session
 
         backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"])])

@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent("""
     from conftest import CharTokenizer, as_loaded, tiny_llama
     from ssd_chat.engine import Engine, EngineConfig, SamplingParams
     from ssd_chat.engine.events import Done, Notice
-    from ssd_chat.engine.ssd import SSDDecoder
+    from ssd_chat.engine.decode.ssd import SSDDecoder
 
     base = tiny_llama(head_scale=3.0)
     target, draft = as_loaded(base, CharTokenizer(64), "t"), as_loaded(base, CharTokenizer(64), "d")

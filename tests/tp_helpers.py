@@ -8,8 +8,8 @@ import os
 import torch
 
 from ssd_chat.engine.events import Done
-from ssd_chat.engine.tp import TPCore
-from ssd_chat.engine.sampling import logits_to_probs, make_generator, sample, sample_next, verify
+from ssd_chat.engine.tp.core import TPCore
+from ssd_chat.engine.decode.sampling import logits_to_probs, make_generator, sample, sample_next, verify
 
 
 def greedy(core, prompt: list[int], n: int) -> list[int]:

@@ -19,7 +19,7 @@ from textual.message import Message
 
 from .. import compare as cmp
 from ..engine import threads
-from ..engine.chat import messages_for
+from ..engine.load.chat import messages_for
 from ..engine.params import SamplingParams
 from ..backend import readable
 from .figures import Baseline, baseline_from_reply

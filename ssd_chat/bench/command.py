@@ -54,7 +54,7 @@ def bench_command(
 
     from . import llamacpp
     from ..engine.errors import ModelError
-    from ..engine.models import resolve
+    from ..engine.load.models import resolve
 
     named = set(given)  # the options given (and the app's, before the subcommand)
     mode_list = _parse_list(modes, ("ar", "sd", "ssd"), "mode")

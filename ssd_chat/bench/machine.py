@@ -26,7 +26,7 @@ class Pinning:
     def apply(self, cores: tuple[int, ...] | None, threads: int | None) -> None:
         if threads is not None:
             self._torch.set_num_threads(threads)
-            from ..engine import fastlinear
+            from ..engine.cpu import fastlinear
 
             fastlinear.prepare()  # few-row choices timed for this thread count (during the warm-up)
         if cores is not None and self.enforced:
@@ -111,7 +111,7 @@ def weight_bytes(model: Any) -> int:
     per token) unless it is also the head, whose linear then counts it."""
     from torch import nn
 
-    from ..engine.precision import tensor_key
+    from ..engine.load.precision import tensor_key
 
     seen: dict[int, int] = {}
     for m in model.modules():

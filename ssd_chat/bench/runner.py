@@ -62,7 +62,7 @@ def run_bench(
     ``models_for(plan) -> (target, draft)`` gives loaded models (shared between plans);
     ``encode(engine, prompt) -> (ids, extra_stop)`` defaults to the chat template."""
     from ..engine import SamplingParams
-    from ..engine.chat import messages_for
+    from ..engine.load.chat import messages_for
     from ..engine.events import Done, Error, Notice, Round
     from ..engine.metrics import Metrics
 
@@ -236,7 +236,9 @@ class ModelPool:
         return "cpu" if d.startswith("cpu") or d == "auto" and not _cuda() else d
 
     def models_for(self, plan: Plan) -> tuple[Any, Any]:
-        from ..engine import drafts, models, precision, tp_load
+        from ..engine.drafts import shipped as drafts
+        from ..engine.load import models, precision
+        from ..engine.tp import load as tp_load
 
         tk = self._key(plan.target_device)
         if tk not in self._targets:
@@ -267,7 +269,7 @@ class ModelPool:
         return self._first.target.tokenizer.decode(ids, skip_special_tokens=False)
 
     def describe(self) -> dict[str, Any]:
-        from ..engine import precision
+        from ..engine.load import precision
 
         t = self._first.target
         out: dict[str, Any] = {"target": {"name": t.name, "params": precision.num_params(t), "dtype": str(t.placement.dtype).removeprefix("torch."),
@@ -279,7 +281,7 @@ class ModelPool:
 
 
 def _rank_pids(engine: Any) -> list[int]:
-    from ..engine import tp_load
+    from ..engine.tp import load as tp_load
 
     tp = tp_load.sharded(engine.target)
     return tp.pids if tp is not None else []

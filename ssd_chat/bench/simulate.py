@@ -1,7 +1,7 @@
 """``ssd-chat bench --simulate PROFILE``: AR, SD and SSD on simulated GPU hardware.
 
 The decoders, the speculator process, the channel and the cache are the real ones; the models are
-small random Llamas whose forwards are padded to the profile's latency model (:mod:`engine.simulate`).
+small random Llamas whose forwards are padded to the profile's latency model (:mod:`engine.model.simulate`).
 The draft is the target with calibrated noise on its weights, so that its greedy agreement with the
 target (the per-token acceptance) is the one asked for.  Every figure this produces is a simulation,
 and says so.
@@ -100,7 +100,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def _loaded(model: torch.nn.Module, name: str) -> Any:
-    from ..engine.models import LoadedModel, ModelSpec, Placement
+    from ..engine.load.models import LoadedModel, ModelSpec, Placement
 
     return LoadedModel(name=name, spec=ModelSpec(name, "folder", name), model=model, tokenizer=Tokens(VOCAB),
                        placement=Placement(torch.device("cpu"), torch.float64))
@@ -183,11 +183,11 @@ def _harness_ms(pad: Any) -> float:
 def race(profile: str, alphas: list[float], n_prompts: int, max_new: int, seed: int,
          say: Callable[[str], None]) -> dict[str, Any]:
     """The whole simulated race: AR once, then SD and SSD at each acceptance."""
-    from ..engine import simulate
-    from ..engine.ar import ARDecoder
+    from ..engine.model import simulate
+    from ..engine.decode.ar import ARDecoder
     from ..engine.engine import Engine, EngineConfig
-    from ..engine.sd import SDDecoder
-    from ..engine.ssd import SSDDecoder
+    from ..engine.decode.sd import SDDecoder
+    from ..engine.decode.ssd import SSDDecoder
 
     prof = simulate.load(profile)
     k = prof.k
@@ -268,7 +268,7 @@ def race(profile: str, alphas: list[float], n_prompts: int, max_new: int, seed: 
 def command(profile: str, acceptance: str, n_prompts: int, max_new: int, seed: int, json_file: Any, plot_file: Any,
             markdown_file: Any, console: Any, err: Any, quiet: bool) -> int:
     """``bench --simulate``: the exit status (0, 1 on a failure, 2 on bad usage, 3 when greedy SD/SSD differ from AR)."""
-    from ..engine import simulate
+    from ..engine.model import simulate
     from ..options import fail
     from . import sim_render
     from .report import write_json

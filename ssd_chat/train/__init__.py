@@ -14,7 +14,7 @@ Pipeline, every stage cached in a work folder so an interrupted run resumes:
    reduced vocabulary at every answer position, AdamW with warm-up and cosine decay; held-out
    top-1 agreement is reported as training goes.  The batch order is a function of (seed,
    step), so a resumed run continues exactly where it stopped.
-4. **the folder** (:mod:`.folder`), which the engine loads (``engine/draft_folder.py``).
+4. **the folder** (:mod:`.folder`), which the engine loads (``engine/drafts/folder.py``).
 
 This package imports the engine; the engine never imports it.
 """

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from ..engine.draft_model import DraftShape
+from ..engine.drafts.model import DraftShape
 from ..engine.errors import ParamError
 
 ProgressFn = Callable[[str, int, int, dict[str, float]], None]  # (stage, done, total, info)
@@ -20,7 +20,7 @@ def _no_progress(stage: str, done: int, total: int, info: dict[str, float]) -> N
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
     """How a draft is shaped and trained.  ``kind``: "layers" (shared first layers + trained
-    layers, ``engine/draft_model.py``) or "features" (EAGLE-style, ``engine/feature_draft.py``).  ``init_from``
+    layers, ``engine/drafts/model.py``) or "features" (EAGLE-style, ``engine/drafts/feature.py``).  ``init_from``
     None: the target's last two layers ("layers") or its last layer ("features")."""
 
     kind: str = "layers"

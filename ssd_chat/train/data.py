@@ -15,9 +15,9 @@ from typing import Any, Callable
 import torch
 
 from ..engine.config import cache_dir
-from ..engine.draft_model import shared_hash
-from ..engine.layout import hidden_of, output_module, parts
-from ..engine.models import LoadedModel
+from ..engine.drafts.model import shared_hash
+from ..engine.model.layout import hidden_of, output_module, parts
+from ..engine.load.models import LoadedModel
 from .config import Example, Features, ProgressFn, TrainConfig, _no_progress
 from .prompts import prompt_ids, write_prompts
 

@@ -1,4 +1,4 @@
-"""Training a feature draft (EAGLE-style, ``engine/feature_draft.py``): its inputs are the target's
+"""Training a feature draft (EAGLE-style, ``engine/drafts/feature.py``): its inputs are the target's
 features, the loss KL to the target plus a pull of the draft's hidden state towards them."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from .layers import kl_loss, teacher_logits
 
 def make_batch(feats: Features, examples: list[Example], idx: list[int], dev: torch.device, dt: torch.dtype, fused: bool = False):
     """Inputs of a feature draft: tokens, the target's features at each position as
-    ``engine.drafting.target_features`` gives them ([final], or [mid | final] when ``fused``), the target's
+    ``engine.drafts.drafter.target_features`` gives them ([final], or [mid | final] when ``fused``), the target's
     final feature at each position, its greedy next token, the answer-position mask and
     positions; all [B, W(, H or 2H)] with W = longest - 1."""
     width = max(len(examples[i].ids) for i in idx) - 1

@@ -1,4 +1,4 @@
-"""Writing a trained draft's folder (the engine reads it: ``engine/draft_folder.py``)."""
+"""Writing a trained draft's folder (the engine reads it: ``engine/drafts/folder.py``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine.draft_folder import FORMAT, MANIFEST, VERSION, WEIGHTS
-from ..engine.draft_model import DraftShape, shared_hash, trainable_state
-from ..engine.feature_draft import is_feature_draft
+from ..engine.drafts.folder import FORMAT, MANIFEST, VERSION, WEIGHTS
+from ..engine.drafts.model import DraftShape, shared_hash, trainable_state
+from ..engine.drafts.feature import is_feature_draft
 
 
 def save(draft: nn.Module, folder: Path, target_name: str, target: nn.Module, extra: dict[str, Any] | None = None,

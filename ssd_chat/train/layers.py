@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.draft_model import ReducedHead
-from ..engine.layout import hidden_of, output_module, parts, shallow
+from ..engine.drafts.model import ReducedHead
+from ..engine.model.layout import hidden_of, output_module, parts, shallow
 from .config import Example, Features
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from ..engine.draft_model import build, check_shape, trainable_state
-from ..engine.feature_draft import FeatureDraft, check_fuse_layer
-from ..engine.models import LoadedModel
+from ..engine.drafts.model import build, check_shape, trainable_state
+from ..engine.drafts.feature import FeatureDraft, check_fuse_layer
+from ..engine.load.models import LoadedModel
 from . import features as features_
 from . import layers
 from .config import Example, Features, ProgressFn, TrainConfig, TrainResult, _no_progress

@@ -7,13 +7,13 @@ from typing import Any
 
 import torch
 
-from ..engine import kv
-from ..engine.drafting import drafter
+from ..engine.model import runner as kv
+from ..engine.drafts.drafter import drafter
 from ..engine.errors import ModelError
 from ..engine.events import Error
-from ..engine.feature_draft import is_feature_draft
+from ..engine.drafts.feature import is_feature_draft
 from ..engine.metrics import Metrics
-from ..engine.models import LoadedModel
+from ..engine.load.models import LoadedModel
 from .prompts import prompt_ids
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from ..engine import chat
+from ..engine.load import chat
 from ..engine.errors import ModelError, ParamError
-from ..engine.models import LoadedModel
+from ..engine.load.models import LoadedModel
 from .config import ProgressFn, _no_progress
 
 PROMPT_TEMPERATURE = 0.9  # of the prompts the target writes itself (--self-prompts)

@@ -1,6 +1,6 @@
 """The speculation-cache view: for the latest rounds, what the speculator pre-built and what the target chose.
 
-SSD semantics (``engine/ssd.py``): while round r-1 is verified, the speculator caches drafts for
+SSD semantics (``engine/decode/ssd.py``): while round r-1 is verified, the speculator caches drafts for
 the outcomes it predicts, keyed ``(j accepted, bonus token)``; round r's ``predicted`` is that
 set and ``cache_hit`` says whether round r-1's actual outcome was in it.  So each row pairs a
 round's predictions with the *previous* round's outcome.

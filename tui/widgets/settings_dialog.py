@@ -12,7 +12,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select
 
 from ...config import SAMPLING_KEYS
-from ...engine.fanout import DEFAULT_FAN_OUT
+from ...engine.speculate.fanout import DEFAULT_FAN_OUT
 from ...engine.params import SamplingParams
 from ...terminal import printable
 from ..changes import FIELDS, check_engine, parse_settings

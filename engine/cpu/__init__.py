@@ -1,0 +1,1 @@
+"""The CPU lane: GGUF-quantized linears and the numba kernels behind them."""

@@ -1,0 +1,49 @@
+"""Autoregressive decoding: the reference every faster decoder is tested against.
+
+As plain as nanoGPT's ``generate``: one target forward per token, KV cache kept.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+
+from ..events import Event, Token
+from ..load.models import LoadedModel
+from ..model import forward
+from ..params import SamplingParams
+from .decoder import Decoder, Reply, context_budget
+from .penalties import Penalties
+from .sampling import make_generator, sample_next
+
+
+class ARDecoder(Decoder):
+    mode = "ar"
+
+    def __init__(self, target: LoadedModel, compile: str = "auto") -> None:
+        self.target = target
+        self.compile = compile  # which forward: see forward.runner
+
+    def _budget(self, num_prompt: int, params: SamplingParams) -> int:
+        return context_budget(self.target, num_prompt, params)
+
+    def _reply(self, prompt_ids: list[int], r: Reply) -> Generator[Event, None, None]:
+        model, dev, params, builder = self.target.model, self.target.device, r.params, r.builder
+        gen = make_generator(params.seed, dev)
+        pen = Penalties.of(params, prompt_ids)
+        # prefill: the whole prompt in one forward
+        runner = forward.runner(model, "target", self.compile, (1,), dev, title=self.target.name)
+        logits = forward.prefill(runner, prompt_ids)
+        r.metrics.prefill_s = time.perf_counter() - r.t0
+        while (yield from r.go_on(model)):
+            # sample one token, then feed it back
+            tok = sample_next(pen.with_extra(logits, None), params.temperature, params.top_k, params.top_p, gen)
+            pen.add([tok])
+            delta = builder.push(tok)
+            if builder.reason != "eos":
+                ev = Token(tok, delta, "target", time.perf_counter() - r.t0)
+                r.metrics.add(ev)
+                yield ev
+            if builder.finished:
+                break
+            logits = runner.append([tok]).logits[-1]

@@ -1,0 +1,130 @@
+"""The frame every decoder (AR, SD, SSD) shares: one reply from prompt to Done.
+
+A mode supplies its context budget and its body (prefill, then a loop of steps); the frame
+owns the rest, so the events around the loop are the same in every mode: before each step
+the notices the models left and the stop flag; a failure ends the reply with an Error that
+keeps the partial reply, anything else with a Done carrying the stats.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+import time
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ModelError, ParamError, TPError
+from ..events import Done, DoneReason, Error, Event, Notice, Token
+from ..load.models import LoadedModel
+from ..metrics import Metrics
+from ..model import forward
+from ..params import SamplingParams
+from .detok import ReplyBuilder
+
+
+def context_budget(model: LoadedModel, num_prompt: int, params: SamplingParams, lookahead: int = 0) -> int:
+    """How many new tokens fit in the model's context (raises if the prompt alone does not fit).
+
+    ``lookahead`` reserves room for draft tokens a speculative decoder scores past the budget.
+    """
+    ctx = int(getattr(model.model.config, "max_position_embeddings", 0) or 0)
+    if num_prompt == 0:
+        raise ParamError("the prompt is empty")
+    if ctx and num_prompt >= ctx:
+        raise ParamError(f"the prompt is {num_prompt} tokens but '{model.name}' has a context of {ctx} tokens; shorten it or start a new chat")
+    return min(params.max_new_tokens, ctx - num_prompt - lookahead) if ctx else params.max_new_tokens
+
+
+def error_event(exc: BaseException, builder: ReplyBuilder) -> Error:
+    """An Error event for a failure mid-reply, keeping what was produced."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        msg, kind = "out of GPU memory during generation; try a shorter chat, fewer new tokens or a smaller model", "oom"
+    elif isinstance(exc, ModelError):  # e.g. no memory for a KV cache: its message names the model and the size
+        msg, kind = str(exc), "oom" if "out of memory" in str(exc) else "runtime"
+    elif isinstance(exc, TPError):  # a rank died or hung: all were closed, and the next reply starts them (tp_load)
+        msg, kind = f"{exc}; they start again with the next message", "runtime"
+    else:
+        msg, kind = f"{type(exc).__name__}: {exc}", "runtime"
+    return Error(msg, kind, builder.text + builder.flush(), tuple(builder.token_ids))
+
+
+def emit_block(
+    builder: ReplyBuilder, metrics: Metrics, drafts: list[int], num_accepted: int, bonus: int, t0: float
+) -> Generator[Token, None, tuple[int, int | None]]:
+    """Push one round's accepted drafts and bonus through ``builder``, yielding their Token
+    events; EOS / stop / length end the block at that token.  Returns ``(emitted, bonus_id)``
+    (bonus_id None if the reply ended before the bonus).  Shared by SD and SSD."""
+    emitted, bonus_id = 0, None
+    for i, tok in enumerate([*drafts[:num_accepted], bonus]):
+        delta = builder.push(tok)
+        if i == num_accepted:
+            bonus_id = tok
+        if builder.reason != "eos":
+            ev = Token(tok, delta, "draft" if i < num_accepted else "target", time.perf_counter() - t0)
+            emitted += 1
+            metrics.add(ev)
+            yield ev
+        if builder.finished:
+            break
+    return emitted, bonus_id
+
+
+@dataclass
+class Reply:
+    """One reply as the frame sees it; a mode's body reads and advances it."""
+
+    builder: ReplyBuilder
+    metrics: Metrics
+    params: SamplingParams
+    stop: threading.Event | None
+    t0: float = field(default_factory=time.perf_counter)  # the reply's clock: event times and stats count from here
+    cancelled: bool = False
+
+    def go_on(self, *models: torch.nn.Module | None) -> Generator[Event, None, bool]:
+        """Before each step: the notices ``models`` left (on transformers, a compile that failed),
+        then the stop flag.  False once the reply is over."""
+        if self.builder.finished:
+            return False
+        for note in forward.take_notices(*models):
+            yield Notice(note, "info")
+        if self.stop is not None and self.stop.is_set():
+            self.cancelled = True
+        return not self.cancelled
+
+    @property
+    def reason(self) -> DoneReason | None:
+        return "cancelled" if self.cancelled else self.builder.reason
+
+
+class Decoder(ABC):
+    """A mode's decoder: :meth:`stream` is the frame; the mode supplies ``_budget`` and ``_reply``."""
+
+    mode: str
+    target: LoadedModel
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams, stop: threading.Event | None = None) -> Iterator[Event]:
+        budget = self._budget(len(prompt_ids), params)  # a prompt that does not fit raises here, before any event
+        builder = ReplyBuilder(self.target.tokenizer, self.target.eos_ids, params.stop, budget, params.ignore_eos)
+        metrics = Metrics(self.mode)
+        self._prepare()
+        r = Reply(builder, metrics, params, stop)
+        try:
+            yield from self._reply(prompt_ids, r)
+        except Exception as e:  # noqa: BLE001 - reported as an event, with the partial reply
+            yield error_event(e, builder)
+            return
+        yield Done(r.reason, builder.text + builder.flush(), tuple(builder.token_ids), metrics.stats(time.perf_counter() - r.t0))
+
+    @abstractmethod
+    def _budget(self, num_prompt: int, params: SamplingParams) -> int:
+        """How many new tokens the reply may have (:func:`context_budget` for the models it uses)."""
+
+    def _prepare(self) -> None:
+        """Work before the reply's clock starts (SSD: the speculator's load)."""
+
+    @abstractmethod
+    def _reply(self, prompt_ids: list[int], r: Reply) -> Generator[Event, None, None]:
+        """The mode's prefill and loop: ``while (yield from r.go_on(...)): <one step>``."""

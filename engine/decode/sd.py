@@ -1,0 +1,120 @@
+"""Speculative decoding (Leviathan et al. 2023; Chen et al. 2023): the baseline SSD must beat.
+
+Each round the draft proposes k tokens autoregressively, the target scores
+``[last, d1..dk]`` in one forward, and :func:`sampling.verify` accepts a prefix and
+samples the bonus token.  The output is distributed exactly as the target's (greedy:
+identical to :class:`ARDecoder`), because p and q go through the same
+temperature / top-k / top-p transform and verify uses the very q the drafts were drawn from.
+
+Bookkeeping.  ``seq`` is prompt + reply so far.  The target runner holds every token of
+``seq`` but the last, which is fed at the start of the next verification.  The draft
+(:mod:`drafting`: a model draft or a feature draft, behind one interface) holds some prefix
+of ``seq`` and catches up before drafting.  Rollback after a round is truncation only;
+accepted tokens are never recomputed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from typing import Any
+
+import torch
+
+from ..drafts.drafter import Choose, drafter, fit_vocab, vocab_size  # noqa: F401 - fit_vocab/vocab_size: SD's public helpers
+from ..errors import ParamError
+from ..events import Event, Round
+from ..load.models import LoadedModel
+from ..model import forward
+from ..params import SamplingParams
+from .decoder import Decoder, Reply, context_budget, emit_block
+from .penalties import Penalties
+from .sampling import greedy_outcome, logits_to_probs, make_generator, sample, verify
+
+
+def plain_choice(params: SamplingParams, gen: torch.Generator, pen: Penalties | None = None) -> Choose:
+    """SD's rule for drawing a draft token: q is the draft's distribution under the target's
+    penalties / temperature / top-k / top-p (a point mass on the argmax under greedy).  The i-th
+    draft token is penalized for the committed tokens plus the i drawn before it this round."""
+    drawn: list[int] = []
+
+    def choose(logits: torch.Tensor, i: int) -> tuple[int, torch.Tensor]:
+        del drawn[i:]
+        if pen is not None:
+            logits = pen.rows(logits[None], drawn, i)[0]
+        q = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # [V]
+        tok = int(q.argmax()) if params.temperature == 0.0 else int(sample(q, gen))
+        drawn.append(tok)
+        return tok, q
+    return choose
+
+
+class SDDecoder(Decoder):
+    mode = "sd"
+
+    def __init__(self, engine: Any) -> None:
+        if engine.draft is None:
+            raise ParamError("speculative decoding needs a draft model (--draft copy|int8|layers:N|MODEL)")
+        self.engine = engine
+        self.target: LoadedModel = engine.target
+        self.draft: LoadedModel = engine.draft
+        self.k: int = engine.config.k
+        self._vocab = vocab_size(self.target.model)
+
+    def _budget(self, num_prompt: int, params: SamplingParams) -> int:
+        return min(context_budget(self.target, num_prompt, params), context_budget(self.draft, num_prompt, params))
+
+    def _reply(self, prompt_ids: list[int], r: Reply) -> Generator[Event, None, None]:
+        tdev, ddev, params, builder, metrics = self.target.device, self.draft.device, r.params, r.builder, r.metrics
+        gen = make_generator(params.seed, tdev)
+        # the draft samples with its own generator on its own device (a different stream of the same seed)
+        dgen = gen if ddev == tdev else make_generator(None if params.seed is None else params.seed + 1, ddev)
+        # the penalties' reply counts, on each model's device (the same tokens)
+        tpen = Penalties.of(params, prompt_ids)
+        dpen = tpen if ddev == tdev else Penalties.of(params, prompt_ids)
+        choose = plain_choice(params, dgen, dpen)
+        mode = self.engine.config.compile
+        draft = drafter(self.draft.model, self._vocab, ddev, mode, (1, self.k + 1), self.draft.name)
+        features = draft.reads_features  # the target's hidden states go to the draft
+        target = forward.runner(self.target.model, "target", mode, (self.k + 1,), tdev, draft.mid_layer, self.target.name)
+        # prefill: everything but the last prompt token, which the first round feeds
+        seq = list(prompt_ids)
+        if len(seq) > 1:
+            draft.prefill(seq[:-1], target.append(seq[:-1], logits="last", hidden=features))
+        metrics.prefill_s = time.perf_counter() - r.t0
+        index = 0
+        while (yield from r.go_on(self.target.model, self.draft.model)):
+            # never draft past the budget: k drafts + 1 bonus <= remaining
+            k = max(0, min(self.k, builder.remaining - 1))
+            num_seq = len(seq)
+
+            # draft: catch up on the tokens it has not seen, then propose k tokens from q
+            t_draft = time.perf_counter()
+            drafts, qs = draft.propose(seq, k, choose) if k else ([], [])
+            draft_s = time.perf_counter() - t_draft
+
+            # verify: one target forward over [last, d1..dk], then accept a prefix and sample the bonus
+            t_verify = time.perf_counter()
+            out = target.append([seq[-1], *drafts], hidden=features)  # logits [k+1, V]
+            # row i follows seq + drafts[:i]: penalized for exactly that prefix, as AR would
+            rows = tpen.rows(out.logits, drafts)
+            if params.temperature == 0.0:  # point masses: one argmax decides (sampling.greedy_outcome)
+                num_accepted, bonus = greedy_outcome(rows, drafts)
+            else:
+                p = logits_to_probs(rows, params.temperature, params.top_k, params.top_p)  # [k+1, V]
+                q = torch.stack(qs).to(tdev) if k else p[:0]  # [k, V]
+                num_accepted, bonus = verify(torch.tensor(drafts, dtype=torch.long, device=tdev), q, p, gen)
+            # roll back: both keep [.., last, d1..dn]
+            target.truncate(num_seq + num_accepted)
+            draft.rollback(num_seq + num_accepted, out)
+            verify_s = time.perf_counter() - t_verify
+
+            # emit the accepted drafts and the bonus; EOS / stop / length end the reply at that token
+            emitted, bonus_id = yield from emit_block(builder, metrics, drafts, num_accepted, bonus, r.t0)
+            seq += [*drafts[:num_accepted], bonus]  # only read again if the reply goes on
+            for pen in {id(tpen): tpen, id(dpen): dpen}.values():
+                pen.add([*drafts[:num_accepted], bonus])
+            rnd = Round(index, tuple(drafts), num_accepted, bonus_id, emitted, draft_s, verify_s, time.perf_counter() - r.t0)
+            metrics.add(rnd)
+            yield rnd
+            index += 1

@@ -1,0 +1,1 @@
+"""The draft models: the shipped ones, trained draft folders, feature drafts and the drafter that runs them."""

@@ -1,0 +1,185 @@
+"""Drafts behind one interface: what SD (and SSD's in-process fallback) asks of a draft.
+
+A drafter keeps the draft model's view of the sequence being decoded and answers three calls:
+
+* ``prefill(ids, target_out)``: a new sequence, ``ids`` (the prompt but its last token) already
+  run by the target, whose output ``target_out`` a feature draft reads;
+* ``propose(seq, k, choose)``: catch up on the tokens of ``seq`` it has not seen, then draft k
+  tokens, each drawn by the caller's ``choose(logits, i) -> (token, q row or None)`` (the
+  caller owns the sampling rule and its generator);
+* ``rollback(keep, target_out)``: the target kept ``seq[:keep]``; ``target_out`` is its
+  verification forward, whose first rows a feature draft takes as the true features.
+
+:class:`ModelDrafter` serves any causal LM (a small model, the int8 copy, ``layers:N``, a trained
+layers draft); :class:`FeatureDrafter` a feature draft, which reads the target's hidden state at
+the position before each token (``reads_features``: the target runner must return it, with the
+output of layer ``mid_layer`` as well for a fused draft).  :func:`drafter` picks one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..model import forward, runner as kv
+from ..speculate.plan import pinned
+from .feature import FeatureDraft, is_feature_draft
+
+Choose = Callable[[torch.Tensor, int], tuple[int, torch.Tensor | None]]
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the model's output head (the width of its logits)."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return int(weight.shape[0])
+    if callable(weight):  # dynamic-quantized Linear: weight() returns the packed tensor
+        return int(weight().shape[0])
+    return int(model.config.vocab_size)
+
+
+def fit_vocab(logits: torch.Tensor, size: int | None) -> torch.Tensor:
+    """Draft logits [..., Vd] -> [..., size]: pad with -inf (tokens the draft cannot propose) or cut.
+    Same-tokenizer models can still differ in head width (padded vocabularies)."""
+    vd = logits.shape[-1]
+    if size is None or vd == size:
+        return logits
+    if vd > size:
+        return logits[..., :size]
+    pad = logits.new_full((*logits.shape[:-1], size - vd), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
+
+
+def draft_k(logits: torch.Tensor, k: int, choose: Choose, vocab: int | None,
+            step: Callable[[int], torch.Tensor]) -> tuple[list[int], list[torch.Tensor | None]]:
+    """Draw k tokens: ``logits`` are the draft's for the first; ``step(token)`` feeds a drawn token
+    and gives the logits for the next (not called after the last, which the draft never sees)."""
+    tokens: list[int] = []
+    qs: list[torch.Tensor | None] = []
+    for i in range(k):
+        tok, q = choose(fit_vocab(logits, vocab), i)
+        tokens.append(tok)
+        qs.append(q)
+        if i < k - 1:
+            logits = step(tok)
+    return tokens, qs
+
+
+class ModelDrafter:
+    """A causal LM as a draft: its own KV cache over a prefix of the sequence."""
+
+    reads_features = False
+    mid_layer: int | None = None
+
+    def __init__(self, model: torch.nn.Module, vocab: int | None, device: torch.device | None = None,
+                 compile: str = "off", rows: tuple[int, ...] = (1,), title: str | None = None) -> None:
+        self.runner = forward.runner(model, "draft", compile, rows, device, title=title)
+        self.vocab = vocab
+        compiler = getattr(getattr(self.runner, "core", None), "compiler", None)
+        # an eager draft on CPU runs on one thread: its small products finish before a second thread
+        # wakes (SD on 2 threads drafted slower than on 1), while the target's graphs use them all
+        self.solo = self.runner.device.type == "cpu" and not (compiler is not None and compiler.active)
+
+    def prefill(self, ids: list[int], target_out: Any = None) -> None:
+        if ids:
+            with pinned(None, 1 if self.solo else None):
+                self.runner.append(ids, logits="none")
+
+    def propose(self, seq: list[int], k: int, choose: Choose) -> tuple[list[int], list[torch.Tensor | None]]:
+        with pinned(None, 1 if self.solo else None):
+            logits = self.runner.append(seq[self.runner.length:], logits="last").logits[-1]
+            return draft_k(logits, k, choose, self.vocab, lambda tok: self.runner.append([tok]).logits[-1])
+
+    def rollback(self, keep: int, target_out: Any = None) -> None:
+        # the draft never saw the last drafted token, so it may hold less than `keep`
+        self.runner.truncate(min(self.runner.length, keep))
+
+
+class FeatureDrafter:
+    """A feature draft's cache over a prefix of the sequence in which every token was fed the
+    target's true feature, plus those features.
+
+    ``feats[p]`` is the target's feature at position p (known for every position the target has
+    run).  :meth:`catch_up` feeds the tokens of ``seq`` not yet cached with their true features;
+    drafted tokens are fed the draft's own hidden state and dropped again on rollback."""
+
+    reads_features = True
+
+    def __init__(self, model: FeatureDraft, vocab: int | None, device: torch.device | None = None) -> None:
+        self.model = model
+        self.mid_layer = model.fuse_layer
+        self.runner = kv.Runner(model, device=device)
+        self.device = self.runner.device
+        self.vocab = vocab
+        self.feats = torch.zeros(0, model.hidden_size, device=self.device, dtype=model.fc.weight.dtype)
+        self.valid = 0  # cached positions fed true features
+
+    def prefill(self, ids: list[int], target_out: Any = None) -> None:
+        if ids:
+            self.add_features(target_features(target_out), 0)
+
+    def add_features(self, f: torch.Tensor, start: int) -> None:
+        """Target features (as :func:`target_features` gives them) for positions
+        ``start..start+len(f)-1``, replacing what was there."""
+        with torch.no_grad():
+            g = self.model.true_features(f.to(self.device, self.feats.dtype))
+        self.feats = torch.cat([self.feats[:start], g], dim=0)
+
+    def _feat_in(self, start: int, n: int) -> torch.Tensor:
+        """Input features for tokens at positions start..start+n-1: feats[p-1] (zeros for p = 0)."""
+        lo = max(start - 1, 0)
+        f = self.feats[lo : start + n - 1]
+        if start == 0:
+            f = torch.cat([f.new_zeros(1, f.shape[-1]), f], dim=0)
+        if f.shape[0] != n:
+            raise RuntimeError(f"feature draft: features for positions {start}..{start + n - 1} are not known")
+        return f
+
+    def forward(self, ids: list[int], feats: torch.Tensor | None = None, last_only: bool = False) -> kv.Out:
+        """Append ``ids`` fed ``feats`` (default: their true features); logits and the draft's hidden states."""
+        f = self._feat_in(self.runner.length, len(ids)) if feats is None else feats
+        return self.runner.append(ids, logits="last" if last_only else "all", hidden=True, features=f)
+
+    def catch_up(self, seq: list[int]) -> kv.Out:
+        """Feed ``seq[valid:]`` with their true features; returns the last position's output."""
+        self.runner.truncate(self.valid)
+        out = self.forward(seq[self.valid:], last_only=True)
+        self.valid = len(seq)
+        return out
+
+    def propose(self, seq: list[int], k: int, choose: Choose) -> tuple[list[int], list[torch.Tensor | None]]:
+        out = self.catch_up(seq)
+        hidden = out.hidden[-1:]
+
+        def step(tok: int) -> torch.Tensor:  # a drafted position's feature is the draft's own hidden state
+            nonlocal hidden
+            nxt = self.forward([tok], feats=hidden)
+            hidden = nxt.hidden[-1:]
+            return nxt.logits[-1]
+
+        return draft_k(out.logits[-1], k, choose, self.vocab, step)
+
+    def rollback(self, keep: int, target_out: Any = None) -> None:
+        start = self.feats.shape[0]  # the verified block starts at the first position without a feature
+        self.add_features(target_features(target_out)[: keep - start], start)
+        self.runner.truncate(self.valid)
+
+
+def target_features(out: kv.Out) -> torch.Tensor:
+    """The target's features in a forward's output: its final normed hidden states [T, H], or for
+    a fused draft [T, 2H] = [output of layer ``mid_layer`` | final], what
+    :meth:`FeatureDraft.true_features` reads."""
+    if out.mid is None:
+        return out.hidden
+    return torch.cat([out.mid.to(out.hidden.dtype), out.hidden], dim=-1)
+
+
+def drafter(model: torch.nn.Module, vocab: int | None, device: torch.device | None = None, compile: str = "off",
+            rows: tuple[int, ...] = (1,), title: str | None = None) -> ModelDrafter | FeatureDrafter:
+    """The drafter for ``model``: a model draft on the runner :func:`forward.runner` picks (``compile``,
+    compiled ``rows``); a feature draft always on transformers (it reads the target's features)."""
+    if is_feature_draft(model):
+        return FeatureDrafter(model, vocab, device)
+    return ModelDrafter(model, vocab, device, compile, rows, title)

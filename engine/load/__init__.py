@@ -1,0 +1,1 @@
+"""Loading models: the catalog, chat templates, placement, preflight, precision and GGUF/conversion."""

@@ -1,0 +1,144 @@
+"""GGUF files dequantized once into an fp32 safetensors folder that loads in about a second.
+
+The cache is keyed by the GGUF's *content*, a SHA-256 of the whole file, not by its path: every
+virtual environment or checkout holds its own copy of the packaged GGUF at another path, and a
+path key made each of them write another ~0.5 GB folder.  Hashing the packaged 98 MB file takes
+about 0.3 s (2-core VM); the hash is remembered per (path, size, mtime) in ``hashes.json`` next
+to the folders, so a start after the first only stats the file.  A hash of the whole file (rather
+than of its header, size and name) cannot mistake two different models for one: two fine-tunes of
+the same architecture and quantization have the same header and size.
+
+Conversion reports a real fraction to ``progress``: the tokenizer, then each dequantized tensor
+(transformers' own loop, whose progress bar is redirected here), then copying and saving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ModelError
+
+ProgressFn = Callable[[str, "float | None"], None]
+MARKER = "ssd-chat-converted.json"
+_HASHES = "hashes.json"
+_patch_lock = threading.Lock()
+
+
+def content_hash(path: Path, root: Path, progress: ProgressFn | None = None) -> str:
+    """SHA-256 of ``path``'s bytes, remembered in ``root/hashes.json`` for as long as its size and mtime stay."""
+    st = path.stat()
+    where = str(path.resolve())
+    memo_file = root / _HASHES
+    try:
+        memo = json.loads(memo_file.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    seen = memo.get(where) if isinstance(memo, dict) else None
+    if isinstance(seen, dict) and seen.get("size") == st.st_size and seen.get("mtime_ns") == st.st_mtime_ns:
+        return str(seen["sha256"])
+    h = hashlib.sha256()
+    done = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            done += len(chunk)
+            if progress is not None:
+                progress(f"checking {path.name}", done / max(1, st.st_size))
+    digest = h.hexdigest()
+    memo = memo if isinstance(memo, dict) else {}
+    memo[where] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+    _write_atomic(memo_file, json.dumps(memo, indent=1))
+    return digest
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` in one step (two programs starting at once must not leave half a file)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache only costs the hash again next time
+        pass
+
+
+@contextlib.contextmanager
+def _tensor_progress(report: Callable[[float], None]) -> Iterator[None]:
+    """Route transformers' per-tensor GGUF progress bar to ``report(fraction)`` (no bar on the terminal)."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # pragma: no cover - transformers moved it: conversion works, with coarser progress
+        yield
+        return
+    if not hasattr(gguf_utils, "tqdm"):  # pragma: no cover
+        yield
+        return
+
+    def counted(items: Iterable[Any], *args: Any, **kwargs: Any) -> Iterator[Any]:
+        items = list(items)
+        for i, item in enumerate(items):
+            report(i / max(1, len(items)))
+            yield item
+        report(1.0)
+
+    with _patch_lock:
+        original = gguf_utils.tqdm
+        gguf_utils.tqdm = counted
+        try:
+            yield
+        finally:
+            gguf_utils.tqdm = original
+
+
+def converted_gguf(gguf: Path, root: Path, progress: ProgressFn) -> Path:
+    """The fp32 safetensors folder for ``gguf`` under ``root`` (``<cache>/converted``), converting it once."""
+    digest = content_hash(gguf, root, progress)
+    out = root / f"{gguf.stem}-{digest[:16]}"
+    if (out / MARKER).is_file():
+        return out
+    stage = f"converting {gguf.name} to safetensors (once)"
+    progress(stage, 0.0)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        progress(stage, 0.2)
+        with _tensor_progress(lambda f: progress(stage, 0.2 + 0.6 * f)):
+            src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:  # corrupt or unsupported GGUF
+        raise ModelError(f"could not read GGUF file '{gguf}': {e}") from e
+    progress(stage, 0.8)
+    cfg = src.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.load_state_dict(src.state_dict())
+    model.generation_config = src.generation_config
+    progress(stage, 0.9)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / MARKER).write_text(json.dumps({"gguf": str(gguf), "size": gguf.stat().st_size, "sha256": digest}))
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first
+            pass
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    progress(stage, 1.0)
+    return out

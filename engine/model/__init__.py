@@ -1,0 +1,1 @@
+"""Running a model: the compact core, its compile and cache, attention, runners and the forward registry."""

@@ -1,0 +1,87 @@
+"""CPU graphs as AOTInductor packages: compiled once per machine, loaded in a fraction of a second.
+
+``torch.compile`` re-traces the Python of every layer at each start (12-17 s per row shape for
+SmolLM2-135M on a small CPU) and checks its guards on every call (about 1 ms).  An AOTInductor
+package (``torch.export`` then ``aoti_compile_and_package``) is a shared library: loading it skips
+tracing, and calling it skips dynamo.  The window (mask width) and the cache capacity are dynamic,
+so one package serves a whole reply.  The model's weights are baked in as constants, so the key
+includes a fingerprint of them.  Packages live in ``aoti/`` in the ssd-chat cache dir.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+
+from ..config import cache_dir, cpu_name
+from .cache import StaticKV
+
+VERSION = "v1"  # bump when the graph's code changes in a way the key does not see
+
+
+class Trunk(Protocol):
+    """What the compilers need of a model's trunk (a :class:`core.Core`), so that they depend on
+    no core: its name, model, mid-layer tap, cache and device, and the graph for a row count."""
+
+    name: str
+    model: torch.nn.Module
+    mid_layer: int | None
+    kv: StaticKV
+    device: torch.device
+
+    def graph_for(self, rows: int) -> Callable: ...
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """Names, shapes, dtypes and a few values of every tensor the model holds (its weights as the
+    package bakes them), hashed."""
+    h = hashlib.sha256()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        flat = t.detach().reshape(-1)
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        for part in (flat[:16], flat[flat.numel() // 2:flat.numel() // 2 + 16], flat[-16:]):
+            h.update(part.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    for name, m in model.named_modules():  # GGUF linears keep their int4 operands outside the buffers
+        packed = getattr(m, "int4", None)
+        if packed is not None:
+            h.update(f"{name}:int4:{tuple(packed[0].shape)}".encode())
+            h.update(packed[1].reshape(-1)[:32].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:20]
+
+
+def path_for(core: Trunk, rows: int) -> Path:
+    ident = [cpu_name(), torch.__version__, torch.get_num_threads(), rows, fingerprint(core.model),
+             core.mid_layer, os.environ.get("SSD_CHAT_CPU_KERNELS", ""), VERSION]
+    key = hashlib.sha256(json.dumps(ident, default=str).encode()).hexdigest()[:20]
+    return cache_dir() / "aoti" / f"{core.name.replace('/', '_')}-{rows}rows-{key}.pt2"
+
+
+def load_or_build(core: Trunk, rows: int, example: tuple, progress: Callable[[str], None]) -> Callable:
+    """The package for ``core``'s graph of ``rows`` rows: loaded from the cache, else exported,
+    compiled (minutes on a small CPU; ``progress`` says so first) and stored."""
+    path = path_for(core, rows)
+    if not path.exists():
+        progress(f"compiling {core.name} for {rows} rows (once)")
+        fn = core.graph_for(rows)
+
+        class Graph(torch.nn.Module):
+            def forward(self, ks: Any, vs: Any, ids: Any, pos: Any, slots: Any, mask: Any) -> Any:
+                return fn(ks, vs, ids, pos, slots, mask)
+
+        cap = torch.export.Dim("capacity", min=16, max=1 << 20)
+        width = torch.export.Dim("width", min=16, max=1 << 20)
+        ks, vs = example[0], example[1]
+        dyn = {"ks": [{1: cap}] * len(ks), "vs": [{1: cap}] * len(vs), "ids": None, "pos": None, "slots": None,
+               "mask": {1: width}}
+        with torch.inference_mode():
+            ep = torch.export.export(Graph(), tuple(example), dynamic_shapes=dyn, strict=False)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
+            os.replace(tmp, path)
+    return torch._inductor.aoti_load_package(str(path))

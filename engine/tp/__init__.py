@@ -1,0 +1,1 @@
+"""Tensor parallelism: the ranks, sharding, their worker and loading a sharded target."""
