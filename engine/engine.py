@@ -184,9 +184,9 @@ class Engine:
         return out
 
     def _draft_forward(self) -> str:
-        worker = getattr(self._decoder, "_worker", None) if self.config.mode == "ssd" else None
-        if worker is not None and worker.forward:  # the SSD speculator's draft, as its process reported
-            return worker.forward
+        reported = getattr(self._decoder, "speculator_forward", None) if self.config.mode == "ssd" else None
+        if reported:  # the SSD speculator's draft, as its process reported
+            return reported
         return forward.label(self.draft.model, "draft", self.config.compile)
 
     def reconfigure(self, **changes: Any) -> None:

@@ -87,6 +87,20 @@ def sample(probs: Tensor, gen: torch.Generator) -> Tensor:
     return ids.reshape(probs.shape[:-1])
 
 
+def draw_draft(logits: Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator,
+               saguaro_c: float = 1.0, num_top: int = 0) -> tuple[Tensor, Tensor | None]:
+    """Draft tokens, one per row of ``logits`` [..., V], and the q' they were drawn from: the draft's
+    distribution under the sampling settings, Saguaro-reshaped over its ``num_top`` most likely tokens
+    when ``saguaro_c`` < 1.  Greedy: the argmax, and None for q' (a point mass).  The one draw of SD's
+    drafts, the speculator's and the in-process fallback's; the tokens stay on the device."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1), None
+    q = logits_to_probs(logits, temperature, top_k, top_p)
+    if saguaro_c < 1.0 and num_top > 0:
+        q = saguaro_reshape(q, saguaro_c, num_top)
+    return sample(q, gen), q
+
+
 def sample_next(logits: Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator) -> int:
     """AR step: the next token id from one row of logits [V]."""
     if temperature == 0.0:

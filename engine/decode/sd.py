@@ -29,23 +29,22 @@ from ..model import forward
 from ..params import SamplingParams
 from .decoder import Decoder, Reply, context_budget, emit_block
 from .penalties import Penalties
-from .sampling import greedy_outcome, logits_to_probs, make_generator, sample, verify
+from .sampling import draw_draft, greedy_outcome, logits_to_probs, make_generator, verify
 
 
 def plain_choice(params: SamplingParams, gen: torch.Generator, pen: Penalties | None = None) -> Choose:
     """SD's rule for drawing a draft token: q is the draft's distribution under the target's
-    penalties / temperature / top-k / top-p (a point mass on the argmax under greedy).  The i-th
+    penalties / temperature / top-k / top-p (None under greedy: a point mass on the argmax).  The i-th
     draft token is penalized for the committed tokens plus the i drawn before it this round."""
     drawn: list[int] = []
 
-    def choose(logits: torch.Tensor, i: int) -> tuple[int, torch.Tensor]:
+    def choose(logits: torch.Tensor, i: int) -> tuple[int, torch.Tensor | None]:
         del drawn[i:]
         if pen is not None:
             logits = pen.rows(logits[None], drawn, i)[0]
-        q = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)  # [V]
-        tok = int(q.argmax()) if params.temperature == 0.0 else int(sample(q, gen))
-        drawn.append(tok)
-        return tok, q
+        tok, q = draw_draft(logits, params.temperature, params.top_k, params.top_p, gen)
+        drawn.append(int(tok))
+        return int(tok), q
     return choose
 
 

@@ -57,7 +57,7 @@ from ..params import SamplingParams
 from ..speculate import fanout
 from ..speculate.channel import Settings
 from ..speculate.plan import Plan, pinned, plan  # noqa: F401 - Plan and plan: SSD's placement, public here
-from ..speculate.proposers import LocalProposer, NoProposer, RemoteProposer
+from ..speculate.proposers import LocalProposer, NoProposer, Proposer, RemoteProposer
 from ..speculate.worker import recipe_for
 from .decoder import Decoder, Reply, context_budget, emit_block
 from .detok import ReplyBuilder
@@ -71,7 +71,7 @@ LOAD_TIMEOUT_S = 180.0  # the speculator's start (imports + loading the draft)
 class _Reply:
     """One reply's verifier state: what the round reads and advances."""
 
-    target: kv.Runner | kv.CoreRunner  # holds every token of `seq`; `pending` has no KV yet
+    target: kv.ModelRunner  # holds every token of `seq`; `pending` has no KV yet
     builder: ReplyBuilder
     metrics: Metrics
     params: SamplingParams
@@ -131,6 +131,11 @@ class SSDDecoder(Decoder):
         return None
 
     @property
+    def speculator_forward(self) -> str | None:
+        """What forwards the draft in the speculator process, as it reported once loaded (None before)."""
+        return self._worker.forward if self._worker is not None else None
+
+    @property
     def worker_pid(self) -> int | None:
         return self._worker.pid if self._worker is not None else None
 
@@ -181,7 +186,7 @@ class SSDDecoder(Decoder):
         cfg, params, metrics = self.engine.config, r.params, r.metrics
         settings = Settings(params.temperature, params.top_k, params.top_p, params.seed, cfg.saguaro_c,
                             params.repetition_penalty, params.frequency_penalty, params.presence_penalty, len(prompt_ids))
-        spec: Any = self._worker  # readied by _prepare
+        spec: Proposer | None = self._worker  # readied by _prepare
         if spec is None:
             yield self._switch(metrics, f"SSD speculator unavailable ({self._last_error}); {self._local_mode_name()} in this process", 0)
         elif self.plan.shared and not self._told_shared:
@@ -237,7 +242,7 @@ class SSDDecoder(Decoder):
             yield ev
         return _Reply(runner, builder, metrics, params, gen, r.t0, r.stop, list(prompt_ids), pending, pen)
 
-    def _round(self, st: _Reply, spec: Any) -> Generator[Event, None, bool]:
+    def _round(self, st: _Reply, spec: Proposer) -> Generator[Event, None, bool]:
         """One SSD round: the drafts for the last outcome, one target forward over [bonus, d_1..d_k],
         the acceptance test, commit, events.  Returns False if cancelled while waiting for the drafts."""
         # 1. the speculation for this round: answered from the cache built while the last round was verified

@@ -24,7 +24,7 @@ goes through :func:`truncate`, which takes the length to keep.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
@@ -100,6 +100,21 @@ class Out:
     logits: torch.Tensor | None  # [rows asked for, V]
     hidden: torch.Tensor | None = None  # [T, H]: the final normed hidden state (a feature draft: its own)
     mid: torch.Tensor | None = None  # [T, H]: the output of the first ``mid_layer`` layers
+
+
+class ModelRunner(Protocol):
+    """What a decoder calls on one model's forward over one sequence: :class:`Runner` (transformers'
+    modules and DynamicCache) and :class:`CoreRunner` (the compact core) both are one."""
+
+    device: torch.device
+
+    @property
+    def length(self) -> int: ...
+    def append(self, ids: list[int] | torch.Tensor, logits: str = "all", hidden: bool = False) -> Out: ...
+    def step(self, ids: list[int] | torch.Tensor, positions: list[int] | torch.Tensor, slots: list[int],
+             mask: torch.Tensor, logits: str = "all") -> Out: ...
+    def truncate(self, keep: int) -> None: ...
+    def adopt(self, keep: int, slots: list[int]) -> bool: ...
 
 
 class Runner:

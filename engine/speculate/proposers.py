@@ -22,13 +22,13 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .. import workers
 from ..decode.penalties import Penalties
-from ..decode.sampling import logits_to_probs, make_generator, sample
+from ..decode.sampling import draw_draft, make_generator
 from ..drafts.drafter import ModelDrafter
 from ..errors import SpeculatorError
 from .channel import Begin, Channel, Close, Ready, Reply, Settings
@@ -59,6 +59,14 @@ class Proposal:
             return {}
         return {"cache_hit": r.hit, "predicted": r.predicted, "wait_s": wait_s, "speculator_busy_s": r.build_s,
                 "fallback": r.fallback}
+
+
+class Proposer(Protocol):
+    """Where an SSD round's drafts come from (the module docstring)."""
+
+    def begin(self, prompt_ids: list[int], settings: Settings) -> None: ...
+    def request(self, k_prev: int, bonus: int, verify_s: float = 0.0) -> None: ...
+    def drafts(self, stop: threading.Event | None = None) -> Proposal | None: ...
 
 
 class RemoteProposer:
@@ -172,13 +180,9 @@ class LocalProposer:
         s = self.settings
         del self._drawn[1 + i:]
         logits = self.pen.rows(logits[None], self._drawn, 1 + i)[0]
-        if s.temperature == 0.0:
-            tok, q = int(logits.argmax()), None
-        else:
-            probs = logits_to_probs(logits[None], s.temperature, s.top_k, s.top_p)
-            tok, q = int(sample(probs, self.gen)[0]), probs[0]
-        self._drawn.append(tok)
-        return tok, q
+        tok, q = draw_draft(logits, s.temperature, s.top_k, s.top_p, self.gen)
+        self._drawn.append(int(tok))
+        return int(tok), q
 
 
 class NoProposer:

@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from ..decode.penalties import Penalties
-from ..decode.sampling import logits_to_probs, make_generator, sample, saguaro_reshape
+from ..decode.sampling import draw_draft, make_generator
 from ..drafts.drafter import fit_vocab
 from ..model import forward
 from .channel import Reply, Settings
@@ -201,8 +201,8 @@ class Speculator:
         qs: list[torch.Tensor] = []
         for i in range(self.k):
             logits = self.pen.rows(g[-1][None], [self.pending, *tokens], 1 + i)  # type: ignore[list-item]
-            q = self._proposal(logits, miss_list[i] if miss_list else 0)  # [1, V]
-            tok = int(self._draw(logits, q)[0])
+            drawn, q = self._draw(logits, miss_list[i] if miss_list else 0)  # [1], [1, V]
+            tok = int(drawn[0])
             tokens.append(tok)
             if q is not None:
                 qs.append(q[0])
@@ -291,8 +291,7 @@ class Speculator:
             if self.pen.active:
                 extra = self.pen.extra_for(prefixes, logits) if extra is None else extra
                 logits = self.pen.with_extra(logits, extra)
-            q = self._proposal(logits, hit_list[d] if hit_list else 0)
-            x = self._draw(logits, q)
+            x, q = self._draw(logits, hit_list[d] if hit_list else 0)
             if extra is not None:
                 extra.scatter_add_(1, x[:, None], torch.ones(B, 1, device=extra.device))
             toks[:, d] = x
@@ -329,17 +328,11 @@ class Speculator:
     def _lists(self) -> tuple[list[int], list[int]]:
         return self.fan.lists() if self.fan is not None else ([], [])
 
-    def _proposal(self, logits: torch.Tensor, fan: int) -> torch.Tensor | None:
-        """q' rows [n, V] the tokens are drawn from (None under greedy: point masses on the argmax)."""
+    def _draw(self, logits: torch.Tensor, fan: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens [n] for logits [n, V] and the q' [n, V] they were drawn from (None under greedy),
+        Saguaro-reshaped over the top ``fan + 1`` (the candidates a bonus can come from)."""
         s = self.settings
-        if s.temperature == 0.0:
-            return None
-        q = logits_to_probs(logits, s.temperature, s.top_k, s.top_p)
-        return saguaro_reshape(q, s.saguaro_c, fan + 1) if s.saguaro_c < 1.0 and fan > 0 else q
-
-    def _draw(self, logits: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
-        """One token per row: the argmax under greedy, else a draw from q' (on the device: no sync)."""
-        return logits.argmax(dim=-1) if q is None else sample(q, self.gen)
+        return draw_draft(logits, s.temperature, s.top_k, s.top_p, self.gen, s.saguaro_c, fan + 1 if fan > 0 else 0)
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         """Append ``ids`` to the draft's sequence (dropping a tree's scratch rows); logits [len(ids), V]."""
