@@ -192,10 +192,10 @@ class SSDDecoder(Decoder):
         elif self.plan.shared and not self._told_shared:
             self._told_shared = True
             yield Notice("SSD: verifier and speculator share one device, so they cannot overlap", "info")
-        if spec is not None and spec.notices:  # said once: the worker's notices from its start
-            for note in spec.notices:
+        if self._worker is not None and self._worker.notices:  # said once: the worker's notices from its start
+            for note in self._worker.notices:
                 yield Notice(f"speculator: {note}", "info")
-            spec.notices = ()
+            self._worker.notices = ()
         with contextlib.ExitStack() as pins:
             if spec is not None:
                 pins.enter_context(pinned(self.plan.target_cores, self.plan.target_threads))
