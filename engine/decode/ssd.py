@@ -1,7 +1,7 @@
 """Speculative speculative decoding (SSD, Saguaro; Kumar, Dao & May, ICLR 2026): the verifier.
 
 The target runs here, in the app process; the draft runs in a speculator process
-(:mod:`speculator`, :mod:`spec_worker`) on its own device or CPU cores, behind :mod:`channel`.
+(:mod:`speculator`, :mod:`worker`) on its own device or CPU cores, behind :mod:`channel`.
 One round, :meth:`SSDDecoder._round` (spec §2.2):
 
 1. take the drafts ``d_1..d_k`` (and the q' they were drawn from) that the speculator served for

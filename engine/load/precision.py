@@ -3,7 +3,7 @@
 A GGUF target on the CPU with ``--dtype auto`` (the default) computes its quantized linears from
 the file's blocks (:class:`quant.GGUFLinear`: the same weights as the float32 copy transformers
 loads, read at 0.6 byte per weight instead of 4), and the drafts derived from it follow
-(:mod:`fast_weights`): ``layers:N`` and ``copy`` share the target's GGUF linears, ``int8`` is a
+(:mod:`cpu.weights`): ``layers:N`` and ``copy`` share the target's GGUF linears, ``int8`` is a
 Q8_0 copy on the same kernels, a trained draft shares the target's blocks and keeps its own layers
 as Q8_0 blocks.  ``--dtype float32`` keeps the float32-dequantized model: the reference path.
 

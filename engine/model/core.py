@@ -3,9 +3,9 @@
 Why: a transformers module call per forward is a dozen small kernels per layer, each
 launched from Python, on a ``DynamicCache`` that grows by concatenation.  Like gpt-fast
 and nano-vllm, the core is a plain loop over the layers that transformers already built
-(no second loader, no weight copies) over a preallocated cache (:mod:`static_kv`), with
+(no second loader, no weight copies) over a preallocated cache (:mod:`cache`), with
 explicit positions, slots and masks, so each row shape (1, k+1, B, ...) can be compiled
-once (:mod:`core_compile`).
+once (:mod:`compile`).
 
 One call, ``step(ids [T], positions [T], slots [T], mask [T, W])``: the T rows' K/V are
 written at ``slots``, then every row attends to the slots its mask row allows.  So a
@@ -164,7 +164,7 @@ class Core:
     ``mid_layer`` n: forwards asked for ``hidden`` also return the output of the first n layers
     (0: the embedding), what a fused feature draft reads.  ``lookahead``: slots allowed past the
     model's context for scratch rows.  ``linear(module) -> callable``: how to call a projection
-    (default: the module itself); ``compile``: ``off`` | ``on`` | ``auto`` (see core_compile).
+    (default: the module itself); ``compile``: ``off`` | ``on`` | ``auto`` (see model/compile.py).
     ``notify(text)`` gets one line when compiling fails and the core runs uncompiled;
     ``progress(text)`` gets "compiling <name> for <T> rows (once)" before each first compile.
     ``row_attention``: CPU forwards of up to ROW_MAX rows attend with :func:`attend_rows` over a

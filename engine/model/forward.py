@@ -1,6 +1,6 @@
 """Which forward runs a model: the compact core (:mod:`core`) where it can, else transformers.
 
-:func:`runner` is what every decoder and the SSD speculator call to get a :mod:`kv` runner.
+:func:`runner` is what every decoder and the SSD speculator call to get a :mod:`runner` runner.
 ``compile`` is the ``--compile`` setting:
 
 * ``off``: the core, eager; ``on``: the core, every row shape compiled; ``auto``: the core,
@@ -9,7 +9,7 @@
 
 A model the core does not run (:func:`core.supports`: another architecture, a feature draft, a
 model split over devices) keeps the transformers path, with one notice saying why.  A
-tensor-parallel target (:mod:`tp_load`) has a :class:`tp_load.Sharded` attached (:func:`attach`):
+tensor-parallel target (:mod:`tp.load`) has a :class:`tp.load.Sharded` attached (:func:`attach`):
 its runner is always the core, over its ranks.
 
 Cores are kept with their model, one per role (``name``: target, draft) and row shapes, so each
@@ -42,7 +42,7 @@ class _State:
         self.runners: dict[tuple[str, str], Any] = {}  # (role, compile) -> the last runner made
         self.said: set[str] = set()
         self.pending: list[str] = []
-        self.sharded: Any = None  # tp_load.Sharded: the ranks that hold this (weightless) model's weights
+        self.sharded: Any = None  # tp.load.Sharded: the ranks that hold this (weightless) model's weights
 
     def __deepcopy__(self, memo: dict) -> "_State":
         return _State()  # a copied model (the ``copy`` draft) gets cores of its own
@@ -122,12 +122,12 @@ def prefill(runner: Any, ids: list[int]) -> torch.Tensor:
 
 
 def attach(model: torch.nn.Module, sharded: Any) -> None:
-    """Run ``model`` (weightless) on the ranks of ``sharded`` from now on (see :mod:`tp_load`)."""
+    """Run ``model`` (weightless) on the ranks of ``sharded`` from now on (see :mod:`tp.load`)."""
     _state(model).sharded = sharded
 
 
 def attached(model: torch.nn.Module) -> Any:
-    """The :class:`tp_load.Sharded` that runs ``model``, if any."""
+    """The :class:`tp.load.Sharded` that runs ``model``, if any."""
     got = _own(model)
     return got.sharded if got is not None else None
 

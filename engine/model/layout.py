@@ -1,7 +1,7 @@
 """The Llama-style layout the derived drafts are cut from: where a model's embedding, layers,
 final norm and head are, and how to make a model that shares some of them.
 
-Used by the drafts (``layers:N``, trained, feature drafts), by :mod:`kv` to record hidden
+Used by the drafts (``layers:N``, trained, feature drafts), by :mod:`runner` to record hidden
 states, and by training.  Everything here reads or rebinds modules; no weight is copied.
 """
 

@@ -12,7 +12,7 @@ speculator call nothing else to run a model:
 
 This module is the one place that drives a cache.  :class:`Runner` runs a transformers model
 (or a feature draft) on a ``DynamicCache``; :class:`CoreRunner` runs the compact core
-(:mod:`core`) over its preallocated :class:`static_kv.StaticKV`; :mod:`forward` picks one.
+(:mod:`core`) over its preallocated :class:`cache.StaticKV`; :mod:`forward` picks one.
 On a ``DynamicCache`` the scratch rows are appended after the committed ones, so tree slots
 must continue the scratch region in order, and the next ``append`` or ``truncate`` drops them.
 On the core any slot past the committed length is scratch; nothing needs dropping.
@@ -222,7 +222,7 @@ class Runner:
 
 
 class CoreRunner:
-    """:class:`Runner`'s calls on a :class:`core.Core` (its cache is a :class:`static_kv.StaticKV`)."""
+    """:class:`Runner`'s calls on a :class:`core.Core` (its cache is a :class:`cache.StaticKV`)."""
 
     def __init__(self, core: Any) -> None:
         self.core = core

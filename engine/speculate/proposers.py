@@ -8,7 +8,7 @@ does not know which implementation it has:
 * ``drafts(stop) -> Proposal | None``: the drafts for that next round, or None if ``stop`` was set
   while waiting.  Raises SpeculatorError if the speculator failed (a failed ``request`` too).
 
-:class:`RemoteProposer` is the speculator process (:mod:`spec_worker`) behind :mod:`channel`:
+:class:`RemoteProposer` is the speculator process (:mod:`worker`) behind :mod:`channel`:
 its drafts come from the speculation cache built while the last round was verified (a hit) or
 from a fallback (a miss).  After it fails, the reply goes on in this process as SD with the
 in-process draft (:class:`LocalProposer`), or, without one, as AR (:class:`NoProposer`).

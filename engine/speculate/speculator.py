@@ -16,8 +16,8 @@ reference code's draft runner, spec §2.2): for every round it
    sequence, so the shared prefix KV is never copied.  The scratch region is cropped
    after the tree.
 
-It runs in a worker process (:mod:`spec_worker`, pinned to its own cores) behind
-:mod:`channel`.  It runs the draft through a :mod:`kv` runner (:func:`forward.runner`: the
+It runs in a worker process (:mod:`worker`, pinned to its own cores) behind
+:mod:`channel`.  It runs the draft through a :mod:`runner` runner (:func:`forward.runner`: the
 compact core where it can): the tree rows are the runner's uncommitted scratch rows, and on a hit the winning branch is adopted, not recomputed.
 
 Every draft token is sampled from the distribution q' that is sent with it: the
