@@ -272,7 +272,7 @@ class Speculator:
         # each depth adds one slot per row): the prefix, the glue up to the row's own accepted length,
         # L..L+j_b, then the branch's tree rows so far
         cols = torch.arange(base + k * B, device=dev)
-        mask = (cols[None, :] < L) | ((cols[None, :] >= L) & (cols[None, :] <= L + torch.tensor(js, device=dev)[:, None]))
+        mask = cols[None, :] <= L + torch.tensor(js, device=dev)[:, None]  # [B, base + kB]: the prefix and glue up to L + j_b
         own = torch.arange(B, device=dev)
         toks = torch.empty(B, k, dtype=torch.long, device=dev)
         qs: list[torch.Tensor] = []
