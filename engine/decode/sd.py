@@ -42,9 +42,10 @@ def plain_choice(params: SamplingParams, gen: torch.Generator, pen: Penalties | 
         del drawn[i:]
         if pen is not None:
             logits = pen.rows(logits[None], drawn, i)[0]
-        tok, q = draw_draft(logits, params.temperature, params.top_k, params.top_p, gen)
-        drawn.append(int(tok))
-        return int(tok), q
+        drawn_t, q = draw_draft(logits, params.temperature, params.top_k, params.top_p, gen)
+        tok = int(drawn_t)  # one device read per draft token
+        drawn.append(tok)
+        return tok, q
     return choose
 
 

@@ -180,9 +180,10 @@ class LocalProposer:
         s = self.settings
         del self._drawn[1 + i:]
         logits = self.pen.rows(logits[None], self._drawn, 1 + i)[0]
-        tok, q = draw_draft(logits, s.temperature, s.top_k, s.top_p, self.gen)
-        self._drawn.append(int(tok))
-        return int(tok), q
+        drawn_t, q = draw_draft(logits, s.temperature, s.top_k, s.top_p, self.gen)
+        tok = int(drawn_t)  # one device read per draft token
+        self._drawn.append(tok)
+        return tok, q
 
 
 class NoProposer:
