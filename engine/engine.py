@@ -16,7 +16,6 @@ from .drafts.shipped import check_draft_for_mode, default_draft
 from .errors import ParamError
 from .events import Event
 from .load import chat, models, precision
-from .model import forward
 from .params import SamplingParams
 from .tp import load as tp_load
 
@@ -91,7 +90,7 @@ class Engine:
                     assert dplace is not None
                     draft = precision.load(draft_name, dplace, config.dtype, config.trust_remote_code, progress, tqdm_class)
         except BaseException:
-            forward.close(target.model)  # no rank outlives a load that failed
+            target.forwards.close()  # no rank outlives a load that failed
             raise
         engine = cls(config, target, draft, pre.reason if pre.auto else None)
         if pre.probe:  # auto with a draft: the mode that measured fastest here (engine/decode/probe.py)
@@ -117,12 +116,12 @@ class Engine:
         """On CPU, compile (the first time on this machine) or load the target's graphs for this mode
         now, behind the load's progress, so that the first reply does not wait for them."""
         cfg = self.config
-        if cfg.compile not in ("on", "auto") or self.target.device.type != "cpu" or forward.attached(self.target.model):
+        if cfg.compile not in ("on", "auto") or self.target.device.type != "cpu" or self.target.forwards.sharded is not None:
             return
         if cfg.mode == "sd" and self.draft is not None and is_feature_draft(self.draft.model):
             return  # SD's target runner then also returns hidden states: its own core, made at the first reply
         rows = (1,) if cfg.mode == "ar" else (cfg.k + 1,)
-        core = getattr(forward.runner(self.target.model, "target", cfg.compile, rows, title=self.target.name), "core", None)
+        core = getattr(self.target.forwards.runner("target", cfg.compile, rows), "core", None)
         if core is None:
             return
         said = core.compiler.progress
@@ -167,7 +166,7 @@ class Engine:
             "draft": self.draft.name if uses_draft else None,
             "draft_device": precision.where(self.draft) if uses_draft else None,
             # what forwards each model (forward.LABELS): what ran last, else what will run
-            "forward": forward.label(self.target.model, "target", c.compile),
+            "forward": self.target.forwards.label("target", c.compile),
             "draft_forward": self._draft_forward() if uses_draft else None,
             # what the linears compute in: "gguf Q4_1" (the GGUF's blocks) or the dtype ("float32")
             "precision": precision.of(self.target), "draft_precision": precision.of(self.draft) if uses_draft else None,
@@ -187,7 +186,7 @@ class Engine:
         reported = getattr(self._decoder, "speculator_forward", None) if self.config.mode == "ssd" else None
         if reported:  # the SSD speculator's draft, as its process reported
             return reported
-        return forward.label(self.draft.model, "draft", self.config.compile)
+        return self.draft.forwards.label("draft", self.config.compile)
 
     def reconfigure(self, **changes: Any) -> None:
         """Change mode / k / fan-out / ... between replies (models stay loaded; switching from AR
@@ -228,7 +227,7 @@ class Engine:
         if self._decoder is not None and hasattr(self._decoder, "close"):
             self._decoder.close()
         self._decoder = None
-        forward.close(self.target.model)
+        self.target.forwards.close()
 
     def __enter__(self) -> "Engine":
         return self

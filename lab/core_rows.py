@@ -8,14 +8,13 @@ import time
 
 import torch
 
-from ssd_chat.engine.model import forward
 from ssd_chat.engine.config import EngineConfig
 from ssd_chat.engine.engine import Engine
 
 threads, comp = int(sys.argv[1]), sys.argv[2]
 torch.set_num_threads(threads)
 e = Engine.load(EngineConfig(mode="ar", compile=comp))
-r = forward.runner(e.target.model, "target", comp, (1, 3), title="target")
+r = e.target.forwards.runner("target", comp, (1, 3))
 prompt = e.prompt_ids([{"role": "user", "content": "Write a short poem about the sea."}])[0]
 lg = r.append(prompt, logits="last").logits[-1]
 n, seq, steps = r.length, list(prompt), []

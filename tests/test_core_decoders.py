@@ -10,7 +10,7 @@ import torch
 from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
 from distribution import decoder_distribution_test
 from ssd_chat.engine.drafts import shipped as drafts
-from ssd_chat.engine.model import forward, cache as static_kv
+from ssd_chat.engine.model import cache as static_kv
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.events import Done, Error, Notice, Round
 from ssd_chat.engine.params import SamplingParams
@@ -110,7 +110,7 @@ def test_a_model_the_core_does_not_run_uses_transformers_with_one_notice(pair):
     model = LlamaForCausalLM(type(base.config).from_dict(cfg)).to(torch.float64).eval()
     model.load_state_dict(base.state_dict())
     gelu = as_loaded(model, CharTokenizer(64), "gelu")
-    assert forward.predict(model, "off") == "transformers"
+    assert gelu.forwards.predict("off") == "transformers"
     with Engine(EngineConfig(mode="ar", compile="off"), gelu) as eng, Engine(EngineConfig(mode="ar", compile="transformers"), gelu) as ref:
         notices = []
         for p in PROMPTS:
@@ -146,17 +146,12 @@ def test_packaged_model_on_the_core_equals_the_transformers_path(smollm2):
             assert core.describe()["forward"] == "core eager" and ref.describe()["forward"] == "transformers"
 
 
-def test_a_shallow_copy_of_a_model_gets_cores_of_its_own(pair):
-    """Derived drafts are shallow copies of the target module (its __dict__ copied): a draft must not
-    run on the core cached for the target or for an earlier draft made the same way."""
-    import copy
-
+def test_a_derived_draft_runs_on_cores_of_its_own(pair):
+    """A derived draft is a shallow copy of the target's modules: its handle must not give it the
+    core made for the target, nor one made for an earlier draft derived the same way."""
     target, _ = pair
-    first = copy.copy(target.model)
-    first.model = copy.copy(target.model.model)
-    first.model.layers = torch.nn.ModuleList(list(target.model.model.layers)[:1])
-    r1 = forward.runner(target.model, "draft", "off")
-    r2 = forward.runner(first, "draft", "off")
-    assert r2.core is not r1.core and r2.core.model is first
-    second = copy.copy(first)
-    assert forward.runner(second, "draft", "off").core.model is second
+    first, second = drafts.derive("layers:1", target), drafts.derive("layers:1", target)
+    r0 = target.forwards.runner("draft", "off")
+    r1 = first.forwards.runner("draft", "off")
+    assert r1.core is not r0.core and r1.core.model is first.model
+    assert second.forwards.runner("draft", "off").core.model is second.model

@@ -11,7 +11,6 @@ from torch import nn
 
 from conftest import CharTokenizer
 from distribution import decoder_distribution_test
-from ssd_chat.engine.model import forward
 from ssd_chat.engine.load import models, precision
 from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.engine import Engine, EngineConfig
@@ -134,7 +133,7 @@ def test_sampling_keeps_the_gguf_targets_distribution(small, mode):
         res = decoder_distribution_test(dec.stream, small, [1, 4, 2], SamplingParams(temperature=1.0), n=3, num_samples=1000)
         assert res.p_value > 1e-3, res
         # the default forward for a Q4 GGUF target: a compiled graph with torch's int4 products
-        assert forward.label(small.model, "target", cfg.compile) == "core compiled"
+        assert small.forwards.label("target", cfg.compile) == "core compiled"
         assert any(getattr(m, "int4", None) is not None for m in small.model.modules())
     finally:
         getattr(dec, "close", lambda: None)()

@@ -124,7 +124,7 @@ def test_speculator_tree_branches_are_penalized_for_their_own_prefix(pair):
 
     _, draft = pair
     k, prompt = 3, [7, 7, 8, 60, 33, 12]
-    sp = Speculator(draft.model, k, parse("uniform:2", k), "neural", vocab=64)
+    sp = Speculator(draft.forwards, k, parse("uniform:2", k), "neural", vocab=64)
     sp.begin(prompt, Settings(0.0, 0, 1.0, 0, 1.0, 1.4, 0.6, 0.4, len(prompt)))
     first, _ = sp.serve(1, -1, 11)
     sp.build()

@@ -35,7 +35,7 @@ def test_the_speculator_times_a_warm_draft_step_not_its_cold_first_call(tiny_dra
 
     clock = [0.0]
     monkeypatch.setattr(spec_mod.time, "perf_counter", lambda: clock[0])
-    sp = spec_mod.Speculator(tiny_draft.model, 3, parse("uniform:2", 3), "neural", vocab=64)
+    sp = spec_mod.Speculator(tiny_draft.forwards, 3, parse("uniform:2", 3), "neural", vocab=64)
     real, calls = sp._forward, []
 
     def forward(ids):  # the first one-token step costs 2 s (cold), later ones 10 ms

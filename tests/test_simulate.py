@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from ssd_chat.bench import simulate as sim
 from ssd_chat.cli import app
-from ssd_chat.engine.model import forward, simulate
+from ssd_chat.engine.model import simulate
+from ssd_chat.engine.model.forward import Forwards
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -95,15 +96,15 @@ def test_a_shared_device_makes_forwards_take_turns(tmp_path):
 
 
 def test_cores_get_the_hook_only_while_simulating(tmp_path, no_simulation):
-    model = sim.build_target(0)
-    assert forward.runner(model, "target").core.latency is None
+    model = Forwards(sim.build_target(0))
+    assert model.runner("target").core.latency is None
     simulate.activate(_profile(tmp_path), None)
-    core = forward.runner(model, "target").core
+    core = model.runner("target").core
     assert core.latency is not None
     core.append([1, 2, 3])
     assert simulate.active().tallies["target"].forwards == 1
     simulate.deactivate()
-    assert forward.runner(model, "target").core.latency is None
+    assert model.runner("target").core.latency is None
 
 
 def test_calibration_hits_the_asked_acceptance():

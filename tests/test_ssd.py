@@ -17,6 +17,7 @@ from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.events import Done, Notice, Round, Token
 from ssd_chat.engine.speculate.fanout import parse
 from ssd_chat.engine.params import SamplingParams
+from ssd_chat.engine.model.forward import Forwards
 from ssd_chat.engine.speculate.speculator import Speculator
 from ssd_chat.engine.decode.ssd import SSDDecoder
 
@@ -195,7 +196,7 @@ def test_tree_branches_equal_sequential_drafting(pair, temperature, compile):
     and on transformers' modules."""
     target, _ = pair
     model, k = target.model, 3
-    sp = Speculator(model, k, parse("uniform:2", k), "neural", vocab=64, compile=compile)
+    sp = Speculator(Forwards(model), k, parse("uniform:2", k), "neural", vocab=64, compile=compile)
     assert sp.runner.label == ("transformers" if compile == "transformers" else "core eager")
     settings = Settings(temperature, 0, 1.0, 0, 1.0)
     prompt = PROMPTS[2]
@@ -348,7 +349,7 @@ def test_a_request_the_tree_cannot_answer_stops_the_tree(pair):
 
     target, draft = pair
     k = 3
-    sp = Speculator(draft.model, k, parse("uniform:2", k), "neural", vocab=64)
+    sp = Speculator(draft.forwards, k, parse("uniform:2", k), "neural", vocab=64)
     sp.begin(PROMPTS[2], Settings(0.0, 0, 1.0, 0, 1.0))
     sp.serve(1, -1, 11)
     sp.build()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ssd_chat.engine.model import forward
 from ssd_chat.engine.tp import load as tp_load
 from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.config import EngineConfig
@@ -44,7 +43,7 @@ def pair(tmp_path_factory):
     folder = save(base, tmp_path_factory.mktemp("t"))
     tp = tp_target(folder, CharTokenizer(64), "t")
     yield as_loaded(base, CharTokenizer(64), "t"), tp, as_loaded(perturbed(base, 0.1), CharTokenizer(64), "d")
-    forward.close(tp.model)
+    tp.forwards.close()
 
 
 def test_ar_sd_and_ssd_on_two_ranks_equal_single_process_ar(pair):
@@ -88,7 +87,7 @@ def small(tmp_path_factory):
     base = tiny_llama(vocab_size=8, seed=3, head_scale=1.5)
     tp = tp_target(save(base, tmp_path_factory.mktemp("t8")), CharTokenizer(8), "t8", k=2)
     yield as_loaded(base, CharTokenizer(8), "t8"), tp, as_loaded(perturbed(base, 0.3), CharTokenizer(8), "d8")
-    forward.close(tp.model)
+    tp.forwards.close()
 
 
 def test_ssd_with_a_tensor_parallel_target_samples_the_target_distribution(small):

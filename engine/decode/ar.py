@@ -22,20 +22,20 @@ class ARDecoder(Decoder):
 
     def __init__(self, target: LoadedModel, compile: str = "auto") -> None:
         self.target = target
-        self.compile = compile  # which forward: see forward.runner
+        self.compile = compile  # which forward: see forward.Forwards.runner
 
     def _budget(self, num_prompt: int, params: SamplingParams) -> int:
         return context_budget(self.target, num_prompt, params)
 
     def _reply(self, prompt_ids: list[int], r: Reply) -> Generator[Event, None, None]:
-        model, dev, params, builder = self.target.model, self.target.device, r.params, r.builder
+        dev, params, builder = self.target.device, r.params, r.builder
         gen = make_generator(params.seed, dev)
         pen = Penalties.of(params, prompt_ids)
         # prefill: the whole prompt in one forward
-        runner = forward.runner(model, "target", self.compile, (1,), dev, title=self.target.name)
+        runner = self.target.forwards.runner("target", self.compile, (1,), dev)
         logits = forward.prefill(runner, prompt_ids)
         r.metrics.prefill_s = time.perf_counter() - r.t0
-        while (yield from r.go_on(model)):
+        while (yield from r.go_on()):
             # sample one token, then feed it back
             tok = sample_next(pen.with_extra(logits, None), params.temperature, params.top_k, params.top_p, gen)
             pen.add([tok])

@@ -1,8 +1,8 @@
 """The frame every decoder (AR, SD, SSD) shares: one reply from prompt to Done.
 
-A mode supplies its context budget and its body (prefill, then a loop of steps); the frame
-owns the rest, so the events around the loop are the same in every mode: before each step
-the notices the models left and the stop flag; a failure ends the reply with an Error that
+A mode supplies its context budget, the models it runs here and its body (prefill, then a loop
+of steps); the frame owns the rest, so the events around the loop are the same in every mode:
+before each step the notices those models' handles left (:class:`forward.Forwards`) and the stop flag; a failure ends the reply with an Error that
 keeps the partial reply, anything else with a Done carrying the stats.
 """
 
@@ -20,7 +20,7 @@ from ..errors import ModelError, ParamError, TPError
 from ..events import Done, DoneReason, Error, Event, Notice, Token
 from ..load.models import LoadedModel
 from ..metrics import Metrics
-from ..model import forward
+from ..model.forward import Forwards
 from ..params import SamplingParams
 from .detok import ReplyBuilder
 
@@ -80,16 +80,18 @@ class Reply:
     metrics: Metrics
     params: SamplingParams
     stop: threading.Event | None
+    forwards: tuple[Forwards, ...] = ()  # the handles of the models this reply runs: their notices are its own
     t0: float = field(default_factory=time.perf_counter)  # the reply's clock: event times and stats count from here
     cancelled: bool = False
 
-    def go_on(self, *models: torch.nn.Module | None) -> Generator[Event, None, bool]:
-        """Before each step: the notices ``models`` left (on transformers, a compile that failed),
+    def go_on(self) -> Generator[Event, None, bool]:
+        """Before each step: the notices the models left (on transformers, a compile that failed),
         then the stop flag.  False once the reply is over."""
         if self.builder.finished:
             return False
-        for note in forward.take_notices(*models):
-            yield Notice(note, "info")
+        for f in self.forwards:
+            for note in f.take_notices():
+                yield Notice(note, "info")
         if self.stop is not None and self.stop.is_set():
             self.cancelled = True
         return not self.cancelled
@@ -110,7 +112,7 @@ class Decoder(ABC):
         builder = ReplyBuilder(self.target.tokenizer, self.target.eos_ids, params.stop, budget, params.ignore_eos)
         metrics = Metrics(self.mode)
         self._prepare()
-        r = Reply(builder, metrics, params, stop)
+        r = Reply(builder, metrics, params, stop, tuple(m.forwards for m in self._runs() if m is not None))
         try:
             yield from self._reply(prompt_ids, r)
         except Exception as e:  # noqa: BLE001 - reported as an event, with the partial reply
@@ -122,9 +124,13 @@ class Decoder(ABC):
     def _budget(self, num_prompt: int, params: SamplingParams) -> int:
         """How many new tokens the reply may have (:func:`context_budget` for the models it uses)."""
 
+    def _runs(self) -> tuple[LoadedModel | None, ...]:
+        """The models this decoder runs in this process."""
+        return (self.target,)
+
     def _prepare(self) -> None:
         """Work before the reply's clock starts (SSD: the speculator's load)."""
 
     @abstractmethod
     def _reply(self, prompt_ids: list[int], r: Reply) -> Generator[Event, None, None]:
-        """The mode's prefill and loop: ``while (yield from r.go_on(...)): <one step>``."""
+        """The mode's prefill and loop: ``while (yield from r.go_on()): <one step>``."""

@@ -25,7 +25,6 @@ from ..drafts.drafter import Choose, drafter, fit_vocab, vocab_size  # noqa: F40
 from ..errors import ParamError
 from ..events import Event, Round
 from ..load.models import LoadedModel
-from ..model import forward
 from ..params import SamplingParams
 from .decoder import Decoder, Reply, context_budget, emit_block
 from .penalties import Penalties
@@ -64,6 +63,9 @@ class SDDecoder(Decoder):
     def _budget(self, num_prompt: int, params: SamplingParams) -> int:
         return min(context_budget(self.target, num_prompt, params), context_budget(self.draft, num_prompt, params))
 
+    def _runs(self) -> tuple[LoadedModel, ...]:
+        return self.target, self.draft
+
     def _reply(self, prompt_ids: list[int], r: Reply) -> Generator[Event, None, None]:
         tdev, ddev, params, builder, metrics = self.target.device, self.draft.device, r.params, r.builder, r.metrics
         gen = make_generator(params.seed, tdev)
@@ -74,16 +76,16 @@ class SDDecoder(Decoder):
         dpen = tpen if ddev == tdev else Penalties.of(params, prompt_ids)
         choose = plain_choice(params, dgen, dpen)
         mode = self.engine.config.compile
-        draft = drafter(self.draft.model, self._vocab, ddev, mode, (1, self.k + 1), self.draft.name)
+        draft = drafter(self.draft.forwards, self._vocab, ddev, mode, (1, self.k + 1))
         features = draft.reads_features  # the target's hidden states go to the draft
-        target = forward.runner(self.target.model, "target", mode, (self.k + 1,), tdev, draft.mid_layer, self.target.name)
+        target = self.target.forwards.runner("target", mode, (self.k + 1,), tdev, draft.mid_layer)
         # prefill: everything but the last prompt token, which the first round feeds
         seq = list(prompt_ids)
         if len(seq) > 1:
             draft.prefill(seq[:-1], target.append(seq[:-1], logits="last", hidden=features))
         metrics.prefill_s = time.perf_counter() - r.t0
         index = 0
-        while (yield from r.go_on(self.target.model, self.draft.model)):
+        while (yield from r.go_on()):
             # never draft past the budget: k drafts + 1 bonus <= remaining
             k = max(0, min(self.k, builder.remaining - 1))
             num_seq = len(seq)

@@ -182,6 +182,9 @@ class SSDDecoder(Decoder):
     def _budget(self, num_prompt: int, params: SamplingParams) -> int:
         return context_budget(self.target, num_prompt, params, lookahead=self.k + 1)
 
+    def _runs(self) -> tuple[LoadedModel | None, ...]:
+        return self.target, self.engine.draft  # the draft here: the in-process fallback's
+
     def _reply(self, prompt_ids: list[int], r: Reply) -> Generator[Event, None, None]:
         cfg, params, metrics = self.engine.config, r.params, r.metrics
         settings = Settings(params.temperature, params.top_k, params.top_p, params.seed, cfg.saguaro_c,
@@ -210,7 +213,7 @@ class SSDDecoder(Decoder):
             if spec is None:
                 spec = self._local(st.seq, settings)
             spec.request(-1, st.pending, 0.0)  # the first round's drafts
-            while (yield from r.go_on(self.engine.target.model, self.engine.draft.model)):
+            while (yield from r.go_on()):
                 try:
                     if not (yield from self._round(st, spec)):
                         r.cancelled = True  # while waiting for the drafts
@@ -230,7 +233,7 @@ class SSDDecoder(Decoder):
         """The target's prefill; it samples the first token itself (spec §2.8)."""
         target, params, builder, metrics = self.engine.target, r.params, r.builder, r.metrics
         gen = make_generator(params.seed, target.device)
-        runner = forward.runner(target.model, "target", self.engine.config.compile, (self.k + 1,), target.device, title=target.name)
+        runner = target.forwards.runner("target", self.engine.config.compile, (self.k + 1,), target.device)
         logits = forward.prefill(runner, prompt_ids)
         metrics.prefill_s = time.perf_counter() - r.t0
         pen = Penalties.of(params, prompt_ids)
@@ -299,6 +302,6 @@ class SSDDecoder(Decoder):
     def _local(self, seq: list[int], settings: Settings) -> LocalProposer | NoProposer:
         """Drafts from this process from here on: plain SD with the in-process draft, else none (AR)."""
         d = self.engine.draft
-        spec = LocalProposer(d.model, self.k, self.vocab, d.device, self.engine.config.compile) if self._has_local_draft() else NoProposer()
+        spec = LocalProposer(d.forwards, self.k, self.vocab, d.device, self.engine.config.compile) if self._has_local_draft() else NoProposer()
         spec.begin(seq, settings)
         return spec

@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..model import forward, runner as kv
+from ..model import runner as kv
+from ..model.forward import Forwards
 from ..speculate.plan import pinned
 from .feature import FeatureDraft, is_feature_draft
 
@@ -73,9 +74,9 @@ class ModelDrafter:
     reads_features = False
     mid_layer: int | None = None
 
-    def __init__(self, model: torch.nn.Module, vocab: int | None, device: torch.device | None = None,
-                 compile: str = "off", rows: tuple[int, ...] = (1,), title: str | None = None) -> None:
-        self.runner = forward.runner(model, "draft", compile, rows, device, title=title)
+    def __init__(self, forwards: Forwards, vocab: int | None, device: torch.device | None = None,
+                 compile: str = "off", rows: tuple[int, ...] = (1,)) -> None:
+        self.runner = forwards.runner("draft", compile, rows, device)
         self.vocab = vocab
         compiler = getattr(getattr(self.runner, "core", None), "compiler", None)
         # an eager draft on CPU runs on one thread: its small products finish before a second thread
@@ -176,10 +177,10 @@ def target_features(out: kv.Out) -> torch.Tensor:
     return torch.cat([out.mid.to(out.hidden.dtype), out.hidden], dim=-1)
 
 
-def drafter(model: torch.nn.Module, vocab: int | None, device: torch.device | None = None, compile: str = "off",
-            rows: tuple[int, ...] = (1,), title: str | None = None) -> ModelDrafter | FeatureDrafter:
-    """The drafter for ``model``: a model draft on the runner :func:`forward.runner` picks (``compile``,
-    compiled ``rows``); a feature draft always on transformers (it reads the target's features)."""
-    if is_feature_draft(model):
-        return FeatureDrafter(model, vocab, device)
-    return ModelDrafter(model, vocab, device, compile, rows, title)
+def drafter(forwards: Forwards, vocab: int | None, device: torch.device | None = None, compile: str = "off",
+            rows: tuple[int, ...] = (1,)) -> ModelDrafter | FeatureDrafter:
+    """The drafter for the model of ``forwards``: a model draft on the runner its handle picks
+    (``compile``, compiled ``rows``); a feature draft always on transformers (it reads the target's features)."""
+    if is_feature_draft(forwards.model):
+        return FeatureDrafter(forwards.model, vocab, device)
+    return ModelDrafter(forwards, vocab, device, compile, rows)

@@ -14,7 +14,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 
@@ -23,6 +23,9 @@ from ..cpu import fastlinear
 from ..errors import ModelError, TokenizerMismatchError
 from ..model import attention
 from .devices import Placement, parse_placement  # noqa: F401 - also models.parse_placement, models.Placement
+
+if TYPE_CHECKING:
+    from ..model.forward import Forwards
 
 # alias -> hub id (instruct variants); "packaged" entries need no download
 ALIASES: dict[str, str] = {
@@ -183,6 +186,13 @@ class LoadedModel:
     load_s: float = 0.0
     folder: Path | None = None
     eos_ids: frozenset[int] = field(default_factory=frozenset)
+    # this model's runners, notices and tensor-parallel ranks in this process: what decoders run it with
+    forwards: Forwards = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        from ..model.forward import Forwards
+
+        self.forwards = Forwards(self.model, self.name)
 
     @property
     def device(self) -> torch.device:

@@ -30,6 +30,7 @@ from .. import workers
 from ..decode.penalties import Penalties
 from ..decode.sampling import draw_draft, make_generator
 from ..drafts.drafter import ModelDrafter
+from ..model.forward import Forwards
 from ..errors import SpeculatorError
 from .channel import Begin, Channel, Close, Ready, Reply, Settings
 from .fanout import FanOut
@@ -144,13 +145,13 @@ def _shutdown(proc: Any, conn: Any) -> None:
 class LocalProposer:
     """Plain SD drafting with the in-process draft (no speculation cache): k draft steps per round."""
 
-    def __init__(self, model: torch.nn.Module, k: int, vocab: int, device: torch.device, compile: str = "off") -> None:
-        self.model, self.k, self.vocab, self.device, self.compile = model, k, vocab, device, compile
+    def __init__(self, forwards: Forwards, k: int, vocab: int, device: torch.device, compile: str = "off") -> None:
+        self.forwards, self.k, self.vocab, self.device, self.compile = forwards, k, vocab, device, compile
 
     def begin(self, prompt_ids: list[int], settings: Settings) -> None:
         self.settings = settings
         self.gen = make_generator(None if settings.seed is None else settings.seed * 2 + 1, self.device)
-        self.drafter = ModelDrafter(self.model, self.vocab, self.device, self.compile, (1, self.k + 1))
+        self.drafter = ModelDrafter(self.forwards, self.vocab, self.device, self.compile, (1, self.k + 1))
         self.drafter.prefill(list(prompt_ids))
         self.ctx = list(prompt_ids)  # tokens the target has committed
         n = len(self.ctx) if settings.prompt_len is None else settings.prompt_len

@@ -17,7 +17,7 @@ reference code's draft runner, spec §2.2): for every round it
    after the tree.
 
 It runs in a worker process (:mod:`worker`, pinned to its own cores) behind
-:mod:`channel`.  It runs the draft through a :mod:`runner` runner (:func:`forward.runner`: the
+:mod:`channel`.  It runs the draft through a :mod:`runner` runner (:meth:`forward.Forwards.runner`: the
 compact core where it can): the tree rows are the runner's uncommitted scratch rows, and on a hit the winning branch is adopted, not recomputed.
 
 Every draft token is sampled from the distribution q' that is sent with it: the
@@ -42,7 +42,7 @@ import torch
 from ..decode.penalties import Penalties
 from ..decode.sampling import draw_draft, make_generator
 from ..drafts.drafter import fit_vocab
-from ..model import forward
+from ..model.forward import Forwards
 from .channel import Reply, Settings
 from .fanout import FanOut
 
@@ -79,12 +79,13 @@ class _Scratch:
 class Speculator:
     """The draft side of SSD for one model on one device (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, k: int, fan_out: FanOut | None, fallback: str = "neural",
+    def __init__(self, forwards: Forwards, k: int, fan_out: FanOut | None, fallback: str = "neural",
                  vocab: int | None = None, compile: str = "off") -> None:
         self.vocab = vocab  # the target's logits width; draft logits are padded (-inf) or cut to it
         # compiled shapes: a step, the glue (k+1 rows), a tree depth (at most B rows)
         rows = (1, k + 1, fan_out.budget) if fan_out is not None else (1, k + 1)
-        self.runner = forward.runner(model, "draft", compile, rows)
+        self.forwards = forwards
+        self.runner = forwards.runner("draft", compile, rows)
         self.device = self.runner.device
         self.k = k
         self.fan = fan_out  # None: no cache (every round a neural fallback)

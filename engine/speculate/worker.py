@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .. import workers
-from ..model import forward
+from ..model.forward import Forwards
 from .channel import Begin, Close, Failed, Ping, Poller, Pong, Ready, Spec
 from .fanout import FanOut
 from .speculator import Speculator
@@ -92,11 +92,11 @@ def worker_main(conn: Any, recipe: Recipe, k: int, fan_out: FanOut, fallback: st
         if threads:
             torch.set_num_threads(threads)
         model = build_model(recipe)
-        spec = Speculator(model, k, fan_out, fallback, vocab, compile)  # after the thread count: compiled kernels depend on it
+        spec = Speculator(Forwards(model), k, fan_out, fallback, vocab, compile)  # after the thread count: compiled kernels depend on it
         warm = getattr(getattr(spec.runner, "core", None), "warm", None)
         if compile in ("on", "auto") and warm is not None:
             warm()  # compile every row shape before Ready, not inside the verifier's per-request timeout
-        conn.send(Ready(os.getpid(), torch.get_num_threads(), spec.runner.label, tuple(forward.take_notices(model))))
+        conn.send(Ready(os.getpid(), torch.get_num_threads(), spec.runner.label, tuple(spec.forwards.take_notices())))
         _serve_loop(conn, spec, qbuf, _Fault.parse(fault), spin_s)
     except (EOFError, OSError, KeyboardInterrupt):
         pass

@@ -5,7 +5,7 @@
 (:class:`tp.TPCore`), each reading only its part of the safetensors.  The
 :class:`models.LoadedModel` it returns holds a weightless copy of the model (torch's ``meta``
 device) for what the decoders read without running it: the config, the generation config, the
-vocabulary, the parameter count.  :mod:`forward` runs it on the :class:`Sharded` attached to it,
+vocabulary, the parameter count.  Its handle (``lm.forwards``, :mod:`forward`) runs it on the :class:`Sharded` it holds,
 so AR, SD and SSD's verifier need no tensor-parallel code of their own, and the SSD speculator
 talks to this process (rank 0) only.
 
@@ -27,7 +27,7 @@ import torch
 
 from ..load import models
 from ..load.devices import Placement, parse_placement
-from ..model import forward, runner as kv
+from ..model import runner as kv
 from . import shard as tp_shard
 
 
@@ -99,10 +99,11 @@ def start(folder: Any, placement: Placement, name: str, compile: str, rows: tupl
     skeleton = _skeleton(config, folder, placement.dtype)
     progress(f"starting {len(placement.ranks or ())} tensor-parallel ranks for {name}", None)
     sharded = Sharded(str(folder), placement, name, compile, rows, config, lambda line: progress(line, None))
-    forward.attach(skeleton, sharded)
-    return models.LoadedModel(name=name, spec=spec or models.ModelSpec(name, "folder", str(folder)), model=skeleton,
+    lm = models.LoadedModel(name=name, spec=spec or models.ModelSpec(name, "folder", str(folder)), model=skeleton,
                               tokenizer=tokenizer, placement=placement, folder=Path(folder),
                               eos_ids=models.eos_ids_of(skeleton, tokenizer))
+    lm.forwards.sharded = sharded
+    return lm
 
 
 def _skeleton(config: Any, folder: Any, dtype: torch.dtype) -> torch.nn.Module:
@@ -120,7 +121,7 @@ def _skeleton(config: Any, folder: Any, dtype: torch.dtype) -> torch.nn.Module:
 
 def sharded(lm: models.LoadedModel | None) -> Sharded | None:
     """The ranks behind a loaded target, None if it runs in this process only."""
-    return forward.attached(lm.model) if lm is not None else None
+    return lm.forwards.sharded if lm is not None else None
 
 
 def draft_base(target: models.LoadedModel, draft_device: str | None = "auto",

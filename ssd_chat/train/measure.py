@@ -34,7 +34,7 @@ def measure(target: LoadedModel, draft: LoadedModel, prompts: list[str] | list[l
     features = is_feature_draft(draft.model)
     all_ids = [p if isinstance(p, list) else prompt_ids(target, [p])[0] for p in prompts]
     for ids in all_ids:
-        d = drafter(draft.model, None, draft.device)
+        d = drafter(draft.forwards, None, draft.device)
         t = kv.Runner(target.model, target.device, mid_layer=d.mid_layer)
         seq = list(ids)
         if len(seq) > 1:
