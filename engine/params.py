@@ -49,11 +49,3 @@ class SamplingParams:
         for name, v in (("frequency", self.frequency_penalty), ("presence", self.presence_penalty)):
             if not (-2.0 <= v <= 2.0):
                 raise ParamError(f"{name}-penalty must be in [-2, 2] (0 = off), got {v}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

@@ -116,5 +116,3 @@ class Session:
         """The latest message of ``role`` ("user" or "assistant"), if any."""
         return next((m["content"] for m in reversed(self.messages) if m["role"] == role), None)
 
-    def new_chat(self) -> None:
-        self.messages.clear()

@@ -121,6 +121,22 @@ def test_a_model_the_core_does_not_run_uses_transformers_with_one_notice(pair):
     assert notices == ["the target runs on transformers, not the compact core: activation 'gelu' (the core has SiLU)"]
 
 
+def test_what_the_speculator_said_at_its_start_reaches_the_first_reply_once(pair):
+    """The SSD speculator's draft on transformers (a GELU model): its process says why, and the frame
+    hands that on in the reply's events, once."""
+    from transformers import LlamaForCausalLM
+
+    target, d = pair
+    model = LlamaForCausalLM(type(d.model.config).from_dict(d.model.config.to_dict() | {"hidden_act": "gelu"}))
+    model.load_state_dict(d.model.state_dict())
+    draft = as_loaded(model.to(torch.float64).eval(), CharTokenizer(64), "gelu draft")
+    with Engine(EngineConfig(mode="ssd", k=2, fan_out="uniform:2", compile="off"), target, draft) as eng:
+        said = [[e.message for e in reply(eng, p, 8)[1] if isinstance(e, Notice)] for p in PROMPTS[:2]]
+        assert eng.describe()["draft_forward"] == "transformers"
+    why = "speculator: the draft runs on transformers, not the compact core: activation 'gelu' (the core has SiLU)"
+    assert why in said[0] and not [m for m in said[1] if m.startswith("speculator:")]
+
+
 def test_no_memory_for_the_cache_is_one_line_naming_the_model_and_size(monkeypatch):
     target = as_loaded(tiny_llama(seed=4), CharTokenizer(64), "t")  # no core yet: its cache is allocated here
     monkeypatch.setattr(static_kv, "bucket", lambda n, limit=None: 1 << 36)  # 16 TiB: refused at once

@@ -167,9 +167,9 @@ def test_row_order_is_applied_to_every_array():
 
 def test_decode_errors_are_clear():
     with pytest.raises(QuantError, match=r"Q4_K is not supported \(supported: Q4_0, Q4_1, Q8_0\)"):
-        quant.decode_blocks(np.zeros((2, 144), np.uint8), "Q4_K")
+        quant.split_blocks(np.zeros((2, 144), np.uint8), "Q4_K")
     with pytest.raises(QuantError, match="not whole 20-byte blocks"):
-        quant.decode_blocks(np.zeros((2, 30), np.uint8), "Q4_1")
+        quant.split_blocks(np.zeros((2, 30), np.uint8), "Q4_1")
     with pytest.raises(QuantError, match="64 inputs per row, the layer 96"):
         GGUFLinear(blocks(4, 64, "Q8_0", np.random.default_rng(0)), "Q8_0", 96)
 

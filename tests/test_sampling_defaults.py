@@ -57,7 +57,7 @@ def test_set_values_win_over_the_model_defaults_and_bench_keeps_greedy():
     assert (p.temperature, p.top_p, p.repetition_penalty, p.frequency_penalty) == (0.0, 0.8, 1.05, 0.5)
     values, _ = config.resolve({})
     plain = config.sampling_params(values)  # what bench / compare build: no model defaults
-    assert plain == SamplingParams() and plain.is_greedy and not plain.penalized
+    assert plain == SamplingParams() and plain.temperature == 0.0 and plain.repetition_penalty == 1.0
 
 
 def test_penalties_from_flag_env_and_file(tmp_path, monkeypatch):

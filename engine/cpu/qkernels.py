@@ -281,14 +281,3 @@ def q8_parallel(x, q, d, y):  # pragma: no cover - compiled
     for t in prange(q.shape[0]):
         _tile_q8(x, q, d, y, t)
 
-
-def half_to_float(h: np.ndarray) -> np.ndarray:
-    """The kernels' float16 widening on its own (tests compare it with numpy's over all 65536 values)."""
-    out = np.empty(h.shape[0], np.float32)
-    _widen_all(np.ascontiguousarray(h, dtype=np.uint16), out)
-    return out
-
-
-@njit(**_opts)
-def _widen_all(h, out):  # pragma: no cover - compiled
-    _widen(h, out)

@@ -86,15 +86,6 @@ def split_blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np
     return np.ascontiguousarray(q), d, m
 
 
-def decode_blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """GGUF blocks -> (quants int8 ``[rows, in]`` with Q4_0's ``q - 8`` applied, scales and offsets
-    float32 ``[rows, in / 32]``, offsets None where zero): the blocks as the file defines them."""
-    q, d, m = split_blocks(raw, kind)
-    if kind == "Q4_0":
-        return q.astype(np.int8) - np.int8(8), _f32(d), None
-    return q.astype(np.int8), _f32(d), None if m is None else _f32(m)
-
-
 def _f32(h: np.ndarray) -> np.ndarray:
     return h.view(np.float16).astype(np.float32)
 

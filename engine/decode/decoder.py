@@ -1,8 +1,9 @@
 """The frame every decoder (AR, SD, SSD) shares: one reply from prompt to Done.
 
-A mode supplies its context budget, the models it runs here and its body (prefill, then a loop
-of steps); the frame owns the rest, so the events around the loop are the same in every mode:
-before each step the notices those models' handles left (:class:`forward.Forwards`) and the stop flag; a failure ends the reply with an Error that
+A mode supplies its context budget, what may leave notices (the handles of the models it runs
+here, :class:`forward.Forwards`; SSD's speculator) and its body (prefill, then a loop of steps);
+the frame owns the rest, so the events around the loop are the same in every mode: before each
+step the notices left since the last and the stop flag; a failure ends the reply with an Error that
 keeps the partial reply, anything else with a Done carrying the stats.
 """
 
@@ -13,6 +14,7 @@ from abc import ABC, abstractmethod
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -20,7 +22,6 @@ from ..errors import ModelError, ParamError, TPError
 from ..events import Done, DoneReason, Error, Event, Notice, Token
 from ..load.models import LoadedModel
 from ..metrics import Metrics
-from ..model.forward import Forwards
 from ..params import SamplingParams
 from .detok import ReplyBuilder
 
@@ -72,6 +73,12 @@ def emit_block(
     return emitted, bonus_id
 
 
+class Noticing(Protocol):
+    """What leaves notices for the reply: a model's handle, the speculator."""
+
+    def take_notices(self) -> list[str]: ...
+
+
 @dataclass
 class Reply:
     """One reply as the frame sees it; a mode's body reads and advances it."""
@@ -80,7 +87,7 @@ class Reply:
     metrics: Metrics
     params: SamplingParams
     stop: threading.Event | None
-    forwards: tuple[Forwards, ...] = ()  # the handles of the models this reply runs: their notices are its own
+    noticed: tuple[Noticing, ...] = ()  # what may leave notices during the reply (Decoder._noticed)
     t0: float = field(default_factory=time.perf_counter)  # the reply's clock: event times and stats count from here
     cancelled: bool = False
 
@@ -89,8 +96,8 @@ class Reply:
         then the stop flag.  False once the reply is over."""
         if self.builder.finished:
             return False
-        for f in self.forwards:
-            for note in f.take_notices():
+        for source in self.noticed:
+            for note in source.take_notices():
                 yield Notice(note, "info")
         if self.stop is not None and self.stop.is_set():
             self.cancelled = True
@@ -112,7 +119,7 @@ class Decoder(ABC):
         builder = ReplyBuilder(self.target.tokenizer, self.target.eos_ids, params.stop, budget, params.ignore_eos)
         metrics = Metrics(self.mode)
         self._prepare()
-        r = Reply(builder, metrics, params, stop, tuple(m.forwards for m in self._runs() if m is not None))
+        r = Reply(builder, metrics, params, stop, self._noticed())
         try:
             yield from self._reply(prompt_ids, r)
         except Exception as e:  # noqa: BLE001 - reported as an event, with the partial reply
@@ -124,9 +131,9 @@ class Decoder(ABC):
     def _budget(self, num_prompt: int, params: SamplingParams) -> int:
         """How many new tokens the reply may have (:func:`context_budget` for the models it uses)."""
 
-    def _runs(self) -> tuple[LoadedModel | None, ...]:
-        """The models this decoder runs in this process."""
-        return (self.target,)
+    def _noticed(self) -> tuple[Noticing, ...]:
+        """What may leave notices during a reply: the handles of the models it runs here."""
+        return (self.target.forwards,)
 
     def _prepare(self) -> None:
         """Work before the reply's clock starts (SSD: the speculator's load)."""

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
+
+from pydantic import Field, TypeAdapter, ValidationError
 
 from ..config import EngineConfig, cache_dir
 from ..config import cpu_name as _cpu_name  # a seam: tests give it another CPU
@@ -94,40 +95,34 @@ def run_decoder(decoder: Any, prompt_ids: list[int], params: Any) -> Sample:
 
 
 # -- the result ------------------------------------------------------------------------------------
+Figures = dict[str, Annotated[float, Field(ge=0, allow_inf_nan=False)]]
+
+
 @dataclass(frozen=True)
 class Result:
-    tok_s: dict[str, float]  # median decode rate per mode that ran
+    tok_s: Figures  # median decode rate per mode that ran
     k: int
-    accepted: dict[str, float]  # SD / SSD: tokens per verification
-    verify_steps: dict[str, float]  # SD / SSD: a verification's time in AR steps (1 / AR's rate)
+    accepted: Figures  # SD / SSD: tokens per verification
+    verify_steps: Figures  # SD / SSD: a verification's time in AR steps (1 / AR's rate)
     hit_rate: float | None = None  # SSD
     failed: dict[str, str] | None = None  # modes that did not run, and why
 
     def to_json(self) -> dict[str, Any]:
-        return {"v": VERSION, "tok_s": self.tok_s, "k": self.k, "accepted": self.accepted, "verify_steps": self.verify_steps,
-                "hit_rate": self.hit_rate, "failed": self.failed or {}}
+        return {"v": VERSION, **_STORED.dump_python(self, mode="json")}
 
     @classmethod
     def from_json(cls, d: Any) -> "Result | None":
         """A stored result, or None for anything malformed."""
-        try:
-            if d["v"] != VERSION:
-                return None
-
-            def floats(x: Any) -> dict[str, float]:
-                out = {str(m): float(v) for m, v in x.items()}
-                if not all(math.isfinite(v) and v >= 0 for v in out.values()):
-                    raise ValueError("bad figure")
-                return out
-
-            tok = floats(d["tok_s"])
-            if not tok.get("ar"):
-                return None
-            hit = d.get("hit_rate")
-            return cls(tok, int(d["k"]), floats(d["accepted"]), floats(d["verify_steps"]), None if hit is None else float(hit),
-                       {str(m): str(v) for m, v in (d.get("failed") or {}).items()})
-        except (KeyError, TypeError, ValueError, AttributeError):
+        if not isinstance(d, dict) or d.get("v") != VERSION:
             return None
+        try:
+            r = _STORED.validate_python(d)
+        except ValidationError:
+            return None
+        return r if r.tok_s.get("ar") else None
+
+
+_STORED = TypeAdapter(Result)
 
 
 # a verify of k + 1 rows timed below this many AR steps: AR was slowed by other work (a quiet 2-core

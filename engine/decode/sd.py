@@ -26,7 +26,7 @@ from ..errors import ParamError
 from ..events import Event, Round
 from ..load.models import LoadedModel
 from ..params import SamplingParams
-from .decoder import Decoder, Reply, context_budget, emit_block
+from .decoder import Decoder, Noticing, Reply, context_budget, emit_block
 from .penalties import Penalties
 from .sampling import draw_draft, greedy_outcome, logits_to_probs, make_generator, verify
 
@@ -63,8 +63,8 @@ class SDDecoder(Decoder):
     def _budget(self, num_prompt: int, params: SamplingParams) -> int:
         return min(context_budget(self.target, num_prompt, params), context_budget(self.draft, num_prompt, params))
 
-    def _runs(self) -> tuple[LoadedModel, ...]:
-        return self.target, self.draft
+    def _noticed(self) -> tuple[Noticing, ...]:
+        return self.target.forwards, self.draft.forwards
 
     def _reply(self, prompt_ids: list[int], r: Reply) -> Generator[Event, None, None]:
         tdev, ddev, params, builder, metrics = self.target.device, self.draft.device, r.params, r.builder, r.metrics

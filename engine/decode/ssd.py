@@ -59,7 +59,7 @@ from ..speculate.channel import Settings
 from ..speculate.plan import Plan, pinned, plan  # noqa: F401 - Plan and plan: SSD's placement, public here
 from ..speculate.proposers import LocalProposer, NoProposer, Proposer, RemoteProposer
 from ..speculate.worker import recipe_for
-from .decoder import Decoder, Reply, context_budget, emit_block
+from .decoder import Decoder, Noticing, Reply, context_budget, emit_block
 from .detok import ReplyBuilder
 from .penalties import Penalties
 from .sampling import greedy_outcome, logits_to_probs, make_generator, sample_next, verify
@@ -182,8 +182,10 @@ class SSDDecoder(Decoder):
     def _budget(self, num_prompt: int, params: SamplingParams) -> int:
         return context_budget(self.target, num_prompt, params, lookahead=self.k + 1)
 
-    def _runs(self) -> tuple[LoadedModel | None, ...]:
-        return self.target, self.engine.draft  # the draft here: the in-process fallback's
+    def _noticed(self) -> tuple[Noticing, ...]:
+        # the draft here: the in-process fallback's; the speculator's are what it said at its start
+        draft = (self.engine.draft.forwards,) if self.engine.draft is not None else ()
+        return (self.target.forwards, *draft, *((self._worker,) if self._worker is not None else ()))
 
     def _reply(self, prompt_ids: list[int], r: Reply) -> Generator[Event, None, None]:
         cfg, params, metrics = self.engine.config, r.params, r.metrics
@@ -195,10 +197,6 @@ class SSDDecoder(Decoder):
         elif self.plan.shared and not self._told_shared:
             self._told_shared = True
             yield Notice("SSD: verifier and speculator share one device, so they cannot overlap", "info")
-        if self._worker is not None and self._worker.notices:  # said once: the worker's notices from its start
-            for note in self._worker.notices:
-                yield Notice(f"speculator: {note}", "info")
-            self._worker.notices = ()
         with contextlib.ExitStack() as pins:
             if spec is not None:
                 pins.enter_context(pinned(self.plan.target_cores, self.plan.target_threads))

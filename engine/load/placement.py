@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import DeviceError
 
@@ -218,10 +217,3 @@ def _with_draft(plan: TargetPlan, draft_device: str, gpus: int, avail: list[int]
         draft = "auto"
     return TargetPlan(plan.kind, plan.devices, plan.cores, draft, "; ".join(notes))
 
-
-def check_target(plan: TargetPlan, config: Any, name: str) -> None:
-    """Once the model's config is read (before its weights): can ``plan`` split it?  A ModelError if not."""
-    if plan.kind == "tp":
-        from ..tp.shard import check
-
-        check(config, plan.world, name)

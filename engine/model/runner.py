@@ -6,13 +6,14 @@ speculator call nothing else to run a model:
 * ``append(ids, logits=..., hidden=...)``: feed tokens after the committed ones and commit them
   (a prefill, a one-token step, a verification of k+1 tokens);
 * ``truncate(keep)``: roll back to a length;
-* ``tree(ids, positions, slots, ancestors, prefix)``: scratch rows that are not committed, each
-  attending to the committed prefix, its ancestors and itself (one depth of an SSD tree);
+* ``step(ids, positions, slots, mask)``: scratch rows that are not committed, each attending to
+  the slots its row of ``mask`` marks (:func:`tree_mask`: the committed prefix, its ancestors and
+  itself; one depth of an SSD tree);
 * ``adopt(keep, slots)``: make scratch rows (a winning branch) the committed continuation.
 
 This module is the one place that drives a cache.  :class:`Runner` runs a transformers model
 (or a feature draft) on a ``DynamicCache``; :class:`CoreRunner` runs the compact core
-(:mod:`core`) over its preallocated :class:`cache.StaticKV`; :mod:`forward` picks one.
+(:mod:`core`) over its preallocated :class:`cache.StaticKV`; a model's :class:`forward.Forwards` picks one.
 On a ``DynamicCache`` the scratch rows are appended after the committed ones, so tree slots
 must continue the scratch region in order, and the next ``append`` or ``truncate`` drops them.
 On the core any slot past the committed length is scratch; nothing needs dropping.
@@ -177,20 +178,12 @@ class Runner:
         return Out(None if logits == "none" else out.logits[0], h, rec.mid)
 
     @torch.inference_mode()
-    def tree(self, ids: list[int] | torch.Tensor, positions: list[int] | torch.Tensor, slots: list[int] | torch.Tensor,
-             ancestors: list[list[int]] | torch.Tensor, prefix: int, logits: str = "all") -> Out:
-        """Scratch rows ``ids`` at RoPE ``positions``, their K/V at ``slots`` (on a DynamicCache: the
-        next slots after the scratch region), row r attending to slots [0, prefix), ``ancestors[r]``
-        and itself.  Nothing is committed."""
-        sl = torch.as_tensor(slots, device=self.device).reshape(-1)
-        return self.step(ids, positions, slots, tree_mask(sl, ancestors, prefix, length(self.cache) + sl.numel()), logits)
-
-    @torch.inference_mode()
     def step(self, ids: list[int] | torch.Tensor, positions: list[int] | torch.Tensor, slots: list[int] | torch.Tensor,
              mask: torch.Tensor, logits: str = "all") -> Out:
-        """As :meth:`tree`, with the whole visibility given: row r attends to the slots where ``mask[r]``
-        (bool [rows, end of the rows' slots]) is True.  What a caller that keeps a tree's mask across
-        depths calls."""
+        """Scratch rows ``ids`` at RoPE ``positions``, their K/V at ``slots`` (on a DynamicCache: the
+        next slots after the scratch region), row r attending to the slots where ``mask[r]`` (bool
+        [rows, end of the rows' slots], :func:`tree_mask`) is True: one depth of an SSD tree, whose
+        caller keeps the mask across depths.  Nothing is committed."""
         x = torch.as_tensor(ids, device=self.device).reshape(-1)
         sl = torch.as_tensor(slots, device=self.device).reshape(-1)
         end = length(self.cache)
@@ -253,13 +246,6 @@ class CoreRunner:
             raise ValueError("the core runs plain decoders; a feature draft runs on transformers")
         out = self.core.append(ids, logits=logits, hidden=hidden)
         return Out(out.logits, out.hidden, out.mid)
-
-    def tree(self, ids: list[int] | torch.Tensor, positions: list[int] | torch.Tensor, slots: list[int] | torch.Tensor,
-             ancestors: list[list[int]] | torch.Tensor, prefix: int, logits: str = "all") -> Out:
-        """As :meth:`Runner.tree`, but ``slots`` may be any slots past the committed length."""
-        if int(torch.as_tensor(slots).min()) < self.length:
-            raise ValueError(f"tree rows must go at slots >= the committed length {self.length}")
-        return Out(self.core.tree(ids, positions, slots, ancestors, prefix, logits=logits).logits)
 
     def step(self, ids: list[int] | torch.Tensor, positions: list[int] | torch.Tensor, slots: list[int],
              mask: torch.Tensor, logits: str = "all") -> Out:

@@ -220,11 +220,6 @@ def latency(role: str) -> Any:
     return lambda rows: pad.forward(role, rows)
 
 
-def expected_accepted(alpha: float, k: int) -> float:
-    """Mean tokens a round emits (accepted + bonus) at i.i.d. per-token acceptance ``alpha``."""
-    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
 def bounds(prof: Profile, tokens_per_round: float, k: int, hit_rate: float) -> dict[str, float]:
     """Analytical tok/s with no overhead, for rounds that emit ``tokens_per_round`` (accepted + bonus):
     AR one step per token; SD k draft steps and a verify per round; SSD a verify per round, or the

@@ -90,7 +90,7 @@ class RemoteProposer:
         self.ready = False
         self._failed: SpeculatorError | None = None
         self.forward: str | None = None  # what forwards the draft there (forward.LABELS), from Ready
-        self.notices: tuple[str, ...] = ()
+        self._notices: list[str] = []  # what it said once loaded (on transformers, a compile that failed)
         self.pid = self.proc.pid
         self.timeout = timeout  # a silent speculator is given up on after this long
         self._finalizer = weakref.finalize(self, _shutdown, self.proc, parent)
@@ -101,7 +101,12 @@ class RemoteProposer:
             if not isinstance(msg, Ready):
                 raise SpeculatorError(f"unexpected first message from the speculator: {msg!r}")
             self.ready = True
-            self.forward, self.notices = msg.forward, msg.notices
+            self.forward, self._notices = msg.forward, [f"speculator: {n}" for n in msg.notices]
+
+    def take_notices(self) -> list[str]:
+        """What the speculator said at its start, once."""
+        out, self._notices = self._notices, []
+        return out
 
     def begin(self, prompt_ids: list[int], settings: Settings) -> None:
         self.channel.send(Begin(tuple(prompt_ids), settings))  # the draft's prefill overlaps the target's
