@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import threading
+import time
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -41,14 +42,20 @@ def call(n: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     coordinating thread: ``serve``'s, which then runs the HTTP server).  Ctrl-C still interrupts the
     wait; the thread and its OpenMP pool end with the call."""
     box: dict[str, Any] = {}
-    t = _start(n, fn, args, kwargs, lambda error, result: box.update(error=error, result=result))
+    ended = threading.Event()
+    t = _start(n, fn, args, kwargs, lambda error, result: (box.update(error=error, result=result), ended.set()))
     try:
-        t.join()
+        # Short waits, not join(): a Ctrl-C the kernel gives another thread is handled here only when
+        # this thread wakes, and Python 3.11's join() marks a thread that a Ctrl-C interrupted as ended.
+        while not ended.wait(0.05):
+            pass
+        t.join()  # its OpenMP pool ends with it
     except KeyboardInterrupt:
         # Raised in the thread too, so it unwinds (closing what it started) as the calling thread would
         # have: a process that exits while it is inside torch's C++ aborts ("terminate called ...").
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident), ctypes.py_object(KeyboardInterrupt))
-        t.join()
+        while t.is_alive():
+            time.sleep(0.05)
         raise
     if box["error"] is not None:
         raise box["error"]

@@ -93,14 +93,15 @@ def _start(proc: multiprocessing.process.BaseProcess) -> None:
 
     # The child inherits this thread's signal mask: with SIGINT blocked it starts deaf to the Ctrl-C
     # the terminal sends its whole process group, which otherwise interrupted its imports (a traceback
-    # on the user's terminal) before child_start could ignore it.
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        with real_stdio():
-            resource_tracker.ensure_running()
+    # on the user's terminal) before child_start could ignore it.  Blocked after the resource tracker
+    # has started: starting it unblocks SIGINT in the calling thread.
+    with real_stdio():
+        resource_tracker.ensure_running()
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
             proc.start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def die_with_parent() -> None:

@@ -120,11 +120,13 @@ def serve(
             remove_state(path)
         typer.echo("ssd-chat: stopping: finishing the reply in progress", err=True)
 
-    defaults = sampling_params(values, engine.sampling_defaults)  # the model's own where the user set none
-    app_ = create_app(engine, defaults, api_key=api_key, max_queue=max_queue, on_ready=ready,
-                      max_body_mb=max_body_mb, ignore_tools=ignore_tools)
     try:
+        defaults = sampling_params(values, engine.sampling_defaults)  # the model's own where the user set none
+        app_ = create_app(engine, defaults, api_key=api_key, max_queue=max_queue, on_ready=ready,
+                          max_body_mb=max_body_mb, ignore_tools=ignore_tools)
         run_server(app_, sock, on_signal=stopping)
+    except KeyboardInterrupt:  # before the server took Ctrl-C over (from then on it stops the server: exit 0)
+        raise typer.Exit(130) from None
     finally:
         for path in state:
             remove_state(path)

@@ -297,7 +297,12 @@ def serve(app: FastAPI, sock: socket.socket, on_signal: Callable[[], None] = lam
     """Serve ``app`` on the bound socket until SIGTERM/SIGINT; the engine is closed on return."""
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=None)
     server = _DrainingServer(config, app.state.worker, on_signal)
+    main = threading.current_thread() is threading.main_thread()
+    # ours from the start: asyncio.run puts its own SIGINT handler (it cancels the startup) over Python's default only
+    previous = signal.signal(signal.SIGINT, server.handle_exit) if main else None
     try:
         server.run(sockets=[sock])
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         app.state.worker.close()

@@ -205,8 +205,7 @@ def test_ctrl_c_while_serve_measures_the_modes_exits_130_and_leaves_no_process(t
                           env=env, encoding="utf-8", timeout=300)
     try:
         child.expect("measuring AR, SD and SSD")
-        wait_until(lambda: psutil.Process(child.pid).children(recursive=True), 60)  # SSD's speculator
-        time.sleep(2)  # past the child's interpreter start (a Ctrl-C inside it: see docs/serve.md)
+        wait_until(lambda: psutil.Process(child.pid).children(recursive=True), 60)  # SSD's speculator, starting
         kids = psutil.Process(child.pid).children(recursive=True)
         child.sendintr()
         child.expect(pexpect.EOF)

@@ -102,3 +102,42 @@ def test_the_servers_engine_thread_computes_on_the_remembered_count(restore, mon
     worker._queue.put(END)
     worker._thread.join(10)
     assert seen == [2] and torch.get_num_threads() == 1
+
+
+CTRL_C = """
+import signal, threading, time
+from ssd_chat.engine import threads
+
+seen = []
+
+def load():  # a long load: it ends early only if the Ctrl-C reaches it
+    try:
+        seen.append(threading.get_ident())
+        for _ in range(600):
+            time.sleep(0.1)
+        seen.append("finished")
+    except KeyboardInterrupt:
+        seen.append("interrupted")
+        raise
+
+def ctrl_c():  # the kernel may give a process's SIGINT to any thread that does not block it: here, the load's
+    while len(seen) < 1:
+        time.sleep(0.01)
+    signal.pthread_kill(seen[0], signal.SIGINT)
+
+threading.Thread(target=ctrl_c, daemon=True).start()
+try:
+    threads.call(1, load)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", seen[1:])
+"""
+
+
+def test_call_ends_on_a_ctrl_c_that_another_thread_received():
+    """A Ctrl-C delivered to the load's thread, not the waiting one, still interrupts ``call`` and
+    unwinds the load (the waiting thread wakes to handle it, instead of blocking until the load ends)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", CTRL_C], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "KeyboardInterrupt ['interrupted']", r.stdout + r.stderr

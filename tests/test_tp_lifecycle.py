@@ -100,8 +100,9 @@ from ssd_chat.engine.tp.core import TPCore
 tp = TPCore(sys.argv[1], ["cpu", "cpu"], "tiny", dtype=torch.float64)
 tp.append([1, 2, 3])
 print("pids", *tp.pids, flush=True)
-if sys.argv[2] == "wait":
-    time.sleep(600)
+if sys.argv[2] == "wait":  # an app's main loop: it wakes, so a Ctrl-C the kernel gave another thread is handled
+    for _ in range(6000):
+        time.sleep(0.1)
 """
 
 

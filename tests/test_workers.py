@@ -162,24 +162,35 @@ def test_child_start_says_stop_when_the_parent_is_gone(tmp_path):
     assert "to-stdout" in said  # it returned before touching stdio
 
 
-def _report_sigint_blocked(conn):
-    import signal
+FIRST_WORKER = """
+import signal
+from ssd_chat.engine import workers
 
+
+def report(conn):
     conn.send(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
 
 
-def test_a_worker_starts_with_ctrl_c_blocked_and_the_caller_keeps_its_mask():
-    """Ctrl-C goes to the terminal's whole process group: a worker still importing (before child_start
-    ignores it) printed a KeyboardInterrupt traceback on the user's terminal."""
-    import signal
-
+if __name__ == "__main__":
     ctx = workers.context()
     here, there = ctx.Pipe()
     before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    proc = ctx.Process(target=_report_sigint_blocked, args=(there,), daemon=True)
-    workers.start(proc)
-    try:
-        assert here.poll(120) and here.recv() is True
-    finally:
-        proc.join(30)
-    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+    proc = ctx.Process(target=report, args=(there,), daemon=True)
+    workers.start(proc)  # the process's first: it also starts multiprocessing's resource tracker
+    print("blocked" if here.poll(120) and here.recv() else "not blocked",
+          "kept" if signal.pthread_sigmask(signal.SIG_BLOCK, []) == before else "changed")
+    proc.join(30)
+"""
+
+
+def test_a_worker_starts_with_ctrl_c_blocked_and_the_caller_keeps_its_mask(tmp_path):
+    """Ctrl-C goes to the terminal's whole process group: a worker still importing (before child_start
+    ignores it) printed a KeyboardInterrupt traceback on the user's terminal.  Checked in a fresh
+    process, whose first worker starts the resource tracker, which unblocks SIGINT in its caller."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "first_worker.py"
+    script.write_text(FIRST_WORKER)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.stdout.split() == ["blocked", "kept"], r.stdout + r.stderr
