@@ -23,11 +23,12 @@ DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "hal
 def cache_dir() -> Path:
     """Where converted models, timings and compiled kernels live: $SSD_CHAT_CACHE_DIR, else
     $XDG_CACHE_HOME/ssd-chat."""
-    env = os.environ.get("SSD_CHAT_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ssd-chat"
+    return user_dir("SSD_CHAT_CACHE_DIR", "XDG_CACHE_HOME", ".cache")
+
+
+def user_dir(env: str, xdg: str, home: str) -> Path:
+    """``$env`` if set, else ``$xdg/ssd-chat``, else ``~/home/ssd-chat`` (the XDG base directory rule)."""
+    return Path(os.environ.get(env) or Path(os.environ.get(xdg) or Path.home() / home) / "ssd-chat")
 
 
 def cpu_name() -> str:

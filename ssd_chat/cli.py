@@ -120,8 +120,7 @@ def ask(
         raise typer.Exit(served)
     from .engine.errors import ParamError, SSDChatError
 
-    try:
-        params = sampling_params(values)
+    try:  # settings() has checked the sampling values: the model's defaults fill those left unset, below
         engine = load_engine(values, start_decoder=True)
     except ParamError as e:  # a setting out of range is bad usage
         raise fail(str(e), 2) from None

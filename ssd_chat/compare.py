@@ -109,9 +109,6 @@ class Comparison:
         xs = tuple(r.tok_per_s / b[r.repeat] for r in self.of(mode) if b.get(r.repeat))
         return Ratio(xs, self.bound(mode, over)) if xs else None
 
-    def by_mode(self, mode: str) -> Run | None:
-        return next((r for r in self.runs if r.mode == mode), None)
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "identical": self.identical,

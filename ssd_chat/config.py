@@ -22,7 +22,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from .engine.config import EngineConfig
+from .engine.config import EngineConfig, user_dir
 from .engine.params import SamplingParams
 
 DEFAULTS: dict[str, Any] = {
@@ -95,10 +95,7 @@ class ConfigError(ValueError):
 
 
 def config_dir() -> Path:
-    env = os.environ.get("SSD_CHAT_CONFIG_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "ssd-chat"
+    return user_dir("SSD_CHAT_CONFIG_DIR", "XDG_CONFIG_HOME", ".config")
 
 
 def config_file() -> Path:

@@ -35,7 +35,6 @@ def run_headless(values: dict, prompts: list[str]) -> int:
     from .tui.changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
 
     try:
-        params = sampling_params(values)
         backend = EngineBackend(values)
         backend.engine = load_engine(values)
         params = sampling_params(values, backend.engine.sampling_defaults)

@@ -43,10 +43,14 @@ def _target_name(ctx: typer.Context, target: str | None) -> str:
     return models.DEFAULT_TARGET
 
 
-def _load_target(name: str, device: str, dtype: str) -> Any:
+def _load_target(name: str, device: str, dtype: str, threads: int | None) -> Any:
     from .loading import quiet_libraries
     from .engine.load import models
 
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     quiet_libraries()
     return models.load(name, models.parse_placement(device, dtype))
 
@@ -99,10 +103,6 @@ def train(
     from . import train as training
     from .engine.errors import ParamError, SSDChatError
 
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
     name = _target_name(ctx, target)
     try:
         cfg = training.TrainConfig(
@@ -112,7 +112,7 @@ def train(
         )
         train_prompts = training.load_prompts(prompts)
         held_prompts = training.load_prompts(heldout, heldout=True)
-        tgt = _load_target(name, device, dtype)
+        tgt = _load_target(name, device, dtype, threads)
         with _Progress() as bar:
             result, work_path = training.run(tgt, out, cfg, train_prompts, held_prompts, work, fresh, bar.update)
     except ParamError as e:
@@ -148,14 +148,10 @@ def evaluate(
     from .engine.drafts import shipped as drafts
     from .engine.errors import ParamError, SSDChatError
 
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
     name = _target_name(ctx, target)
     try:
         texts = training.load_prompts(prompts, heldout=True)[:limit]
-        tgt = _load_target(name, "cpu", "float32")
+        tgt = _load_target(name, "cpu", "float32", threads)
         if not drafts.is_derived(draft):
             raise ParamError(f"'{draft}' is not a derived or trained draft (use copy, int8, layers:N or a draft folder)")
         d = drafts.derive(draft, tgt)

@@ -17,7 +17,6 @@ fails (damaged pages) raises :class:`HistoryError` with a one-line reason; the r
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import time
 from collections.abc import Callable
@@ -25,16 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .engine.config import user_dir
 from .history_files import Pending, copy_to_memory, memory, read_only_connection, transient
 from .history_files import reason as _reason
 from .history_schema import MIGRATIONS, migrate
 
 
 def data_dir() -> Path:
-    env = os.environ.get("SSD_CHAT_DATA_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "ssd-chat"
+    return user_dir("SSD_CHAT_DATA_DIR", "XDG_DATA_HOME", ".local/share")
 
 
 def default_db_path() -> Path:

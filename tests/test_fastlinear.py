@@ -35,11 +35,19 @@ def _linear(in_f: int, out_f: int, bias: bool) -> nn.Linear:
     return nn.Linear(in_f, out_f, bias=bias)
 
 
+def _wrap(path: FastPath, linear: nn.Linear) -> FastLinear:
+    """One Linear served on its own (``install`` replaces the ones inside a model)."""
+    fast = FastLinear(linear, path, linear.weight.numel() * linear.weight.element_size() <= fastlinear.MAX_TRANSPOSE_BYTES)
+    path._layers.add(fast)
+    path.prepare()
+    return fast
+
+
 @pytest.mark.parametrize("in_f,out_f", [(64, 64), (64, 24), (64, 160), (160, 64), (48, 900)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_f_linear_for_every_row_count(path, in_f: int, out_f: int, bias: bool) -> None:
     ref = _linear(in_f, out_f, bias)
-    m = path.wrap(copy.deepcopy(ref))
+    m = _wrap(path, copy.deepcopy(ref))
     with torch.no_grad():
         for shape in [(1, in_f), (1, 1, in_f), (2, in_f), (1, 3, in_f), (4, in_f), (1, 5, in_f), (2, 3, in_f), (1, 7, in_f), (33, in_f)]:
             x = torch.randn(*shape)
@@ -68,7 +76,7 @@ def test_install_replaces_linears_and_keeps_shared_weights_shared(path) -> None:
 def test_every_path_is_taken_and_agrees_without_timing(tmp_path) -> None:
     """The static rule: row counts 1 (cached transpose), 2-5 (W @ x.T) and more (F.linear) on a tall matrix."""
     ref = _linear(32, 96, True)
-    m = FastPath(store=tmp_path / "s.json", timed=False).wrap(copy.deepcopy(ref))
+    m = _wrap(FastPath(store=tmp_path / "s.json", timed=False), copy.deepcopy(ref))
     with torch.inference_mode():
         for rows in range(1, 9):
             x = torch.randn(rows, 32)
@@ -78,7 +86,7 @@ def test_every_path_is_taken_and_agrees_without_timing(tmp_path) -> None:
 
 
 def test_in_place_weight_update_rebuilds_the_transpose(path) -> None:
-    m = path.wrap(_linear(16, 40, False))
+    m = _wrap(path, _linear(16, 40, False))
     path.choices.update({_key(40, 16, 1): "xwt"})
     x = torch.randn(1, 16)
     with torch.no_grad():
@@ -91,7 +99,7 @@ def test_in_place_weight_update_rebuilds_the_transpose(path) -> None:
 
 def test_gradients_flow_through_f_linear(path) -> None:
     ref = _linear(16, 40, True)
-    m = path.wrap(copy.deepcopy(ref))
+    m = _wrap(path, copy.deepcopy(ref))
     x = torch.randn(1, 16)
     m(x).square().sum().backward()
     ref(x).square().sum().backward()
@@ -153,7 +161,7 @@ def test_each_chosen_formulation_is_used_and_agrees(path, method: str, monkeypat
     if method in fastlinear.KERNEL_BLOCK and not rowkernels.available():
         pytest.skip("numba is not installed")
     ref = _linear(32, 96, True)
-    m = path.wrap(copy.deepcopy(ref))
+    m = _wrap(path, copy.deepcopy(ref))
     path.choices.update({_key(96, 32, r): method for r in range(1, fastlinear.MAX_FAST_ROWS + 1)})
     kernel_rows = []
     matmul_t = rowkernels.matmul_t
@@ -178,7 +186,7 @@ def test_the_chosen_kernels_are_loaded_at_install_with_the_signature_real_calls_
     monkeypatch.setattr(rowkernels, "_warmed", set())
     rows = range(1, fastlinear.MAX_FAST_ROWS + 1)
     path.choices.update({_key(96, 32, r): "rows4" for r in rows})  # known choices: nothing to time
-    m = path.wrap(_linear(32, 96, False))
+    m = _wrap(path, _linear(32, 96, False))
     assert rowkernels._warmed == {(r, 4) for r in rows}
     signatures = {r: list(rowkernels.kernel(r, 4).signatures) for r in rows}
     assert all(len(s) == 1 for s in signatures.values())
@@ -189,7 +197,7 @@ def test_the_chosen_kernels_are_loaded_at_install_with_the_signature_real_calls_
 
 
 def test_a_row_kernel_choice_without_numba_falls_back_to_f_linear(path, monkeypatch: pytest.MonkeyPatch) -> None:
-    m = path.wrap(_linear(32, 96, False))
+    m = _wrap(path, _linear(32, 96, False))
     path.choices.update({_key(96, 32, r): "rows" for r in range(1, fastlinear.MAX_FAST_ROWS + 1)})
     monkeypatch.setattr(rowkernels, "available", lambda: False)
     monkeypatch.setattr(rowkernels, "matmul_t", lambda *a: pytest.fail("a row kernel ran without numba"))
@@ -276,7 +284,7 @@ def test_each_thread_count_gets_its_own_choices(path, tmp_path, monkeypatch: pyt
     monkeypatch.setattr(fastlinear, "tune", counted)
     threads = torch.get_num_threads()
     other = 1 if threads != 1 else 2
-    m = path.wrap(_linear(16, 40, False))
+    m = _wrap(path, _linear(16, 40, False))
     assert calls == [(threads, (40, 16))] and _key(40, 16, 2) in path.choices
     path.prepare(other)
     path.prepare(other)  # nothing missing: no timing
@@ -365,7 +373,7 @@ def test_without_a_writable_cache_dir_torchs_products_serve(tmp_path, monkeypatc
     assert not rowkernels.available()
     path = FastPath(store=tmp_path / "fastlinear.json")
     ref = _linear(8, 5, False)
-    m = path.wrap(copy.deepcopy(ref))
+    m = _wrap(path, copy.deepcopy(ref))
     assert set(path.choices.values()) <= {"linear", "wxt", "xwt"}
     x = torch.randn(2, 8)
     with torch.inference_mode():

@@ -108,13 +108,10 @@ class ChatApp(App[int]):
         self.set_interval(2.0, self.chat_view.check_history)  # writes held back by a lock are saved when it goes, even when idle
         if self.resume_id is not None:
             await self.chat_view.resume(self.resume_id)
-        self.load_backend()
-
-    # -- loading -------------------------------------------------------------------------
-    def load_backend(self) -> None:
-        """Load in a daemon thread: quitting during a long load must not wait for it to finish."""
+        # a daemon thread: quitting during a long load must not wait for it to finish
         threading.Thread(target=self._load, name="ssd-chat-load", daemon=True).start()
 
+    # -- loading -------------------------------------------------------------------------
     def _load(self) -> None:
         threads.worker(self.compute_threads)
         # warnings found before loading (a model too large for this machine) reach the chat at once

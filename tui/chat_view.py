@@ -29,7 +29,7 @@ from ..terminal import printable
 from .actions import ChatActions
 from .comparing import CompareActions
 from .figures import Baseline
-from .replies import ReplyActions, Turn
+from .replies import ReplyActions, Turn, settle
 from .rerun import RerunActions
 from .widgets.cache_view import CacheView
 from .widgets.chat_log import ChatLog
@@ -167,12 +167,7 @@ class ChatView(RerunActions, ReplyActions, CompareActions, ChatActions, Widget):
         self.script.clear()
         if self.current is not None and self.current.status == "streaming":
             await self.action_stop()
-        w = self._reply_worker
-        if w is not None and w.is_running:
-            try:
-                await asyncio.wait_for(w.wait(), 15)
-            except Exception:  # noqa: BLE001
-                pass
+        await settle(self._reply_worker, 15)
         await self.stop_compare()
         if self.recorder is not None:
             vocab = {i: s for i in sorted(self._seen_ids) if (s := self._lookup_text(i)) is not None}

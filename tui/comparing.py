@@ -9,7 +9,6 @@ The comparison is not part of the conversation: nothing is added to the chat's m
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from dataclasses import replace
 from typing import Any
@@ -23,6 +22,7 @@ from ..engine.load.chat import messages_for
 from ..engine.params import SamplingParams
 from ..backend import readable
 from .figures import Baseline, baseline_from_reply
+from .replies import settle
 
 
 class CompareRun(Message, bubble=False):
@@ -136,9 +136,4 @@ class CompareActions:
         """Esc / quit: stop the comparison at the next token and wait for the engine to be back."""
         if self._compare_stop is not None:
             self._compare_stop.set()
-        w = self._compare_worker
-        if w is not None and w.is_running:
-            try:
-                await asyncio.wait_for(w.wait(), 15)
-            except Exception:  # noqa: BLE001
-                pass
+        await settle(self._compare_worker, 15)

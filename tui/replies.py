@@ -30,6 +30,16 @@ from .widgets.chat_log import AssistantMessage
 SAVE_EVERY_S = 1.0  # a streaming reply is saved this often (a crash keeps what streamed)
 
 
+async def settle(worker: Any, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for a worker (None: none) to end; True while it still runs."""
+    if worker is not None and worker.is_running:
+        try:
+            await asyncio.wait_for(worker.wait(), timeout_s)
+        except Exception:  # noqa: BLE001 - a timeout, or the worker failed (it has ended then)
+            pass
+    return worker is not None and worker.is_running
+
+
 @dataclass
 class Turn:
     """One prompt and its streaming reply."""
@@ -68,13 +78,9 @@ class ReplyActions:
         if self.switching is not None:
             await self.chat.add_notice(f"still switching to {self.switching}; your prompt stays in the box", "warning")
             return
-        if self._reply_worker is not None and self._reply_worker.is_running:
-            try:  # the engine checks the stop flag every step: this is short
-                await asyncio.wait_for(self._reply_worker.wait(), 10)
-            except Exception:  # noqa: BLE001
-                if self._reply_worker.is_running:
-                    await self.chat.add_notice("the previous reply has not stopped yet; try again in a moment", "warning")
-                    return
+        if await settle(self._reply_worker, 10):  # the engine checks the stop flag every step: this is short
+            await self.chat.add_notice("the previous reply has not stopped yet; try again in a moment", "warning")
+            return
         try:
             params = SamplingParams(**{**self.backend.sampling_defaults(), **self.params})  # the model's where unset
         except ValueError as e:

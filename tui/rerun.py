@@ -10,7 +10,6 @@ chat is kept as it was in a new saved chat ("… (before edit)", Ctrl+R): nothin
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +19,7 @@ from textual.widgets import Static
 from ..engine.params import SamplingParams
 from ..history import HistoryError
 from ..history_edit import copy_conversation, truncate
+from .replies import settle
 from .widgets.chat_log import AssistantMessage, UserMessage
 
 HINT = ("Type a message and press Enter to send (Shift+Enter: new line) · /help lists the keys and commands · "
@@ -114,15 +114,9 @@ class RerunActions:
         except ValueError as e:
             await self.chat.add_notice(str(e), "error")
             return False
-        w = self._reply_worker
-        if w is not None and w.is_running:  # a stopped reply enters the session when its thread ends
-            try:
-                await asyncio.wait_for(w.wait(), 10)
-            except Exception:  # noqa: BLE001
-                pass
-            if w.is_running:
-                await self.chat.add_notice("the previous reply has not stopped yet; try again in a moment", "warning")
-                return False
+        if await settle(self._reply_worker, 10):  # a stopped reply enters the session when its thread ends
+            await self.chat.add_notice("the previous reply has not stopped yet; try again in a moment", "warning")
+            return False
         return True
 
     async def rerun_from(self, index: int, text: str, *, edited: bool) -> None:

@@ -155,13 +155,6 @@ class FastPath:
         self.prepare(None, announce, tuned)
         return len(new)
 
-    def wrap(self, linear: nn.Linear) -> FastLinear:
-        """One Linear on its own (``install`` replaces the ones inside a model)."""
-        fast = FastLinear(linear, self, linear.weight.numel() * linear.weight.element_size() <= MAX_TRANSPOSE_BYTES)
-        self._layers.add(fast)
-        self.prepare()
-        return fast
-
     # -- choosing ---------------------------------------------------------------------------------
     def prepare(self, threads: int | None = None, announce: Callable[[], None] | None = None,
                 tuned: Callable[[float], None] | None = None) -> None:

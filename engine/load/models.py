@@ -8,6 +8,7 @@ loader (transformers 5's default, which we never turn off).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import pickle
 import re
@@ -73,10 +74,6 @@ class ModelSpec:
     name: str  # as the user wrote it
     kind: Literal["hub", "folder", "gguf", "derived"]
     source: str  # hub id, folder path, gguf path, or the derivation ("int8", "layers:6", ...)
-
-    @property
-    def label(self) -> str:
-        return self.name
 
 
 def resolve(name: str) -> ModelSpec:
@@ -153,24 +150,16 @@ def model_folder(spec: ModelSpec, progress: ProgressFn = _no_progress, tqdm_clas
     """A local transformers folder for ``spec`` (downloading or converting once)."""
     if spec.kind == "folder":
         return Path(spec.source)
-    if spec.kind == "gguf":
-        return _converted_gguf(Path(spec.source), progress)
+    if spec.kind == "gguf":  # dequantized once into a cached fp32 safetensors folder, keyed by content
+        from .convert import converted_gguf
+
+        return converted_gguf(Path(spec.source), cache_dir() / "converted", progress)
     if spec.kind == "hub":
         folder = _hub_download(spec.source, _TOKENIZER_FILES + _WEIGHT_FILES, tqdm_class)
         if not any(folder.glob("*.safetensors")):  # old checkpoints: pickles, loaded weights-only
             folder = _hub_download(spec.source, _TOKENIZER_FILES + _PICKLE_FILES, tqdm_class)
         return folder
     raise ModelError(f"'{spec.name}' is derived from the target and has no folder of its own")
-
-
-def _converted_gguf(gguf: Path, progress: ProgressFn) -> Path:
-    """Dequantize a GGUF once into a cached fp32 safetensors folder, keyed by content (see convert.py)."""
-    from .convert import converted_gguf
-
-    return converted_gguf(gguf, cache_dir() / "converted", progress)
-
-
-# --- devices and dtypes --------------------------------------------------------------------
 
 
 # --- loading -------------------------------------------------------------------------------
@@ -299,13 +288,8 @@ def check_same_vocab(target_name: str, target_tok: Any, draft_name: str, draft_t
         return
     t_by_id = {i: s for s, i in tv.items()}
     d_by_id = {i: s for s, i in dv.items()}
-    diffs = []
-    for i in sorted(set(t_by_id) | set(d_by_id)):
-        a, b = t_by_id.get(i), d_by_id.get(i)
-        if a != b:
-            diffs.append(f"id {i}: {a!r} vs {b!r}")
-            if len(diffs) == 3:
-                break
+    differ = (i for i in sorted(set(t_by_id) | set(d_by_id)) if t_by_id.get(i) != d_by_id.get(i))
+    diffs = [f"id {i}: {t_by_id.get(i)!r} vs {d_by_id.get(i)!r}" for i in itertools.islice(differ, 3)]
     raise TokenizerMismatchError(
         f"target '{target_name}' ({len(tv)} tokens) and draft '{draft_name}' ({len(dv)} tokens) do not share a tokenizer; "
         f"first differences (target vs draft): {'; '.join(diffs)}. Pick a draft from the target's family."

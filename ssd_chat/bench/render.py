@@ -109,8 +109,7 @@ def render(report: dict[str, Any], console: Any) -> None:
                   "included); accept: acceptance rate; hits: SSD cache-hit rate; = AR: greedy replies identical to AR's[/]")
     fams = sorted({f for p in report["protocols"].values() for m in p["modes"].values() for f in m["tok_per_s_by_family"]})
     if len(fams) > 1:
-        table = Table(title="median decode tok/s by prompt family", title_justify="left")
-        table.add_column("protocol / mode")
+        table = Table("protocol / mode", title="median decode tok/s by prompt family", title_justify="left")
         for f in fams:
             table.add_column(f, justify="right")
         for proto, p in report["protocols"].items():

@@ -67,15 +67,11 @@ def print_report(report: dict[str, Any], console: Any) -> None:
 
     for line in header(report):
         console.print(line, markup=False, highlight=False)
-    t = Table(title=f"{report['profile']['name']} (simulated)")
-    for h in HEAD:
-        t.add_column(h)
+    t = Table(*HEAD, title=f"{report['profile']['name']} (simulated)")
     for r in rows(report):
         t.add_row(*r)
     console.print(t)
-    o = Table(title="SSD overhead per round, ms (simulated)")
-    for h in OVERHEAD_HEAD:
-        o.add_column(h)
+    o = Table(*OVERHEAD_HEAD, title="SSD overhead per round, ms (simulated)")
     for r in overhead_rows(report):
         o.add_row(*r)
     console.print(o)
