@@ -70,10 +70,10 @@ def test_engine_close_stops_the_ranks_and_the_next_reply_starts_them(pair):
     engine = Engine(EngineConfig(mode="ar"), tp)
     try:
         reply(engine, [1, 2, 3], temperature=0.0, max_new_tokens=2)  # the ranks run (an earlier test may have closed them)
-        pids = tp_load.sharded(tp).pids
+        pids = tp.forwards.sharded.pids
         assert pids and alive(pids) == pids
         engine.close()
-        assert alive(pids) == [] and tp_load.sharded(tp).pids == []
+        assert alive(pids) == [] and tp.forwards.sharded.pids == []
         evs, done = reply(engine, [1, 2, 3], temperature=0.0, max_new_tokens=8)
         assert any(isinstance(e, Notice) and "tensor-parallel ranks of t again" in e.message for e in evs)
         want = list(ARDecoder(one).stream([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=8)))[-1].token_ids
@@ -103,7 +103,7 @@ def test_ssd_with_a_tensor_parallel_target_samples_the_target_distribution(small
 def test_the_same_check_rejects_a_tensor_parallel_target_with_a_wrong_head(small, monkeypatch):
     one, tp, draft = small
     engine = Engine(EngineConfig(mode="sd", k=2), tp, draft)
-    head = tp_load.sharded(tp).core(lambda _s: None).core.head
+    head = tp.forwards.sharded.core(lambda _s: None).core.head
     real = head._gather
     monkeypatch.setattr(head, "_gather", lambda local: real(local).roll(4, dims=-1))  # vocabulary blocks swapped
     try:
@@ -118,7 +118,7 @@ def test_a_rank_that_dies_mid_reply_ends_it_in_one_line_and_the_next_reply_resta
     monkeypatch.setattr(tp_load.Sharded, "fault", {1: "exit:6"})  # rank 1 exits in its 6th forward
     tp = tp_target(save(base, tmp_path), CharTokenizer(64), "t")
     engine = Engine(EngineConfig(mode="ssd", k=3), tp, as_loaded(perturbed(base, 0.1), CharTokenizer(64), "d"))
-    pids = tp_load.sharded(tp).pids
+    pids = tp.forwards.sharded.pids
     try:
         evs = list(engine.stream([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=40)))
         err = evs[-1]
@@ -130,11 +130,11 @@ def test_a_rank_that_dies_mid_reply_ends_it_in_one_line_and_the_next_reply_resta
         want = list(ARDecoder(as_loaded(base, CharTokenizer(64), "t")).stream([5, 17, 40], SamplingParams(
             temperature=0.0, max_new_tokens=12)))[-1].token_ids
         assert reply(engine, [5, 17, 40], temperature=0.0, max_new_tokens=12)[1].token_ids == want
-        new = tp_load.sharded(tp).pids
+        new = tp.forwards.sharded.pids
         assert new and set(new).isdisjoint(pids) and alive(new) == new
     finally:
         engine.close()
-    assert alive(tp_load.sharded(tp).pids + pids) == []
+    assert alive(tp.forwards.sharded.pids + pids) == []
 
 
 @pytest.mark.slow

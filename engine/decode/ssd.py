@@ -183,9 +183,12 @@ class SSDDecoder(Decoder):
         return context_budget(self.target, num_prompt, params, lookahead=self.k + 1)
 
     def _noticed(self) -> tuple[Noticing, ...]:
-        # the draft here: the in-process fallback's; the speculator's are what it said at its start
-        draft = (self.engine.draft.forwards,) if self.engine.draft is not None else ()
-        return (self.target.forwards, *draft, *((self._worker,) if self._worker is not None else ()))
+        sources: list[Noticing] = [self.target.forwards]
+        if self.engine.draft is not None:  # the in-process fallback's
+            sources.append(self.engine.draft.forwards)
+        if self._worker is not None:  # what the speculator said at its start
+            sources.append(self._worker)
+        return tuple(sources)
 
     def _reply(self, prompt_ids: list[int], r: Reply) -> Generator[Event, None, None]:
         cfg, params, metrics = self.engine.config, r.params, r.metrics

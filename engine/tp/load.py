@@ -100,8 +100,8 @@ def start(folder: Any, placement: Placement, name: str, compile: str, rows: tupl
     progress(f"starting {len(placement.ranks or ())} tensor-parallel ranks for {name}", None)
     sharded = Sharded(str(folder), placement, name, compile, rows, config, lambda line: progress(line, None))
     lm = models.LoadedModel(name=name, spec=spec or models.ModelSpec(name, "folder", str(folder)), model=skeleton,
-                              tokenizer=tokenizer, placement=placement, folder=Path(folder),
-                              eos_ids=models.eos_ids_of(skeleton, tokenizer))
+                            tokenizer=tokenizer, placement=placement, folder=Path(folder),
+                            eos_ids=models.eos_ids_of(skeleton, tokenizer))
     lm.forwards.sharded = sharded
     return lm
 
@@ -119,16 +119,11 @@ def _skeleton(config: Any, folder: Any, dtype: torch.dtype) -> torch.nn.Module:
     return model.eval()
 
 
-def sharded(lm: models.LoadedModel | None) -> Sharded | None:
-    """The ranks behind a loaded target, None if it runs in this process only."""
-    return lm.forwards.sharded if lm is not None else None
-
-
 def draft_base(target: models.LoadedModel, draft_device: str | None = "auto",
                progress: models.ProgressFn = models._no_progress) -> models.LoadedModel:
     """What a derived draft is made from: the target itself, or for a tensor-parallel target its whole
     weights loaded once more on the draft's device (the draft's own GPU, else the CPU)."""
-    tp = sharded(target)
+    tp = target.forwards.sharded  # the ranks behind it, None if it runs in this process only
     if tp is None:
         return target
     if tp.base is None:

@@ -281,9 +281,7 @@ class ModelPool:
 
 
 def _rank_pids(engine: Any) -> list[int]:
-    from ..engine.tp import load as tp_load
-
-    tp = tp_load.sharded(engine.target)
+    tp = engine.target.forwards.sharded
     return tp.pids if tp is not None else []
 
 
