@@ -22,6 +22,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from . import config_toml as toml
 from .engine.config import EngineConfig, user_dir
 from .engine.params import SamplingParams
 
@@ -288,28 +289,6 @@ def describe_source(key: str, source: str, path: Path | None = None) -> str:
     return source
 
 
-def _toml_value(v: Any) -> str:
-    """``v`` in TOML: the settings' types, and whatever else a hand-written file holds (kept as written)."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    if not isinstance(v, str):  # dates and times
-        return v.isoformat()
-    s = v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return f'"{s}"'
-
-
-def _toml_key(k: str) -> str:
-    import re
-
-    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else _toml_value(k)
-
-
 def set_value(key: str, raw: str | None, path: Path | None = None) -> Path:
     """Write (or with ``raw=None`` remove) one setting in the config file; returns the file's path.
 
@@ -330,9 +309,19 @@ def set_value(key: str, raw: str | None, path: Path | None = None) -> Path:
         check_value(key, value, read_file(path, {}), path)
         data.pop(written, None)
         data[key] = value
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = ["# ssd-chat settings (see `ssd-chat config`)"] + [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in data.items() if v is not None]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    data = {k: v for k, v in data.items() if v is not None}
+    try:
+        text = "\n".join(["# ssd-chat settings (see `ssd-chat config`)"] + [f"{toml.key(k)} = {toml.value(v)}" for k, v in data.items()]) + "\n"
+        back = tomllib.loads(text)  # what every command will read: the file is replaced only if that is what was meant
+        if list(back) != list(data) or (raw is not None and back[key] != data[key]):
+            raise ValueError("it does not read back as written")
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"cannot write {key} as TOML: {e}; {path} is unchanged", usage=True) from None
+    try:
+        toml.replace_file(path, text)
+    except OSError as e:  # read-only file or folder, full disk, a folder in the way: one line, not a traceback
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
+        raise ConfigError(f"cannot write the config file {path}: {e.strerror or e}{where}; nothing was written") from None
     return path
 
 
@@ -363,7 +352,7 @@ def check_value(key: str, value: Any, others: dict[str, Any], path: Path) -> Non
         base = dict(DEFAULTS)
     e = _engine_error({**base, key: value}, ssd)
     if e is not None:
-        clash = [f"{k} = {_toml_value(v)}" for k, v in others.items() if k != key and base.get(k) == v
+        clash = [f"{k} = {toml.value(v)}" for k, v in others.items() if k != key and base.get(k) == v
                  and _engine_error({**base, key: value, k: DEFAULTS[k]}, ssd) is None]
         raise ConfigError(f"{e}{' (with ' + ', '.join(clash) + ' in the file)' if clash else ''}; {path} is unchanged", usage=True)
     if key in ("target", "draft") and value:

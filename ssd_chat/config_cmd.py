@@ -51,13 +51,15 @@ def config_show(
         return
     from rich.table import Table
 
+    from .terminal import printable
+
     table = Table(title=f"ssd-chat settings (file: {config.config_file()})", title_justify="left")
     table.add_column("setting", no_wrap=True)
     table.add_column("value", overflow="fold")
     table.add_column("source", overflow="fold")
     for key in config.DEFAULTS:
         v = values[key]
-        shown = "—" if v is None else str(v)
+        shown = "—" if v is None else printable(str(v), one_line=True)  # a control character is shown, not obeyed
         if key == "mode" and v == "auto" and "mode" in engine:
             shown = f"auto → {engine['mode'] or 'measured at the first start'}"
         elif key == "dtype" and engine.get("precision") not in (None, v):
@@ -116,16 +118,18 @@ def config_path() -> None:
     typer.echo(str(config_file()))
 
 
-@config_app.command("set")
+# a value such as -1 is a value, not an option: the range check gets it and says what is allowed
+@config_app.command("set", context_settings={"ignore_unknown_options": True})
 def config_set(key: str, value: str) -> None:
     """Write KEY = VALUE to the config file (checked first). Example: `ssd-chat config set mode ssd`."""
     from .config import ConfigError, set_value
+    from .terminal import printable
 
     try:
         path = set_value(key, value)
     except ConfigError as e:
         raise fail(str(e)) from None
-    typer.echo(f"{key.replace('-', '_')} = {value}  ({path})")
+    typer.echo(f"{key.replace('-', '_')} = {printable(value, one_line=True)}  ({path})")  # the value's escapes shown, not obeyed
 
 
 @config_app.command("unset")

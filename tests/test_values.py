@@ -143,6 +143,91 @@ def test_a_bad_file_is_shown_by_config_and_fixed_by_unset(tmp_path, monkeypatch)
     assert config.read_file() == {"system": "be brief"}  # the good value stays
 
 
+@pytest.mark.parametrize("value", [
+    "a\x1b]0;X\x07b",  # an OSC title change and a bell
+    "nul\x00here", "del\x7f and \x1b[2J", 'say "hi" \\ then \\"', "two\nlines\r\n\ttab\x0c\x08",
+    "\\u0041 is not an escape", "caf\u00e9 \u2603 \U0001F600", "'single' '''triple''' \"\"\"",
+])
+def test_config_set_writes_any_text_so_that_every_command_reads_it_back(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(tmp_path))
+    r = CliRunner().invoke(app, ["config", "set", "system", value])
+    assert r.exit_code == 0, r.output
+    assert "\x1b" not in r.stdout and "\x07" not in r.stdout  # echoed escaped, not obeyed by the terminal
+    r = CliRunner().invoke(app, ["config", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["system"] == {"value": value, "source": "file"}
+    table = CliRunner().invoke(app, ["config"])
+    assert table.exit_code == 0 and "\x1b" not in table.stdout and "\x00" not in table.stdout
+
+
+def test_config_set_refuses_text_toml_cannot_hold_and_leaves_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(tmp_path))
+    assert CliRunner().invoke(app, ["config", "set", "system", "be brief"]).exit_code == 0
+    before = (tmp_path / "config.toml").read_bytes()
+    for bad in ("bytes \udcff that were not UTF-8", "\ud800"):  # how undecodable bytes in argv reach Python
+        r = CliRunner().invoke(app, ["config", "set", "system", bad])
+        assert r.exit_code == 1 and "not valid UTF-8" in r.stderr and "is unchanged" in r.stderr, r.output
+        assert "Traceback" not in r.output and len(r.stderr.strip().splitlines()) == 1
+    assert (tmp_path / "config.toml").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.toml"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("temperature", "-1", "temperature must be a finite number >= 0, got -1.0"),
+    ("top_k", "-3", "top-k must be >= 0"),
+    ("seed", "-1", "seed must be a whole number from 0"),
+    ("max-new-tokens", "-5", "max-new-tokens must be at least 1"),
+])
+def test_a_negative_value_reaches_the_range_check(tmp_path, monkeypatch, key, value, needle):
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(tmp_path))
+    r = CliRunner().invoke(app, ["config", "set", key, value])
+    assert r.exit_code == 1 and needle in r.stderr and "No such option" not in r.output, r.output
+    assert not (tmp_path / "config.toml").exists()
+    r = CliRunner().invoke(app, ["config", "set", "frequency_penalty", "-1.5"])  # in range: written
+    assert r.exit_code == 0, r.output
+    assert config.read_file() == {"frequency_penalty": -1.5}
+
+
+def test_config_set_where_the_folder_cannot_be_made_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "plain").write_text("")
+    env = {**os.environ, "SSD_CHAT_CONFIG_DIR": str(tmp_path / "plain" / "ssd-chat")}
+    r = subprocess.run([sys.executable, "-m", "ssd_chat", "config", "set", "k", "3"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == (f"ssd-chat: error: cannot write the config file {tmp_path}/plain/ssd-chat/config.toml: "
+                                f"Not a directory ({tmp_path}/plain/ssd-chat); nothing was written")
+
+
+def test_config_set_on_a_file_it_cannot_write_is_one_line_and_keeps_the_file(tmp_path, monkeypatch):
+    """Root writes a read-only file regardless, so the refusal is made where the write fails."""
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(tmp_path))
+    (tmp_path / "config.toml").write_text('mode = "sd"\n')
+
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied", str(dst))
+
+    monkeypatch.setattr(os, "replace", refuse)
+    r = CliRunner().invoke(app, ["config", "set", "k", "3"])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert f"cannot write the config file {tmp_path / 'config.toml'}: Permission denied; nothing was written" in r.stderr
+    assert (tmp_path / "config.toml").read_text() == 'mode = "sd"\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.toml"]
+
+
+def test_config_set_writes_through_a_symlinked_file(tmp_path, monkeypatch):
+    real = tmp_path / "dotfiles" / "ssd-chat.toml"
+    real.parent.mkdir()
+    real.write_text('mode = "sd"\n')
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.toml").symlink_to(real)
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(tmp_path / "cfg"))
+    assert CliRunner().invoke(app, ["config", "set", "k", "3"]).exit_code == 0
+    assert (tmp_path / "cfg" / "config.toml").is_symlink()
+    assert config.read_file(real) == {"mode": "sd", "k": 3}
+
+
 # -- help texts -----------------------------------------------------------------------------------
 def test_help_texts_are_whole_and_agree(monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")
