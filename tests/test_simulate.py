@@ -159,3 +159,18 @@ def test_the_command_says_simulated_and_fails_on_a_greedy_mismatch(tmp_path, mon
 def test_bad_simulate_usage_is_one_line(args, msg):
     r = CliRunner().invoke(app, ["bench", *args])
     assert r.exit_code == 2 and msg in r.output and "Traceback" not in r.output
+
+
+def test_dry_run_prints_the_plan_and_runs_nothing(monkeypatch):
+    def ran(*a, **k):
+        raise AssertionError("the race ran")
+
+    monkeypatch.setattr(sim, "race", ran)
+    r = CliRunner().invoke(app, ["bench", "--simulate", "h100-70b-1b", "--dry-run", "--acceptance", "0.6,0.8", "--limit", "2"])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    assert "SIMULATED" in text and "k=7" in text and "acceptance 0.6, 0.8" in text and "2 prompts x 128 tokens" in text
+    assert "dry run: nothing was run" in text
+    assert simulate.active() is None
+    r = CliRunner().invoke(app, ["bench", "--simulate", "nope", "--dry-run"])  # still checked first
+    assert r.exit_code == 2 and "unknown profile 'nope'" in r.output

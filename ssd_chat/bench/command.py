@@ -71,7 +71,7 @@ def bench_command(
         if models or preset or against:
             raise fail(f"--simulate runs its own small models on simulated hardware; {', '.join(models) or 'preset/against'} does not apply", 2)
         raise typer.Exit(simulated(simulate, acceptance, limit or 4, max_new_tokens or 128, given.get("seed") or 0,
-                                   json_file, plot_file, markdown_file, console, err, quiet))
+                                   json_file, plot_file, markdown_file, console, err, quiet, dry_run))
     try:
         prompt_list, prompt_source = load_prompts(prompts, limit)
         from ..config import ConfigError

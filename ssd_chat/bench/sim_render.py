@@ -108,3 +108,20 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def print_plan(prof: Any, alphas: list[float], n_prompts: int, max_new: int, console: Any) -> None:
+    """``bench --simulate --dry-run``: what the race would run, and the least time its padded forwards take."""
+    from ..engine.model import simulate
+
+    k, tokens = prof.k, n_prompts * max_new
+    secs = tokens * prof.target.ms(1) / 1e3  # AR: one target step per token
+    for a in alphas:
+        per_round = (1 - a ** (k + 1)) / (1 - a)  # tokens a round emits at per-token acceptance a
+        b = simulate.bounds(prof, per_round, k, 1.0)
+        secs += tokens / b["sd"] + tokens / b["ssd_all_hits"]
+    console.print(f"SIMULATED {prof.title} ({prof.name}): k={k}, fan-out {prof.fan_out}", highlight=False)
+    console.print(f"AR once, then SD and SSD at acceptance {', '.join(f'{a:g}' for a in alphas)}: "
+                  f"{n_prompts} prompt{'s' if n_prompts != 1 else ''} x {max_new} tokens each, on a random Llama and a draft calibrated to each acceptance", highlight=False)
+    console.print(f"at least {secs:.0f} s of simulated forwards (the CPU's own work and the calibration come on top); "
+                  "dry run: nothing was run", highlight=False)

@@ -266,7 +266,7 @@ def race(profile: str, alphas: list[float], n_prompts: int, max_new: int, seed: 
 
 
 def command(profile: str, acceptance: str, n_prompts: int, max_new: int, seed: int, json_file: Any, plot_file: Any,
-            markdown_file: Any, console: Any, err: Any, quiet: bool) -> int:
+            markdown_file: Any, console: Any, err: Any, quiet: bool, dry_run: bool = False) -> int:
     """``bench --simulate``: the exit status (0, 1 on a failure, 2 on bad usage, 3 when greedy SD/SSD differ from AR)."""
     from ..engine.model import simulate
     from ..options import fail
@@ -282,6 +282,9 @@ def command(profile: str, acceptance: str, n_prompts: int, max_new: int, seed: i
         raise fail(f"--acceptance takes a comma list of numbers in (0, 1), got '{acceptance}'", 2) from None
     if not alphas or not all(0.0 < a < 1.0 for a in alphas):
         raise fail(f"--acceptance takes a comma list of numbers in (0, 1), got '{acceptance}'", 2)
+    if dry_run:
+        sim_render.print_plan(simulate.load(profile), alphas, n_prompts, max_new, console)
+        return 0
     say = (lambda s: None) if quiet else (lambda s: err.print(f"[dim]{s}…[/]", highlight=False))
     try:
         report = race(profile, alphas, n_prompts, max_new, seed, say)
