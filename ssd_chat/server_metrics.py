@@ -16,6 +16,8 @@ prometheus_client's global one), so several servers in one process do not collid
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: N811 - re-exported
 
@@ -86,9 +88,10 @@ class ServerMetrics:
     def ended(self, since_arrival_s: float) -> None:
         self._l(self.e2e).observe(since_arrival_s)
 
-    def queue(self, running: int, waiting: int) -> None:
-        self._l(self.running).set(running)
-        self._l(self.waiting).set(waiting)
+    def follow(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
+        """The queue gauges, read from the worker at each scrape."""
+        self._l(self.running).set_function(running)
+        self._l(self.waiting).set_function(waiting)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

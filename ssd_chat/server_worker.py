@@ -83,6 +83,8 @@ class EngineWorker:
         self.history: list[Job] = []  # finished jobs, oldest first (last 1000)
         self._recent_s: list[float] = []  # durations of the last replies, for Retry-After
         self._threads = threads.count()  # torch's thread count is per thread: the engine thread sets it
+        # read when /metrics is asked, as /health reads them: the gauges cannot lag the queue
+        metrics.follow(lambda: 1 if self.running is not None else 0, lambda: self.waiting)
         self._thread = threading.Thread(target=self._loop, name="ssd-engine", daemon=True)
         self._thread.start()
 
@@ -143,7 +145,6 @@ class EngineWorker:
             except queue.Full:
                 self.metrics._l(self.metrics.rejected).inc()
                 raise QueueFull(self._retry_after()) from None
-            self._update_gauges()
         return job
 
     def _retry_after(self) -> int:
@@ -163,7 +164,6 @@ class EngineWorker:
                 if job is not None:
                     job.reason = "shutdown"
                     job.post(ShuttingDown())
-            self._update_gauges()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Drain, cancel the running reply if it is still going, end the thread, close every
@@ -182,9 +182,6 @@ class EngineWorker:
                 e.close()
 
     # -- the engine thread -------------------------------------------------------------------
-    def _update_gauges(self) -> None:
-        self.metrics.queue(1 if self.running is not None else 0, self._queue.qsize())
-
     def _loop(self) -> None:
         threads.worker(self._threads)
         while True:
@@ -196,7 +193,6 @@ class EngineWorker:
                 self._finish(job)
                 continue
             self.running = job
-            self._update_gauges()
             self._decode(job)
 
     def _decode(self, job: Job) -> None:
@@ -232,7 +228,6 @@ class EngineWorker:
             self.metrics.ended(job.ended_s - job.arrived_s)
             self._recent_s = (self._recent_s + [job.ended_s - job.started_s])[-8:]
             self.running = None
-            self._update_gauges()
             self._finish(job)
 
     def _finish(self, job: Job) -> None:

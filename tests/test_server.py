@@ -136,6 +136,35 @@ def test_a_client_that_hangs_up_frees_the_engine_within_one_round(sd_server, loa
     assert gone.ended_s <= nxt.started_s
 
 
+def _gauges(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = get(f"{url}/metrics")[2]
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name in ("vllm:num_requests_running", "vllm:num_requests_waiting")}
+
+
+def test_the_queue_gauges_follow_a_queued_client_that_hangs_up(sd_server):
+    url, worker = sd_server
+    before = len(worker.history)
+    sock_a, reader_a = open_stream(url, {"messages": MSG, "max_tokens": 3000, "ignore_eos": True})
+    assert len(read_data_events(reader_a, 3)) == 3  # decoding
+    sock_b, reader_b = open_stream(url, {"messages": MSG, "max_tokens": 5})
+    wait_until(lambda: worker.waiting == 1)
+    assert _gauges(url) == {"vllm:num_requests_running": 1, "vllm:num_requests_waiting": 1}
+    reader_b.close()
+    sock_b.close()  # the queued client hangs up ...
+    wait_until(lambda: all(j.stop.is_set() for j in list(worker._queue.queue)))
+    reader_a.close()
+    sock_a.close()  # ... then the running one: the engine skips the queued job without decoding it
+    wait_until(lambda: len(worker.history) == before + 2 and worker.running is None)
+    assert [j.reason for j in worker.history[before:]] == ["cancelled", "cancelled"]
+    assert worker.history[-1].started_s is None  # never decoded
+    health = get(f"{url}/health")[2]
+    assert (health["running"], health["waiting"]) == (0, 0)
+    assert _gauges(url) == {"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0}
+
+
 def test_a_full_queue_answers_429_with_retry_after(loaded):
     app = create_app(engine(loaded), SamplingParams(max_new_tokens=64), max_queue=1)
     worker = app.state.worker
