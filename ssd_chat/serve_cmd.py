@@ -47,7 +47,7 @@ def serve(
     ignore_tools: Annotated[bool, typer.Option("--ignore-tools", help="When the model's chat template has no tool support, answer requests that offer tools in text (a log line says so) instead of refusing them with 400.")] = False,
     *, given: dict[str, Any],
 ) -> None:
-    """Serve the engine over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /metrics, /health); sampling options are the defaults for requests that leave them out.
+    """Serve the engine over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /metrics, /health, /openapi.json); sampling options are the defaults for requests that leave them out.
 
     One request decodes at a time; the others wait in order. SIGTERM or Ctrl-C finishes the reply being decoded, refuses the waiting ones, and exits. See docs/serve.md."""
     from .config import engine_config, sampling_params

@@ -9,7 +9,8 @@ ASGI server and on SIGTERM stops accepting, lets in-flight responses finish, the
 app's shutdown: exactly the drain a server restart needs.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
-(streaming and not), ``GET /metrics`` (Prometheus), ``GET /health`` (no key needed).
+(streaming and not), ``GET /metrics`` (Prometheus), ``GET /openapi.json`` and ``GET /docs`` (FastAPI's
+schema and its Swagger page), ``GET /health`` (the only one without the key).
 
 Threads: the event loop only parses and queues; the engine runs on one thread of its own
 (:mod:`server_worker`), one request at a time.  Prompts are tokenized on one more thread, with a
@@ -69,7 +70,8 @@ def create_app(engine: Any, defaults: SamplingParams, *, model_id: str | None = 
         await asyncio.to_thread(worker.close)  # stops the engine thread and SSD's speculator
         api.tokenizing.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="ssd-chat", version="1", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # the schema is how API tools (client generators, fuzzers) find the endpoints; behind the key like the rest
+    app = FastAPI(title="ssd-chat", version="1", lifespan=lifespan, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.worker = worker
     app.add_middleware(Guard, api_key=api_key, max_body_mb=max_body_mb)
 

@@ -263,6 +263,24 @@ def test_api_key_guards_everything_but_health(loaded):
             client(url, api_key="nope").models.list()
 
 
+def test_the_openapi_schema_lists_every_endpoint_behind_the_key(sd_server, loaded):
+    url, _ = sd_server
+    status, headers, schema = get(f"{url}/openapi.json")
+    assert status == 200 and headers["content-type"].startswith("application/json")
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/metrics", "/health"} <= set(schema["paths"])
+    body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert "messages" in schema["components"]["schemas"][body.rsplit("/", 1)[1]]["properties"]
+    status, _h, page = get(f"{url}/docs")
+    assert status == 200 and "/openapi.json" in page
+    app = create_app(engine(loaded), SamplingParams(max_new_tokens=4), api_key="sesame")
+    with running(app) as keyed:
+        for path in ("/openapi.json", "/docs"):
+            status, _h, out = get(f"{keyed}{path}")
+            assert status == 401 and out["error"]["code"] == "invalid_api_key"
+        status, _h, schema = get(f"{keyed}/openapi.json", {"Authorization": "Bearer sesame"})
+        assert status == 200 and "/v1/chat/completions" in schema["paths"]
+
+
 def test_metrics_use_vllm_spec_decode_names(sd_server):
     from prometheus_client.parser import text_string_to_metric_families
 
