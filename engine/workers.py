@@ -88,16 +88,19 @@ def start(proc: multiprocessing.process.BaseProcess) -> None:
     _spawner.submit(_start, proc).result()
 
 
+LEFT_TO_PARENT = {signal.SIGINT, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])}
+
+
 def _start(proc: multiprocessing.process.BaseProcess) -> None:
     from multiprocessing import resource_tracker
 
-    # The child inherits this thread's signal mask: with SIGINT blocked it starts deaf to the Ctrl-C
-    # the terminal sends its whole process group, which otherwise interrupted its imports (a traceback
-    # on the user's terminal) before child_start could ignore it.  Blocked after the resource tracker
-    # has started: starting it unblocks SIGINT in the calling thread.
+    # The child inherits this thread's signal mask: with SIGINT and SIGHUP blocked it starts deaf to the
+    # Ctrl-C (or hang-up) the terminal sends its whole process group, which otherwise interrupted its
+    # imports (a traceback on the user's terminal) before child_start could ignore it.  Blocked after
+    # the resource tracker has started: starting it unblocks SIGINT in the calling thread.
     with real_stdio():
         resource_tracker.ensure_running()
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, LEFT_TO_PARENT)
         try:
             proc.start()
         finally:
@@ -105,9 +108,10 @@ def _start(proc: multiprocessing.process.BaseProcess) -> None:
 
 
 def die_with_parent() -> None:
-    """In a worker: SIGKILL this process when its parent dies (Linux), and leave Ctrl-C to the
-    parent, which closes its workers itself."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """In a worker: SIGKILL this process when its parent dies (Linux), and leave Ctrl-C and a
+    terminal's hang-up to the parent, which closes its workers itself (``serve`` drains its reply first)."""
+    for sig in LEFT_TO_PARENT:
+        signal.signal(sig, signal.SIG_IGN)
     try:
         import ctypes
 

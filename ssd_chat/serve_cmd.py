@@ -37,6 +37,14 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def _say(line: str) -> None:
+    """A line on stderr, where a closed terminal (SIGHUP) must not turn the drain into a traceback."""
+    try:
+        typer.echo(line, err=True)
+    except OSError:
+        pass
+
+
 @engine_options(exclude=("system",))  # a request brings its own
 def serve(
     host: Annotated[str, typer.Option("--host", help="Address to listen on. 127.0.0.1 keeps it to this machine; 0.0.0.0 opens it to the network.")] = "127.0.0.1",
@@ -49,7 +57,7 @@ def serve(
 ) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /metrics, /health, /openapi.json); sampling options are the defaults for requests that leave them out.
 
-    One request decodes at a time; the others wait in order. SIGTERM or Ctrl-C finishes the reply being decoded, refuses the waiting ones, and exits. See docs/serve.md."""
+    One request decodes at a time; the others wait in order. SIGTERM, SIGHUP or Ctrl-C finishes the reply being decoded, refuses the waiting ones, and exits. See docs/serve.md."""
     from .config import engine_config, sampling_params
     from .engine.errors import ParamError, SSDChatError
     from .loading import load_engine
@@ -118,7 +126,7 @@ def serve(
     def stopping() -> None:
         for path in state:  # `ask` stops choosing this server now
             remove_state(path)
-        typer.echo("ssd-chat: stopping: finishing the reply in progress", err=True)
+        _say("ssd-chat: stopping: finishing the reply in progress")
 
     try:
         defaults = sampling_params(values, engine.sampling_defaults)  # the model's own where the user set none
@@ -131,4 +139,4 @@ def serve(
         for path in state:
             remove_state(path)
         engine.close()
-    typer.echo("ssd-chat: stopped", err=True)
+    _say("ssd-chat: stopped")

@@ -51,6 +51,7 @@ from .server_tools import template_supports_tools
 from .server_worker import END, EngineWorker, Job, QueueFull, ShuttingDown
 
 log = logging.getLogger("ssd_chat.server")
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
 def create_app(engine: Any, defaults: SamplingParams, *, model_id: str | None = None, api_key: str | None = None,
@@ -263,7 +264,7 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
 
 # -- running it ---------------------------------------------------------------------------------
 class _DrainingServer(uvicorn.Server):
-    """uvicorn, plus: the first SIGTERM/SIGINT also refuses queued requests (503) so that only the
+    """uvicorn, plus: the first SIGTERM/SIGINT/SIGHUP also refuses queued requests (503) so that only the
     reply being decoded is finished; the process then exits 0 instead of re-raising the signal."""
 
     def __init__(self, config: uvicorn.Config, worker: EngineWorker, on_signal: Callable[[], None]) -> None:
@@ -287,7 +288,9 @@ class _DrainingServer(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # SIGHUP (the terminal closed, or a supervisor's reload) drains too: its default would kill the
+        # process mid-stream, with no [DONE] and the state file left behind
+        old = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
         try:
             yield
         finally:
@@ -296,7 +299,7 @@ class _DrainingServer(uvicorn.Server):
 
 
 def serve(app: FastAPI, sock: socket.socket, on_signal: Callable[[], None] = lambda: None) -> None:
-    """Serve ``app`` on the bound socket until SIGTERM/SIGINT; the engine is closed on return."""
+    """Serve ``app`` on the bound socket until SIGTERM/SIGINT/SIGHUP; the engine is closed on return."""
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=None)
     server = _DrainingServer(config, app.state.worker, on_signal)
     main = threading.current_thread() is threading.main_thread()

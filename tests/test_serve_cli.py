@@ -28,9 +28,9 @@ URL = re.compile(r"at (http://\S+)/v1")
 class Serve:
     """``python -m ssd_chat serve ...`` with its stderr collected line by line."""
 
-    def __init__(self, *args: str, timeout: float = 600) -> None:
+    def __init__(self, *args: str, timeout: float = 600, session: bool = False) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "ssd_chat", "serve", "--port", "0", *args],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=session)
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stderr.readline, "")), daemon=True).start()
         wait_until(lambda: any(URL.search(s) for s in self.lines) or self.proc.poll() is not None, timeout)
@@ -54,7 +54,9 @@ def stream_reply(reader) -> tuple[list[int], str | None]:
     """Token ids and finish reason of the rest of a raw event stream, up to [DONE]."""
     ids, finish = [], None
     while True:
-        (data,) = read_data_events(reader, 1) or ["[DONE]"]
+        events = read_data_events(reader, 1)
+        assert events, "the stream ended without [DONE]"
+        (data,) = events
         if data == "[DONE]":
             return ids, finish
         choice = json.loads(data)["choices"][0]
@@ -62,8 +64,11 @@ def stream_reply(reader) -> tuple[list[int], str | None]:
         finish = choice.get("finish_reason") or finish
 
 
-def test_sigterm_finishes_the_reply_refuses_the_queue_and_leaves_no_process(tiny_chat_dir):
-    s = Serve("--target", str(tiny_chat_dir), "--mode", "ssd", "--draft", "layers:1")
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGHUP to the group"])
+def test_a_stop_signal_finishes_the_reply_refuses_the_queue_and_leaves_no_process(tiny_chat_dir, how):
+    """SIGHUP goes to the whole process group, as when the terminal that started serve closes: the
+    speculator must not die with it mid-reply."""
+    s = Serve("--target", str(tiny_chat_dir), "--mode", "ssd", "--draft", "layers:1", session=True)
     try:
         kids = s.children()
         assert any("spawn_main" in " ".join(p.cmdline()) for p in kids), "no SSD speculator process"
@@ -75,10 +80,13 @@ def test_sigterm_finishes_the_reply_refuses_the_queue_and_leaves_no_process(tiny
         t = threading.Thread(target=lambda: queued.update(r=post(f"{s.url}/v1/chat/completions", {"messages": MSG, "max_tokens": 3})))
         t.start()
         wait_until(lambda: get(f"{s.url}/health")[2]["waiting"] == 1)
-        s.proc.send_signal(signal.SIGTERM)
+        if how == "SIGTERM":
+            s.proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(s.proc.pid, signal.SIGHUP)
         ids, finish = stream_reply(reader)
         got = sum(len(json.loads(d)["choices"][0].get("token_ids") or []) for d in first) + len(ids)
-        assert got == 400 and finish == "length"  # the reply in progress was drained, not cut
+        assert got == 400 and finish == "length"  # the reply in progress was drained, not cut (stream_reply reached [DONE])
         sock.close()
         t.join(60)
         assert queued["r"][0] == 503 and queued["r"][2]["error"]["code"] == "shutting_down"
@@ -87,6 +95,7 @@ def test_sigterm_finishes_the_reply_refuses_the_queue_and_leaves_no_process(tiny
         assert not alive, alive
         assert not state.exists()
         assert "stopped" in s.stderr and "Traceback" not in s.stderr
+        assert [ln for ln in s.lines if "request 1:" in ln] == [next(ln for ln in s.lines if "request 1: ssd, 400 tokens" in ln)]  # no notice: the speculator lived
     finally:
         s.stop()
 

@@ -168,7 +168,8 @@ from ssd_chat.engine import workers
 
 
 def report(conn):
-    conn.send(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    conn.send(signal.SIGINT in blocked and signal.SIGHUP in blocked)  # a terminal's Ctrl-C and hang-up
 
 
 if __name__ == "__main__":
