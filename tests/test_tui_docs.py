@@ -73,3 +73,11 @@ async def test_the_readme_names_the_colours_the_tokens_have_on_screen():
         await wait_until(pilot, lambda: said)
         assert f"{shown(chat_log.TARGET_STYLE)} = target" in said[0], said
         await pilot.press("ctrl+c")
+
+
+def test_the_readme_lists_every_command_the_app_lists():
+    from ssd_chat.tui.actions import HELP
+
+    app_commands = set(re.findall(r"/[a-z][a-z-]*", HELP.split("Commands:", 1)[1]))
+    para = README.split("The same as commands:", 1)[1].split("\n\n", 1)[0]
+    assert app_commands and app_commands - set(re.findall(r"/[a-z][a-z-]*", para)) == set()
