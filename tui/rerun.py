@@ -169,7 +169,7 @@ class RerunActions:
         if truncate(self.history, cid, cut, expect=total) is None:
             # the saved chat does not hold what the screen shows (a write was lost): save what is kept as a new chat
             kept = self.messages[:cut]
-            self.conversation_id = self.history.new_conversation(kept[0]["content"] if kept else "", self.system)
+            self.conversation_id = self.history.new_conversation()  # the first user message kept names it
             for m in kept:
                 self.history.add_message(self.conversation_id, m["role"], m["content"])
         await self.check_history()
