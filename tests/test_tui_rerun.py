@@ -156,6 +156,7 @@ class TestEdit:
                 await wait_until(pilot, lambda: len(backend.calls) == 3 and app.chat_view.current.finished)
                 copy = [n for n in notices(app) if "kept as saved chat" in n]
                 assert copy and "kept as saved chat 3 (Ctrl+R)" in copy[0], notices(app)
+                assert any("another program has it locked" in n for n in notices(app)), notices(app)
                 other.rollback()  # the lock goes: what was held back is saved, in order
                 await pilot.press("ctrl+c")
         finally:

@@ -128,10 +128,10 @@ class RerunActions:
             self.end_edit()
             return
         cut, total = users[index], len(self.messages)
+        children = list(self.chat.children)  # taken before the cut: a warning the cut shows (a locked file) stays
         kept_as = await self._cut_saved_chat(cut, total, keep_copy=edited)
         # on screen: from the message on (an edit), or that message and its reply (regenerate: later
         # notices, such as a settings change, stay)
-        children = list(self.chat.children)
         start = children.index(widgets[index])
         end = len(children)
         if not edited:
