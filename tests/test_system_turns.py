@@ -164,3 +164,24 @@ async def test_an_older_files_chat_wide_system_prompt_becomes_the_first_message(
     h = History(db)
     assert [m.content for m in h.messages(1)][-2:] == ["go on", "more"]  # new ids follow the old ones
     h.close()
+
+
+@pytest.mark.asyncio
+async def test_f5_after_a_new_system_prompt_regenerates_the_reply_with_it(tmp_path):
+    backend = FakeBackend([ssd_events(["r1"]), ssd_events(["r2"]), ssd_events(["r1 again"])])
+    app = ChatApp(backend, history=History(tmp_path / "h.db"))
+    async with app.run_test(size=(140, 45)) as pilot:
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        await chat(app, pilot, "one", "two")
+        await app.chat_view.submit("/system Answer in French.")
+        await pilot.press("f5")
+        await wait_until(pilot, lambda: len(backend.calls) == 3 and app.chat_view.current.finished)
+        assert backend.calls[2] == [u("one"), a("r1"), sys_("Answer in French."), u("two")]
+        assert transcript(app) == ["user: one", "assistant: r1", "system prompt from here on: Answer in French.",
+                                   "user: two", "assistant: r1 again"]
+        cid = app.chat_view.conversation_id
+        await pilot.press("ctrl+c")
+    h = History(tmp_path / "h.db")
+    assert [(m.role, m.content) for m in h.messages(cid)] == [("user", "one"), ("assistant", "r1"), ("system", "Answer in French."),
+                                                               ("user", "two"), ("assistant", "r1 again")]
+    h.close()

@@ -138,7 +138,11 @@ class RerunActions:
             end = next((i + 1 for i in range(start, len(children)) if isinstance(children[i], AssistantMessage)), end)
         await self.chat.remove_children(children[start:end])
         self.current = None  # a late event of the dropped reply finds no turn to write into
+        later_system = [m["content"] for m in self.messages[cut:] if m["role"] == "system"] if not edited else []
         self.messages = self.messages[:cut]
+        for value in later_system:  # set after the reply regenerated: it applies from the message sent again
+            self.session.set_system(value)
+            self.history.set_system(self.conversation_id, value)
         if edited:
             self.end_edit()
             where = f"the chat as it was is kept as saved chat {kept_as} (Ctrl+R)" if kept_as else "what followed it is dropped"
@@ -185,6 +189,8 @@ class RerunActions:
         if not await self.can_rerun():
             return
         m = self.messages
+        while m and m[-1]["role"] == "system":  # a system prompt set after the reply: the new one gets it
+            m = m[:-1]
         if len(m) < 2 or m[-1]["role"] != "assistant" or m[-2]["role"] != "user":
             await self.chat.add_notice("no reply to regenerate yet", "warning")
             return
