@@ -4,9 +4,10 @@ The database is ``$SSD_CHAT_DATA_DIR/history.db`` (default ``$XDG_DATA_HOME/ssd-
 i.e. ``~/.local/share/ssd-chat/history.db``), or the path given with ``--db``.
 
 Schema changes are append-only ``m00N_*`` functions (:mod:`ssd_chat.history_schema`), applied once
-each and tracked by ``PRAGMA user_version``.  A database that cannot be opened (corrupt, locked, unwritable) never
-stops the chat: :class:`History` falls back to an in-memory database and sets ``warning`` to a
-sentence the app shows.  A write that fails later does the same, on an in-memory copy of the file
+each and tracked by ``PRAGMA user_version``.  A database that cannot be opened (corrupt, locked,
+unwritable) never stops the chat: :class:`History` falls back to an in-memory database and sets
+``warning`` to a sentence the app shows.  Corrupt includes a list of chats that does not read to its
+end, checked before any write (:func:`~ssd_chat.history_files.check_readable`).  A write that fails later does the same, on an in-memory copy of the file
 when it can still be read, so the current chat goes on with the same ids.  When the failure may pass
 (another program's lock, a full disk), the writes made meanwhile are kept and saved to the file, in order,
 once it takes them again (:mod:`ssd_chat.history_files`); ``resumed`` then says so, once.  A read that
