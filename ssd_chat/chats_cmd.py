@@ -91,21 +91,22 @@ def chats_path(ctx: typer.Context, db: Db = None) -> None:
 def chats_export(
     ctx: typer.Context,
     chat_id: Annotated[int, typer.Argument(metavar="ID", help="The chat's id (see `chats list`).")],
-    fmt: Annotated[str, typer.Option("--format", "-f", help="md (Markdown) or jsonl.")] = "md",
+    fmt: Annotated[Optional[str], typer.Option("--format", "-f", help="md (Markdown), jsonl (JSON Lines) or json; "
+                                               "default: from the --output file's extension (.md, .jsonl, .json), else md.",
+                                               show_default=False)] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file instead of stdout.", show_default=False)] = None,
     db: Db = None,
 ) -> None:
-    """Export a chat with its per-reply metrics as Markdown or JSONL."""
+    """Export a chat with its per-reply metrics as Markdown, JSON Lines or JSON."""
     from .history import HistoryError
     from .terminal import for_stream
 
-    if fmt not in ("md", "markdown", "jsonl"):
-        raise typer.BadParameter("use md or jsonl", param_hint="--format")
+    fmt = _export_format(fmt, output)
     h = _history(ctx, db)
     if h is None:
         raise _no_chat(chat_id, h)
     try:
-        text = h.export_jsonl(chat_id) if fmt == "jsonl" else h.export_markdown(chat_id)
+        text = h.export(chat_id, fmt)
     except KeyError:
         raise _no_chat(chat_id, h) from None
     except HistoryError as e:
@@ -118,6 +119,22 @@ def chats_export(
         except OSError as e:
             raise _fail_safe(f"cannot write {output}: {e.strerror or e}") from None
         typer.echo(for_stream(f"wrote {output}", sys.stderr), err=True)
+
+
+def _export_format(fmt: str | None, output: Path | None) -> str:
+    """``--format``, or the one ``--output``'s extension names (md without either); a format that
+    contradicts the extension (``-f md -o x.json``) is refused rather than written under a misleading name."""
+    from .history_export import FORMATS, SUFFIXES
+
+    if fmt is not None:
+        fmt = "md" if fmt == "markdown" else fmt
+        if fmt not in FORMATS:
+            raise typer.BadParameter("use md, jsonl or json", param_hint="--format")
+    named = SUFFIXES.get(output.suffix.lower()) if output is not None else None
+    if fmt is not None and named is not None and fmt != named:
+        raise _fail_safe(f"--format {fmt} writes {FORMATS[fmt]}, but {output} names {FORMATS[named]}: "
+                         f"use -f {named} or a file ending in .{fmt}")
+    return fmt or named or "md"
 
 
 @chats_app.command("show")

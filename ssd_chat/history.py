@@ -4,9 +4,10 @@ The database is ``$SSD_CHAT_DATA_DIR/history.db`` (default ``$XDG_DATA_HOME/ssd-
 i.e. ``~/.local/share/ssd-chat/history.db``), or the path given with ``--db``.
 
 Schema changes are append-only ``m00N_*`` functions (:mod:`ssd_chat.history_schema`), applied once
-each and tracked by ``PRAGMA user_version``.  A database that cannot be opened (corrupt, locked, unwritable) never
-stops the chat: :class:`History` falls back to an in-memory database and sets ``warning`` to a
-sentence the app shows.  A write that fails later does the same, on an in-memory copy of the file
+each and tracked by ``PRAGMA user_version``.  A database that cannot be opened (corrupt, locked,
+unwritable) never stops the chat: :class:`History` falls back to an in-memory database and sets
+``warning`` to a sentence the app shows.  Corrupt includes a list of chats that does not read to its
+end, checked before any write (:func:`~ssd_chat.history_files.check_readable`).  A write that fails later does the same, on an in-memory copy of the file
 when it can still be read, so the current chat goes on with the same ids.  When the failure may pass
 (another program's lock, a full disk), the writes made meanwhile are kept and saved to the file, in order,
 once it takes them again (:mod:`ssd_chat.history_files`); ``resumed`` then says so, once.  A read that
@@ -24,9 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import history_export
 from .engine.config import user_dir
-from .history_files import Pending, copy_to_memory, memory, read_only_connection, transient
+from .history_files import Pending, check_readable, chats_sql, copy_to_memory, memory, read_only_connection, transient
 from .history_files import reason as _reason
+from .history_export import metrics_line  # noqa: F401 - the app imports it from here
 from .history_schema import MIGRATIONS, migrate
 
 
@@ -42,7 +45,6 @@ def default_db_path() -> Path:
 class Conversation:
     id: int
     title: str
-    system: str | None
     created_at: float
     updated_at: float
     num_messages: int = 0
@@ -105,8 +107,9 @@ class History:
         try:
             db.execute("PRAGMA foreign_keys = ON")
             db.execute("PRAGMA journal_mode = WAL")
+            if db.execute("PRAGMA user_version").fetchone()[0]:  # before any write, a migration's too: a file
+                check_readable(db)  # the chats commands call corrupt is never written to
             migrate(db)
-            db.execute("SELECT count(*) FROM conversations").fetchone()
             return db
         except BaseException:
             db.close()
@@ -119,6 +122,7 @@ class History:
             db = read_only_connection(self.path, self.timeout_s)  # type: ignore[arg-type]
             version = db.execute("PRAGMA user_version").fetchone()[0]
             if version == len(MIGRATIONS):
+                check_readable(db)
                 return db
             if version > len(MIGRATIONS):
                 db.close()
@@ -216,34 +220,38 @@ class History:
 
     # -- conversations -------------------------------------------------------------------
     def new_conversation(self, title: str = "", system: str | None = None) -> int | None:
+        """A new chat; ``system``: the system prompt it starts with (its first message)."""
         now = time.time()
 
         def go(db: sqlite3.Connection, ident: int | None = None) -> int:
             cur = db.execute(
                 "INSERT INTO conversations(id, title, system, created_at, updated_at) "
-                "VALUES (coalesce(?, (SELECT max(coalesce(max(id), 0), ?) + 1 FROM conversations)),?,?,?,?)",
-                (ident, self._max_id["conversations"], _title(title) if title else "(new chat)", system, now, now),
+                "VALUES (coalesce(?, (SELECT max(coalesce(max(id), 0), ?) + 1 FROM conversations)),?,NULL,?,?)",
+                (ident, self._max_id["conversations"], _title(title) if title else "(new chat)", now, now),
             )
             return int(cur.lastrowid)
 
-        return self._seen("conversations", self._write(go, keeps_id=True))
+        cid = self._seen("conversations", self._write(go, keeps_id=True))
+        if system:
+            self.add_message(cid, "system", system)
+        return cid
 
-    def set_system(self, conversation_id: int, system: str | None) -> None:
-        self._write(lambda db: db.execute("UPDATE conversations SET system=? WHERE id=?", (system, conversation_id)))
+    def set_system(self, conversation_id: int | None, system: str | None) -> int | None:
+        """The system prompt from here on: a ``system`` message after the chat's last one ('' clears it)."""
+        return self.add_message(conversation_id, "system", system or "")
 
     def list_conversations(self) -> list[Conversation]:
-        """Every chat, newest first.  A title or system prompt that is not valid UTF-8 is listed with
-        its bad bytes as ``\\xff`` escapes (a label): one damaged chat does not hide the others."""
-        rows = self._read("the list of chats", lambda db: db.execute(
-            _chats_sql(raw=True)).fetchall())
+        """Every chat, newest first.  A title that is not valid UTF-8 is listed with its bad bytes as
+        ``\\xff`` escapes (a label): one damaged chat does not hide the others."""
+        rows = self._read("the list of chats", lambda db: db.execute(chats_sql(raw=True)).fetchall())
         for r in rows:
             self._seen("conversations", r[0])
-        return [Conversation(r[0], _label(r[1]), _label(r[2]), *r[3:]) for r in rows]
+        return [Conversation(r[0], _label(r[1]), *r[2:]) for r in rows]
 
     def get_conversation(self, conversation_id: int) -> Conversation | None:
         """One chat, its texts exactly as stored (one that is not valid UTF-8 raises HistoryError)."""
         rows = self._read(f"chat {conversation_id}", lambda db: db.execute(
-            _chats_sql(raw=False, where="WHERE c.id = ?"), (conversation_id,)).fetchall())
+            chats_sql(raw=False, where="WHERE c.id = ?"), (conversation_id,)).fetchall())
         return Conversation(*rows[0]) if rows else None
 
     def delete_conversation(self, conversation_id: int) -> bool:
@@ -314,27 +322,17 @@ class History:
             out.append(Message(self._seen("messages", mid), role, content, status, created, metrics))
         return out
 
-    # -- export --------------------------------------------------------------------------
+    # -- export (:mod:`ssd_chat.history_export`) -----------------------------------------
+    def export(self, conversation_id: int, fmt: str = "md") -> str:
+        """The chat as ``md``, ``jsonl`` or ``json``; KeyError when there is no such chat."""
+        writer = {"md": history_export.markdown, "jsonl": history_export.jsonl, "json": history_export.json_document}[fmt]
+        return writer(self._need(conversation_id), self.messages(conversation_id))
+
     def export_markdown(self, conversation_id: int) -> str:
-        conv = self._need(conversation_id)
-        lines = [f"# {conv.title}", "", f"_ssd-chat conversation {conv.id}, {time.strftime('%Y-%m-%d %H:%M', time.localtime(conv.created_at))}_", ""]
-        if conv.system:
-            lines += ["**System:** " + conv.system, ""]
-        for m in self.messages(conversation_id):
-            who = {"user": "You", "assistant": "Assistant"}.get(m.role, m.role.title())
-            lines += [f"## {who}" + ("" if m.status == "done" else f" ({m.status})"), "", m.content, ""]
-            if m.metrics:
-                lines += [f"> {metrics_line(m.metrics)}", ""]
-        return "\n".join(lines)
+        return self.export(conversation_id, "md")
 
     def export_jsonl(self, conversation_id: int) -> str:
-        conv = self._need(conversation_id)
-        rows: list[dict[str, Any]] = [{"type": "conversation", "id": conv.id, "title": conv.title, "system": conv.system,
-                                       "created_at": conv.created_at}]
-        for m in self.messages(conversation_id):
-            rows.append({"type": "message", "role": m.role, "content": m.content, "status": m.status,
-                         "created_at": m.created_at, "metrics": m.metrics})
-        return "\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n"
+        return self.export(conversation_id, "jsonl")
 
     def _need(self, conversation_id: int) -> Conversation:
         conv = self.get_conversation(conversation_id)
@@ -355,38 +353,10 @@ class History:
             pass
 
 
-def metrics_line(m: dict[str, Any]) -> str:
-    """One line for a stored turn's metrics (the same fields the panel shows)."""
-
-    def f(key: str, spec: str, suffix: str = "") -> str | None:
-        v = m.get(key)
-        return None if v is None else format(v, spec) + suffix
-
-    from .engine.events import mode_label  # here: importing the engine package loads torch
-
-    mode, n = m.get("mode"), m.get("new_tokens", 0)
-    parts = [mode_label(mode, m.get("ran_as"), m.get("switched_after")).lower() if mode else "?", f"{n} token{'' if n == 1 else 's'}"]
-    for label, key, spec, suffix in (("", "tok_per_s", ".1f", " tok/s"), ("TTFT ", "ttft_s", ".2f", " s"),
-                                     ("τ ", "mean_accepted_length", ".2f", ""), ("acceptance ", "acceptance_rate", ".0%", ""),
-                                     ("cache hits ", "cache_hit_rate", ".0%", "")):
-        v = f(key, spec, suffix)
-        if v is not None:
-            parts.append(label + v)
-    return ", ".join(parts)
-
-
 def _ran(d: dict[str, Any]) -> str | None:
     """The mode column: the configured mode, or ``ssd→sd`` when the reply switched."""
     mode, ran = d.get("mode"), d.get("ran_as")
     return f"{mode}→{ran}" if ran and ran != mode else mode
-
-
-def _chats_sql(raw: bool, where: str = "") -> str:
-    """Chats with their message counts; ``raw``: title and system as bytes (for :func:`_label`)."""
-    title, system = ("CAST(c.title AS BLOB)", "CAST(c.system AS BLOB)") if raw else ("c.title", "c.system")
-    return f"""SELECT c.id, {title}, {system}, c.created_at, c.updated_at, count(m.id)
-               FROM conversations c LEFT JOIN messages m ON m.conversation_id = c.id {where}
-               GROUP BY c.id ORDER BY c.updated_at DESC, c.id DESC"""
 
 
 def _label(raw: bytes | str | None) -> str | None:

@@ -36,33 +36,42 @@ def truncate(history: History, conversation_id: int, keep: int, expect: int | No
 
 
 def copy_conversation(history: History, conversation_id: int, title: str) -> int | None:
-    """A new saved chat holding this one's system prompt, messages (status, times) and metrics; its id."""
-    def go(db: sqlite3.Connection) -> int | None:
-        row = db.execute("SELECT system, created_at FROM conversations WHERE id=?", (conversation_id,)).fetchone()
+    """A new saved chat holding this one's messages (status, times) and metrics; its id.
+
+    While the file is locked the copy is made in memory and saved later: it is saved with the ids it got
+    here (the chat's and its messages'), so the id this returns is the one the saved copy has."""
+    def go(db: sqlite3.Connection, ids: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
+        row = db.execute("SELECT created_at FROM conversations WHERE id=?", (conversation_id,)).fetchone()
         if row is None:
             return None
+        given = iter(ids or ())
         now = time.time()
         cur = db.execute(
             "INSERT INTO conversations(id, title, system, created_at, updated_at) "
-            "VALUES ((SELECT max(coalesce(max(id), 0), ?) + 1 FROM conversations),?,?,?,?)",
-            (history._max_id["conversations"], title, row[0], row[1], now),
+            "VALUES (coalesce(?, (SELECT max(coalesce(max(id), 0), ?) + 1 FROM conversations)),?,NULL,?,?)",
+            (next(given, None), history._max_id["conversations"], title, row[0], now),
         )
-        new = int(cur.lastrowid)
+        got = [int(cur.lastrowid)]
         for mid, role, content, status, created in db.execute(
                 "SELECT id, role, content, status, created_at FROM messages WHERE conversation_id=? ORDER BY id",
                 (conversation_id,)).fetchall():
             c = db.execute(
                 "INSERT INTO messages(id, conversation_id, role, content, status, created_at) "
-                "VALUES ((SELECT max(coalesce(max(id), 0), ?) + 1 FROM messages),?,?,?,?,?)",
-                (history._max_id["messages"], new, role, content, status, created),
+                "VALUES (coalesce(?, (SELECT max(coalesce(max(id), 0), ?) + 1 FROM messages)),?,?,?,?,?)",
+                (next(given, None), history._max_id["messages"], got[0], role, content, status, created),
             )
+            got.append(int(c.lastrowid))
             db.execute(
                 """INSERT INTO turn_metrics(message_id, mode, target, draft, new_tokens, tok_per_s, ttft_s,
                    mean_accepted_length, acceptance_rate, cache_hit_rate, stats_json)
                    SELECT ?, mode, target, draft, new_tokens, tok_per_s, ttft_s, mean_accepted_length, acceptance_rate,
                    cache_hit_rate, stats_json FROM turn_metrics WHERE message_id=?""",
-                (int(c.lastrowid), mid),
+                (got[-1], mid),
             )
-        return new
+        return tuple(got)
 
-    return history._seen("conversations", history._write(go))
+    ids = history._write(go, keeps_id=True)
+    if not ids:
+        return None
+    history._seen("messages", max(ids[1:], default=None))
+    return history._seen("conversations", ids[0])

@@ -78,6 +78,21 @@ class Pending:
         self.due = self.clock() + self.wait_s
 
 
+def chats_sql(raw: bool, where: str = "") -> str:
+    """Chats with their message counts (system prompts are not counted); ``raw``: titles as bytes."""
+    title = "CAST(c.title AS BLOB)" if raw else "c.title"
+    return f"""SELECT c.id, {title}, c.created_at, c.updated_at, count(CASE WHEN m.role != 'system' THEN 1 END)
+               FROM conversations c LEFT JOIN messages m ON m.conversation_id = c.id {where}
+               GROUP BY c.id ORDER BY c.updated_at DESC, c.id DESC"""
+
+
+def check_readable(db: sqlite3.Connection) -> None:
+    """Raise unless the list of chats reads to its end, as ``chats list`` and Ctrl+R read it.  The app
+    writes only to a file that passes (a damaged table can take a new row and then hide it, and every
+    other chat, from the list); the ``chats`` commands refuse one that fails, whatever they were asked."""
+    db.execute(chats_sql(raw=True)).fetchall()
+
+
 def memory() -> sqlite3.Connection:
     """An empty store in memory."""
     db = sqlite3.connect(":memory:", check_same_thread=False)
@@ -103,6 +118,7 @@ def copy_to_memory(source: sqlite3.Connection | None, path: Path, timeout_s: flo
         migrate(mem)
         for table in ("conversations", "messages", "turn_metrics"):  # a copy we can write to
             mem.execute(f"SELECT count(*) FROM {table}").fetchone()
+        check_readable(mem)
         return mem, True
     except (sqlite3.Error, OSError, ValueError):
         mem.close()

@@ -53,7 +53,19 @@ def m003_turn_metrics(db: sqlite3.Connection) -> None:
     )
 
 
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [m001_initial, m002_reply_status, m003_turn_metrics]
+def m004_system_turns(db: sqlite3.Connection) -> None:
+    # The system prompt is a message (role 'system') where it was set: it applies to the replies after it.
+    # A chat's old chat-wide prompt becomes its first message; messages are ordered by id, so it gets
+    # id -<chat id>, below every id the chat has (new ids stay max(id) + 1).  '' marks "cleared".
+    db.execute(
+        """INSERT INTO messages(id, conversation_id, role, content, status, created_at)
+           SELECT -id, id, 'system', system, 'done', created_at FROM conversations WHERE system IS NOT NULL AND system != ''"""
+    )
+    db.execute("UPDATE conversations SET system = NULL")
+
+
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [m001_initial, m002_reply_status, m003_turn_metrics,
+                                                          m004_system_turns]
 
 
 def migrate(db: sqlite3.Connection) -> int:

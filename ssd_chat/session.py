@@ -4,7 +4,7 @@ The session keeps the history; a reply that was stopped (Esc, Ctrl-C) or failed
 half-way still enters the history with the text that streamed, so nothing is lost.
 
 A chat that outgrows the model's context window goes on as chat apps do: :func:`fit_context`
-leaves the oldest turns out of the prompt (the system prompt stays) and the reply starts with
+leaves the oldest turns out of the prompt (system prompts stay) and the reply starts with
 a Notice saying how many.  The chat app, ``ask`` and the demo all keep their conversation in
 a :class:`Session`.
 """
@@ -44,14 +44,14 @@ def fit_context(engine: Any, messages: list[dict[str, str]], params: SamplingPar
     window = context_window(engine)
     if window is None:
         return ids, stop, 0
-    head = [m for m in messages[:1] if m["role"] == "system"]
-    body, last = messages[len(head):-1], messages[-1:]
+    body, last = messages[:-1], messages[-1:]
     dropped = 0
-    while body and len(ids) + reply_room(engine, params, window) > window:
-        # a turn is a user message and what answered it, up to the next user message
-        nxt = next((i for i in range(1, len(body)) if body[i]["role"] == "user"), len(body))
-        body, dropped = body[nxt:], dropped + 1
-        ids, stop = engine.prompt_ids(head + body + last)
+    while any(m["role"] != "system" for m in body) and len(ids) + reply_room(engine, params, window) > window:
+        # a turn is a user message and what answered it, up to the next user message; system prompts stay where they are
+        first = next(i for i, m in enumerate(body) if m["role"] != "system")
+        nxt = next((i for i in range(first + 1, len(body)) if body[i]["role"] == "user"), len(body))
+        body, dropped = body[:first] + [m for m in body[first:nxt] if m["role"] == "system"] + body[nxt:], dropped + 1
+        ids, stop = engine.prompt_ids(body + last)
     return ids, stop, dropped
 
 
@@ -99,7 +99,7 @@ class Session:
         if not user_text.strip():
             raise ValueError("the prompt is empty")
         params = params or self.params
-        msgs = chat.messages_for(user_text, self.system, self.messages)
+        msgs = self.prompt_messages(user_text)
         reply = ""  # what streamed so far; Done/Error carry the authoritative text
         try:
             for ev in self.reply(msgs, params, stop):
@@ -111,6 +111,25 @@ class Session:
         finally:
             self.messages.append({"role": "user", "content": user_text})
             self.messages.append({"role": "assistant", "content": reply})
+
+    def prompt_messages(self, user_text: str) -> list[dict[str, str]]:
+        """What the model is asked.  A system prompt set during the chat is a message where it was set
+        (the replies before it did not see it); a later one replaces it, and an empty one clears it."""
+        turns = [i for i, m in enumerate(self.messages) if m["role"] == "system"]
+        if not turns:
+            return chat.messages_for(user_text, self.system, self.messages)
+        keep = [m for i, m in enumerate(self.messages) if m["role"] != "system" or (i == turns[-1] and m["content"])]
+        return keep + [{"role": "user", "content": user_text}]
+
+    def set_system(self, text: str | None) -> None:
+        """The system prompt from the next reply on, as a message after the ones so far."""
+        self.messages.append({"role": "system", "content": text or ""})
+
+    @property
+    def system_in_force(self) -> str | None:
+        """The system prompt the next reply gets."""
+        turn = next((m["content"] for m in reversed(self.messages) if m["role"] == "system"), None)
+        return (turn or None) if turn is not None else self.system
 
     def last(self, role: str) -> str | None:
         """The latest message of ``role`` ("user" or "assistant"), if any."""

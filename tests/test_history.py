@@ -53,8 +53,9 @@ def test_save_resume_metrics_delete(tmp_path):
     h.close()
     h = History(tmp_path / "h.db")
     [conv] = h.list_conversations()
-    assert conv.title == "What is a hash table?" and conv.system == "be nice" and conv.num_messages == 2
-    msgs = h.messages(cid)
+    assert conv.title == "What is a hash table?" and conv.num_messages == 2  # the system prompt is not counted
+    system, *msgs = h.messages(cid)
+    assert (system.role, system.content) == ("system", "be nice")
     assert msgs[1].content == "A map from keys" and msgs[1].status == "stopped"
     assert msgs[1].metrics["mean_accepted_length"] == 2.5 and msgs[1].metrics["target"] == "smollm2"
     assert h.delete_conversation(cid) and not h.delete_conversation(cid)
@@ -69,10 +70,10 @@ def test_export_markdown_and_jsonl(tmp_path):
     mid = h.add_message(cid, "assistant", "**answer**")
     h.save_metrics(mid, stats())
     md = h.export_markdown(cid)
-    assert "## You" in md and "**answer**" in md and "**System:** sys" in md
+    assert "## You" in md and "**answer**" in md and md.index("**System prompt:** sys") < md.index("## You")
     assert "τ 2.50" in md and "cache hits 75%" in md
     rows = [json.loads(line) for line in h.export_jsonl(cid).splitlines()]
-    assert rows[0]["type"] == "conversation" and rows[2]["metrics"]["cache_hit_rate"] == 0.75
+    assert rows[0]["type"] == "conversation" and rows[1]["role"] == "system" and rows[3]["metrics"]["cache_hit_rate"] == 0.75
     try:
         h.export_markdown(999)
     except KeyError as e:
@@ -162,3 +163,33 @@ def test_demo_prompts_are_packaged():
     prompts = demo_prompts()
     assert len(prompts) >= 3 and any(p.startswith("/mode") for p in prompts)
     assert all(p.strip() == p and p for p in prompts)
+
+
+def test_chats_export_takes_the_format_from_the_file_name_or_refuses_a_mismatch(tmp_path):
+    from typer.testing import CliRunner
+
+    from ssd_chat.cli import app
+
+    db = tmp_path / "h.db"
+    h = History(db)
+    cid = h.new_conversation("q")
+    h.add_message(cid, "user", "q")
+    h.save_metrics(h.add_message(cid, "assistant", "an answer"), stats())
+    h.close()
+    run = CliRunner().invoke
+    out = tmp_path / "x.json"
+    r = run(app, ["chats", "export", str(cid), "-o", str(out), "--db", str(db)])
+    assert r.exit_code == 0
+    doc = json.loads(out.read_text())  # one JSON document, not Markdown or JSON Lines
+    assert doc["id"] == cid and [m["content"] for m in doc["messages"]] == ["q", "an answer"]
+    assert doc["messages"][1]["metrics"]["cache_hit_rate"] == 0.75
+    r = run(app, ["chats", "export", str(cid), "-o", str(tmp_path / "x.jsonl"), "--db", str(db)])
+    assert r.exit_code == 0 and json.loads((tmp_path / "x.jsonl").read_text().splitlines()[0])["type"] == "conversation"
+    r = run(app, ["chats", "export", str(cid), "-o", str(tmp_path / "x.md"), "--db", str(db)])
+    assert r.exit_code == 0 and (tmp_path / "x.md").read_text().startswith("# q")
+    mismatch = tmp_path / "y.json"
+    r = run(app, ["chats", "export", str(cid), "-f", "md", "-o", str(mismatch), "--db", str(db)])
+    assert r.exit_code == 1 and not mismatch.exists()
+    assert r.stderr.startswith("ssd-chat: error: --format md writes Markdown") and r.stderr.count("\n") == 1
+    r = run(app, ["chats", "export", str(cid), "-f", "json", "--db", str(db)])  # stdout: the format asked for
+    assert r.exit_code == 0 and json.loads(r.stdout)["title"] == "q"

@@ -42,6 +42,18 @@ def damage_reply_pages(path: Path) -> int:
     raise AssertionError("no overflow page found")
 
 
+def damaged_chat_list(path: Path, seed: int = 0) -> Path:
+    """300 random bytes over the end of page 2, the root page of ``conversations``, where its rows are:
+    SQLite still opens the file, but the list of chats no longer reads to its end."""
+    import random
+
+    data = bytearray(path.read_bytes())
+    size = int.from_bytes(data[16:18], "big")
+    data[2 * size - 300:2 * size] = random.Random(seed).randbytes(300)
+    path.write_bytes(bytes(data))
+    return path
+
+
 def damaged_db(tmp_path: Path) -> Path:
     path = chat_db(tmp_path / "damaged.db", long_reply_in=2)
     damage_reply_pages(path)
@@ -126,6 +138,19 @@ def test_damaged_pages_fail_that_read_only(tmp_path):
     assert h.add_message(cid, "user", "new") is not None and h.warning is None
 
 
+def test_a_chat_list_that_cannot_be_read_is_never_written_to(tmp_path):
+    path = damaged_chat_list(chat_db(tmp_path / "h.db"))
+    before = path.read_bytes()
+    h = History(path)  # the app's store: the same check as the chats commands, before any write
+    assert h.warning and str(path) in h.warning and "corrupt" in h.warning and "will not be saved" in h.warning
+    cid = h.new_conversation("typed after")
+    assert h.add_message(cid, "user", "typed after") is not None  # the chat goes on, in memory
+    assert [m.content for m in h.messages(cid)] == ["typed after"]
+    h.close()
+    assert path.read_bytes() == before
+    assert History(path, read_only=True).warning.startswith(f"could not open the chat history {path}: the file is corrupt")
+
+
 # -- the command line --------------------------------------------------------------------------
 def test_chats_show_on_damaged_pages_is_one_line(tmp_path):
     db = str(damaged_db(tmp_path))
@@ -139,6 +164,16 @@ def test_chats_show_on_damaged_pages_is_one_line(tmp_path):
     assert r.exit_code == 0 and "question 3" in r.stdout
     r = run(cli_app, ["chats", "list", "--db", db])
     assert r.exit_code == 0 and "chat 2" in r.stdout
+
+
+def test_every_chats_command_calls_an_unreadable_chat_list_corrupt(tmp_path):
+    """``list`` fails on it, so ``show``/``export``/``delete`` of a chat in it do too: never "no saved chat"."""
+    db = str(damaged_chat_list(chat_db(tmp_path / "h.db")))
+    for args in (["list"], ["list", "--json"], ["show", "1"], ["export", "2", "-f", "jsonl"], ["delete", "3"], ["show", "14"]):
+        r = CliRunner().invoke(cli_app, ["chats", *args, "--db", db])
+        assert r.exit_code == 1, (args, r.output)
+        assert r.stderr.startswith(f"ssd-chat: error: could not open the chat history {db}: the file is corrupt"), (args, r.stderr)
+        assert r.stderr.count("\n") == 1 and r.stdout == "", args
 
 
 def test_chats_delete_that_the_file_refuses_says_so(tmp_path, monkeypatch):
@@ -216,6 +251,24 @@ async def test_the_app_goes_on_when_the_database_is_locked_mid_chat(tmp_path):
         assert [m.content for m in app.history.messages(app.chat_view.conversation_id)] == ["first", "one", "second", "two", "third", "three"]
         await pilot.press("ctrl+c")
     assert app.return_code == 0
+
+
+@pytest.mark.asyncio
+async def test_the_app_on_an_unreadable_chat_list_says_so_and_chats_without_saving(tmp_path):
+    path = damaged_chat_list(chat_db(tmp_path / "h.db"))
+    before = path.read_bytes()
+    app = ChatApp(FakeBackend([ssd_events(["still here"])]), history=History(path))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        notices = [n.text for n in app.query(".notice")]
+        assert any(str(path) in n and "corrupt" in n and "will not be saved" in n for n in notices), notices
+        await app.chat_view.submit("a new chat")
+        await wait_until(pilot, lambda: app.chat_view.current.finished)
+        assert replies_text(app) == ["still here"]
+        assert app.chat_view.messages == [{"role": "user", "content": "a new chat"}, {"role": "assistant", "content": "still here"}]
+        await pilot.press("ctrl+c")
+    assert app.return_code == 0
+    assert path.read_bytes() == before  # nothing written into the damaged file
 
 
 @pytest.mark.asyncio

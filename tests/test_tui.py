@@ -273,15 +273,16 @@ class TestSession:
             await app.chat_view.submit("first")
             await wait_until(pilot, lambda: app.chat_view.current.finished)
             first = app.chat_view.session
-            assert isinstance(first, Session) and first.system == "be brief"
+            assert isinstance(first, Session) and first.system_in_force == "be brief"
             turn = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "one"}]
-            assert first.messages == turn and app.chat_view.messages is first.messages
+            start = [{"role": "system", "content": "be brief"}]  # a message, as in the saved chat
+            assert first.messages == start + turn and app.chat_view.messages is first.messages
             await app.chat_view.submit("second")
             await wait_until(pilot, lambda: app.chat_view.current.finished)
             assert backend.calls[1] == messages_for("second", "be brief", turn)
             await pilot.press("ctrl+n")
             await wait_until(pilot, lambda: app.chat_view.session is not first)
-            assert app.chat_view.session.messages == [] and app.chat_view.session.system == "be brief" and len(first.messages) == 4
+            assert app.chat_view.session.messages == start and len(first.messages) == 5
 
 
 class TestStop:
@@ -345,7 +346,7 @@ class TestHistory:
             await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
             assert backend.calls[0][:3] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "old question"},
                                             {"role": "assistant", "content": "old *answer*"}]
-        assert len(History(tmp_path / "h.db").messages(cid)) == 6
+        assert len(History(tmp_path / "h.db").messages(cid)) == 7  # with the system prompt, its first message
         assert mid is not None
 
     @pytest.mark.asyncio
@@ -551,7 +552,7 @@ class TestSettings:
             await wait_until(pilot, lambda: app.chat_view.system == "You are terse.")
             await pilot.press("ctrl+n")
             await wait_until(pilot, lambda: not app.query(UserMessage))
-            assert app.chat_view.messages == []
+            assert app.chat_view.messages == [{"role": "system", "content": "You are terse."}]  # the new chat starts with it
             await app.chat_view.submit("b")
             await wait_until(pilot, lambda: app.chat_view.current.finished)
             assert backend.calls[1] == [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "b"}]

@@ -133,6 +133,41 @@ class TestEdit:
         assert saved(tmp_path / "h.db") == [("first", after), ("first (before edit)", before)]
 
     @pytest.mark.asyncio
+    async def test_an_edit_while_another_program_holds_the_lock_names_the_saved_copy_rightly(self, tmp_path):
+        """The copy is made in memory while the file is locked and saved once the lock goes, under the id
+        the notice gave it (the held-back write used to take the next id again: chat 4, said to be 3)."""
+        import sqlite3
+
+        path = tmp_path / "h.db"
+        backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["again"])])
+        app = ChatApp(backend, history=History(path, timeout_s=0.1))
+        other = sqlite3.connect(path, timeout=0.1)
+        try:
+            async with app.run_test(size=(140, 45)) as pilot:
+                await wait_until(pilot, lambda: app.chat_view.ready)
+                await chat(app, pilot, "first")
+                await pilot.press("ctrl+n")
+                await chat(app, pilot, "second")
+                assert app.chat_view.conversation_id == 2
+                other.execute("BEGIN EXCLUSIVE")  # another program mid-transaction: writes wait in memory
+                await app.chat_view.submit("/edit 1")
+                app.chat_view.prompt.set_text("second, edited")
+                await pilot.press("enter")
+                await wait_until(pilot, lambda: len(backend.calls) == 3 and app.chat_view.current.finished)
+                copy = [n for n in notices(app) if "kept as saved chat" in n]
+                assert copy and "kept as saved chat 3 (Ctrl+R)" in copy[0], notices(app)
+                assert any("another program has it locked" in n for n in notices(app)), notices(app)
+                other.rollback()  # the lock goes: what was held back is saved, in order
+                await pilot.press("ctrl+c")
+        finally:
+            other.close()
+        h = History(path)
+        assert [(c.id, c.title) for c in sorted(h.list_conversations(), key=lambda c: c.id)] == [
+            (1, "first"), (2, "second, edited"), (3, "second (before edit)")]
+        assert [(m.role, m.content) for m in h.messages(3)] == [("user", "second"), ("assistant", "two")]
+        h.close()
+
+    @pytest.mark.asyncio
     async def test_edit_command_the_first_message_renames_the_chat_and_esc_cancels(self, tmp_path):
         backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["renamed"])])
         app = ChatApp(backend, history=History(tmp_path / "h.db"))

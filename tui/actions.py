@@ -25,6 +25,10 @@ Commands: /mode ar|sd|ssd · /k N · /fan-out SPEC · /temp X · /top-p X · /to
 /compare [PROMPT] · /regen · /edit [N] (your Nth message; none: the last) · /new · /copy · /chats · /colour · /help"""
 
 
+def system_notice(value: str | None) -> str:
+    return f"system prompt from here on: {value}" if value else "system prompt cleared from here on"
+
+
 class ChatActions:
     """Actions and commands; ``self`` is the ChatView."""
 
@@ -54,10 +58,17 @@ class ChatActions:
         self.notify(f"copied the last reply ({len(text)} characters)")
 
     async def set_system(self, value: str) -> None:
-        self.system = value or None
-        if self.conversation_id is not None:
-            self.history.set_system(self.conversation_id, self.system)
-        await self.chat.add_notice(f"system prompt: {self.system}" if self.system else "system prompt cleared")
+        """A system prompt for the replies from here on: a message at this point of the chat, saved as one
+        (the replies before it did not see it, and a resumed chat or an export shows it here)."""
+        if (value or None) == self.system:
+            self.notify("the system prompt is unchanged")
+            return
+        if self.conversation_id is None and all(m["role"] == "system" for m in self.messages):
+            self.messages = [{"role": "system", "content": value}] if value else []  # nothing said yet: the start's
+        else:
+            self.session.set_system(value)
+            self.history.set_system(self.conversation_id, value)
+        await self.chat.add_notice(system_notice(value))
 
     async def apply_settings(self, changes: dict[str, Any]) -> bool:
         """Apply mode / k / fan-out (engine, no reload) and sampling settings from the next reply on.
@@ -118,10 +129,12 @@ class ChatActions:
         self.panel.reset()
         self.panel.forget_replies()
         self.cache.clear()
-        self.conversation_id, self.session = conv.id, self.new_session(conv.system)
+        self.conversation_id, self.session = conv.id, self.new_session(None, [])
         await self.chat.add_notice(f"resumed chat {conv.id}: {conv.title}")
         for m in saved:
-            if m.role == "user":
+            if m.role == "system":  # where it was set: the replies above it did not see it
+                await self.chat.add_notice(system_notice(m.content))
+            elif m.role == "user":
                 await self.chat.add_user(m.content)
             elif m.role == "assistant":
                 status = "stopped" if m.status == "streaming" else m.status  # "streaming": the app died mid-reply

@@ -89,8 +89,10 @@ class ChatView(RerunActions, ReplyActions, CompareActions, ChatActions, Widget):
     # -- the conversation: a Session over the backend --------------------------------------
     def new_session(self, system: str | None, messages: list[dict[str, str]] | None = None) -> Session:
         """A fresh conversation (a new chat, a resumed one).  A reply still ending in its worker after Esc
-        finishes into the session it started in, never into the next chat."""
-        return Session(system=system, messages=messages, reply=self.backend.stream)
+        finishes into the session it started in, never into the next chat.  The system prompt is a message
+        (the first one here), as it is in the saved chat: the two hold the same messages."""
+        start = [{"role": "system", "content": system}] if system and messages is None else []
+        return Session(messages=start + list(messages or []), reply=self.backend.stream)
 
     @property
     def messages(self) -> list[dict[str, str]]:
@@ -102,11 +104,8 @@ class ChatView(RerunActions, ReplyActions, CompareActions, ChatActions, Widget):
 
     @property
     def system(self) -> str | None:
-        return self.session.system
-
-    @system.setter
-    def system(self, value: str | None) -> None:
-        self.session.system = value
+        """The system prompt in force: the next reply gets it."""
+        return self.session.system_in_force
 
     # -- layout --------------------------------------------------------------------------
     def compose(self) -> ComposeResult:

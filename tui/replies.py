@@ -91,8 +91,10 @@ class ReplyActions:
         await self.chat.add_user(text)
         widget = await self.chat.add_assistant(colour=self.colour)
         self.chat.anchor()
-        if self.conversation_id is None:
-            self.conversation_id = self.history.new_conversation(text, self.system)
+        if self.conversation_id is None:  # saved with the system prompts set before its first prompt
+            self.conversation_id = self.history.new_conversation(text)
+            for m in self.messages:
+                self.history.add_message(self.conversation_id, m["role"], m["content"])
         self.history.add_message(self.conversation_id, "user", text)
         mid = self.history.add_message(self.conversation_id, "assistant", "", status="streaming")
         await self.check_history()

@@ -128,17 +128,21 @@ class RerunActions:
             self.end_edit()
             return
         cut, total = users[index], len(self.messages)
+        children = list(self.chat.children)  # taken before the cut: a warning the cut shows (a locked file) stays
         kept_as = await self._cut_saved_chat(cut, total, keep_copy=edited)
         # on screen: from the message on (an edit), or that message and its reply (regenerate: later
         # notices, such as a settings change, stay)
-        children = list(self.chat.children)
         start = children.index(widgets[index])
         end = len(children)
         if not edited:
             end = next((i + 1 for i in range(start, len(children)) if isinstance(children[i], AssistantMessage)), end)
         await self.chat.remove_children(children[start:end])
         self.current = None  # a late event of the dropped reply finds no turn to write into
+        later_system = [m["content"] for m in self.messages[cut:] if m["role"] == "system"] if not edited else []
         self.messages = self.messages[:cut]
+        for value in later_system:  # set after the reply regenerated: it applies from the message sent again
+            self.session.set_system(value)
+            self.history.set_system(self.conversation_id, value)
         if edited:
             self.end_edit()
             where = f"the chat as it was is kept as saved chat {kept_as} (Ctrl+R)" if kept_as else "what followed it is dropped"
@@ -169,7 +173,7 @@ class RerunActions:
         if truncate(self.history, cid, cut, expect=total) is None:
             # the saved chat does not hold what the screen shows (a write was lost): save what is kept as a new chat
             kept = self.messages[:cut]
-            self.conversation_id = self.history.new_conversation(kept[0]["content"] if kept else "", self.system)
+            self.conversation_id = self.history.new_conversation()  # the first user message kept names it
             for m in kept:
                 self.history.add_message(self.conversation_id, m["role"], m["content"])
         await self.check_history()
@@ -185,6 +189,8 @@ class RerunActions:
         if not await self.can_rerun():
             return
         m = self.messages
+        while m and m[-1]["role"] == "system":  # a system prompt set after the reply: the new one gets it
+            m = m[:-1]
         if len(m) < 2 or m[-1]["role"] != "assistant" or m[-2]["role"] != "user":
             await self.chat.add_notice("no reply to regenerate yet", "warning")
             return
