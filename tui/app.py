@@ -215,6 +215,8 @@ class ChatApp(App[int]):
         for m in ("ar", "sd", "ssd"):
             yield SystemCommand(f"Switch to {m.upper()}", f"Decode the next reply with {m.upper()} (models stay loaded)",
                                 lambda m=m: self.run_worker(view.apply_settings({"mode": m})))
+        yield SystemCommand("Switch to AUTO", "Back to the mode auto chose for this machine, with its why line (models stay loaded)",
+                            lambda: self.run_worker(view.apply_settings({"mode": "auto"})))
         yield SystemCommand("Compare AR, SD and SSD", "The prompt in the box (or the last one) in each mode: tok/s, identical? (Ctrl+G)",
                             self.action_compare)
         yield SystemCommand("Chats", "Resume or delete a saved chat (Ctrl+R)", self.action_chats)
