@@ -142,5 +142,6 @@ async def test_token_colours_render_the_markdown_and_keep_hostile_text_literal()
         assert bold.bold and bold.color.name == "green", bold
         assert after.color.name == "yellow", after
         assert red.color.name == "green" and not red.bold, red
+        assert style_at(text.plain.index("•")).color.name == "yellow"  # the list marker in its token's colour
         await pilot.press("ctrl+c")
     assert app.return_code == 0

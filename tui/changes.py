@@ -22,7 +22,7 @@ ENGINE_CHANGES = ("mode", "k", "fan_out")
 # parameter's range is checked by SamplingParams itself, so a new one needs only its line here.
 FIELDS: dict[str, tuple[str, type]] = {
     "k": ("k (draft tokens per round: SD, SSD)", int),
-    "fan_out": ("fan-out (SSD: geometric, uniform:F, 3,2,1)", str),
+    "fan_out": ("fan-out (geometric, uniform:F, 3,2,1)", str),
     "temperature": ("temperature (0 = greedy)", float),
     "top_p": ("top-p (1 = off)", float),
     "top_k": ("top-k (0 = off)", int),

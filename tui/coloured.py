@@ -31,7 +31,7 @@ class _Renderer:
         self.cursor = 0
         self.out: list[tuple[str, Style | None]] = []
         self.extra: list[Style] = []  # emphasis in force (bold inside a heading inside ...)
-        self.lists: list[list[int]] = []  # per open list: [next number] (ordered) or [] (bullets)
+        self.lists = 0  # lists open (nested lists are indented)
         self.quote = 0
 
     def emit(self, text: str, style: Style | None = None) -> None:
@@ -97,17 +97,20 @@ class _Renderer:
             elif kind == "paragraph_close":
                 self.block_end()
             elif kind in ("bullet_list_open", "ordered_list_open"):
-                self.lists.append([int(t.attrs.get("start", 1) or 1)] if kind == "ordered_list_open" else [])
+                self.lists += 1
             elif kind in ("bullet_list_close", "ordered_list_close"):
-                self.lists.pop()
+                self.lists -= 1
                 if not self.lists:
                     self.emit("\n")
-            elif kind == "list_item_open":
-                numbers = self.lists[-1] if self.lists else []
-                marker = f"{numbers[0]}. " if numbers else "• "
-                if numbers:
-                    numbers[0] += 1
-                self.emit("  " * (len(self.lists) - 1) + marker)
+            elif kind == "list_item_open":  # the marker in its token's colour: "3." as written, "-" or "*" as "•"
+                self.emit("  " * (self.lists - 1))
+                if t.info:
+                    self.take(t.info + t.markup)
+                else:
+                    at = self.source.find(t.markup, self.cursor)
+                    self.out.append(("•", self._style(at if at >= 0 else self.cursor)))
+                    self.cursor = at + 1 if at >= 0 else self.cursor
+                self.emit(" ")
             elif kind == "blockquote_open":
                 self.quote += 1
             elif kind == "blockquote_close":
