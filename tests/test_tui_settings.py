@@ -160,3 +160,24 @@ async def test_a_prompt_sent_while_loading_leaves_no_line_in_the_chat():
         await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
         await pilot.press("ctrl+c")
     assert app.return_code == 0
+
+
+@pytest.mark.asyncio
+async def test_the_settings_dialog_shows_the_k_started_with_while_loading():
+    from textual.widgets import Input
+
+    from test_tui_loading import SlowEngineBackend
+
+    backend = SlowEngineBackend()
+    app = ChatApp(backend, settings={"k": 5})
+    async with app.run_test(size=(140, 44)) as pilot:
+        await pilot.pause()
+        assert not app.chat_view.ready
+        await pilot.press("ctrl+o")
+        await wait_until(pilot, lambda: isinstance(app.screen, SettingsDialog))
+        assert app.screen.query_one("#k", Input).value == "5"
+        await pilot.press("escape")
+        backend.release.set()
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        await pilot.press("ctrl+c")
+    assert app.return_code == 0
