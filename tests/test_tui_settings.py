@@ -181,3 +181,19 @@ async def test_the_settings_dialog_shows_the_k_started_with_while_loading():
         await wait_until(pilot, lambda: app.chat_view.ready)
         await pilot.press("ctrl+c")
     assert app.return_code == 0
+
+
+@pytest.mark.asyncio
+async def test_compare_leaves_auto_in_force(tiny_chat_dir, tmp_path, monkeypatch):  # noqa: F811
+    """Ctrl+G switches through AR, SD and SSD; afterwards the engine is back in auto, not in a mode it named."""
+    engine = loaded_in_auto(tiny_chat_dir, tmp_path, monkeypatch)
+    app = ChatApp(Preloaded(engine), settings={"max_new_tokens": 4, "temperature": 0.0})
+    async with app.run_test(size=(150, 50)) as pilot:
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        await app.chat_view.submit("/compare hi")
+        await wait_until(pilot, lambda: app.chat_view.switching is None and any("outputs:" in n.text for n in app.query("Notice")), 240)
+        assert engine.auto and engine.config.mode == "sd"
+        await pilot.pause()
+        assert "auto → SD" in setup_text(app) and f"why {WHY}" in setup_text(app), setup_text(app)
+        await pilot.press("ctrl+c")
+    assert app.return_code == 0
