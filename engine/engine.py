@@ -46,7 +46,10 @@ class Engine:
         self.target = target
         self.draft = draft
         self.loaded_mode = config.mode
-        self.mode_reason = mode_reason  # why ``auto`` chose this mode (preflight, probe); shown while the mode is unchanged
+        self.mode_reason = mode_reason  # why ``auto`` chose this mode (preflight, probe); shown while auto is in force
+        # auto's choice for these models here, (mode, why), once known: ``reconfigure(mode="auto")`` goes back to it
+        self.auto_choice: tuple[str, str] | None = (config.mode, mode_reason) if mode_reason is not None else None
+        self.auto = self.auto_choice is not None  # the mode in force is auto's (not one the user switched to)
         self._decoder: Any = None
         self._decoder_key: tuple | None = None
 
@@ -110,6 +113,7 @@ class Engine:
             self._decoder.close()
         self.config = replace(self.config, mode=mode)
         self.loaded_mode, self.mode_reason = mode, reason
+        self.auto_choice, self.auto = (mode, reason), True
         self._decoder, self._decoder_key = (decoder, (mode, self.config)) if decoder is not None else (None, None)
 
     def warm(self, progress: models.ProgressFn = models._no_progress) -> None:
@@ -155,13 +159,15 @@ class Engine:
 
     def describe(self) -> dict[str, Any]:
         """What is in use now, for a status panel: mode, k, fan-out, the models and where they run (for SSD,
-        where its placement puts the speculator and pins the verifier), and why ``auto`` chose the mode while
-        it is still the mode (a later switch is its own reason)."""
+        where its placement puts the speculator and pins the verifier), whether ``auto`` chose the mode and
+        why (a later switch is its own reason), and ``settings``: mode, k and fan-out as set (k and fan-out
+        apply once SD / SSD run, so a settings dialog in AR can show them)."""
         c = self.config
         uses_draft = c.mode != "ar" and self.draft is not None
         out: dict[str, Any] = {
             "mode": c.mode, "k": c.k if c.mode != "ar" else None, "fan_out": c.fan_out if c.mode == "ssd" else None,
-            "mode_reason": self.mode_reason if c.mode == self.loaded_mode else None,
+            "auto": self.auto, "mode_reason": self.mode_reason if self.auto else None,
+            "settings": {"mode": c.mode, "k": c.k, "fan_out": c.fan_out},
             "target": self.target.name, "target_device": precision.where(self.target),
             "draft": self.draft.name if uses_draft else None,
             "draft_device": precision.where(self.draft) if uses_draft else None,
@@ -190,7 +196,35 @@ class Engine:
 
     def reconfigure(self, **changes: Any) -> None:
         """Change mode / k / fan-out / ... between replies (models stay loaded; switching from AR
-        to SD/SSD without a draft derives the default one from the target)."""
+        to SD/SSD without a draft derives the default one from the target).  ``mode="auto"`` goes back
+        to the mode ``auto`` chose for these models on this machine (:meth:`_auto`)."""
+        if changes.get("mode") == "auto":
+            self._auto(changes)
+            return
+        self._switch(**changes)
+        if "mode" in changes:
+            self.auto = False
+
+    def _auto(self, changes: dict[str, Any]) -> None:
+        """The mode auto chose at load; for an engine loaded with a mode named, the same resolution now:
+        :func:`preflight.check`, then for a draft the probe's stored choice (measured now if none is stored)."""
+        others = {k: v for k, v in changes.items() if k != "mode"}
+        if self.auto_choice is None:
+            from .load.preflight import check
+
+            pre = check(replace(self.config, **others, mode="auto"))
+            if pre.probe:
+                from .decode.probe import settle
+
+                self._switch(**others, mode=pre.config.mode)  # its draft (derived now if none is loaded)
+                settle(self, pre.draft, pre.probe, models._no_progress)  # sets auto_choice
+                return
+            self.auto_choice = (pre.config.mode, pre.reason)
+        mode, reason = self.auto_choice
+        self._switch(**others, mode=mode)
+        self.mode_reason, self.auto = reason, True
+
+    def _switch(self, **changes: Any) -> None:
         new = replace(self.config, **changes)
         draft = self.draft
         if new.needs_draft and draft is None:

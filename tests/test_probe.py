@@ -288,3 +288,39 @@ def test_a_noisy_measurement_is_not_stored_nor_believed(eng, fakes, tmp_path):
     again = Engine(replace(eng.config, mode="ssd"), eng.target, eng.draft)
     settle(again, {"ar": 30.0, "sd": 20.0, "ssd": 40.0}, path, calls)
     assert calls and again.config.mode == "ssd" and "SSD 40.0" in again.mode_reason
+
+
+# -- going back to auto after a switch (the app's /mode auto) --------------------------------------
+def test_mode_auto_goes_back_to_the_choice_made_at_load_with_its_reason(eng, fakes, tmp_path):
+    settle(eng, {"ar": 30.0, "sd": 45.0, "ssd": 40.0}, tmp_path / "p.json")
+    why = eng.mode_reason
+    assert eng.config.mode == "sd" and eng.describe()["auto"] and eng.describe()["mode_reason"] == why
+    eng.reconfigure(mode="ssd", k=3)
+    d = eng.describe()
+    assert d["mode"] == "ssd" and not d["auto"] and d["mode_reason"] is None
+    eng.reconfigure(mode="auto")
+    d = eng.describe()
+    assert (d["mode"], d["k"], d["auto"], d["mode_reason"]) == ("sd", 3, True, why)  # the user's k stays
+    eng.reconfigure(k=2)  # not a mode change: still auto's
+    assert eng.describe()["auto"]
+
+
+def test_mode_auto_on_an_engine_started_in_a_named_mode_takes_the_stored_choice(tiny_target, tiny_draft, fakes, tmp_path,
+                                                                                monkeypatch):
+    """No choice made at load (``--mode ar``): preflight as at a start with ``auto``, then the probe's stored result."""
+    from ssd_chat.engine.load import preflight
+
+    monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path))
+    e = Engine(EngineConfig(target="tiny-target", draft="layers:1", mode="ar"), tiny_target, tiny_draft)
+    assert not e.describe()["auto"] and e.describe()["mode_reason"] is None
+    monkeypatch.setattr(preflight, "check", lambda c: preflight.Preflight(replace(c, mode="ssd"), "layers:1", "SSD: candidate",
+                                                                          True, (), MODES))
+    probe.store(probe.key_fields(e.config, "layers:1"), result(20.0, 25.0, 30.0))
+    e.reconfigure(mode="auto")
+    d = e.describe()
+    assert d["mode"] == "ssd" and d["auto"] and d["mode_reason"].startswith("SSD: measured fastest here (AR 20.0, SD 25.0, SSD 30.0")
+    assert not fakes["sd"].closed if "sd" in fakes else True  # nothing was measured: the stored figures decided
+    assert set(fakes) <= {"ssd"}
+    e.reconfigure(mode="ar")
+    e.reconfigure(mode="auto")  # resolved once: the same choice, nothing asked again
+    assert e.describe()["mode"] == "ssd" and e.describe()["auto"]

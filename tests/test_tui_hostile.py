@@ -108,3 +108,40 @@ async def test_hostile_text_in_the_settings_dialog_error():
         await pilot.press("escape")
         await pilot.press("ctrl+c")
     assert app.return_code == 0
+
+
+@pytest.mark.asyncio
+async def test_token_colours_render_the_markdown_and_keep_hostile_text_literal():
+    """Ctrl+T: ``**`` and list markers are rendered, not shown; each character keeps its token's colour;
+    Textual markup and escape sequences in the reply are shown as written."""
+    from rich.style import Style
+
+    from ssd_chat.tui.widgets.chat_log import AssistantMessage
+
+    words = ["Say", " **Bold**", " and", " [red]x[/red]", " \x1b]0;X\x07", " [@click=app.quit]q[/]", "\n\n- item"]
+    app = ChatApp(FakeBackend([ssd_events(words)]))
+    async with app.run_test(size=(140, 40)) as pilot:
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        await app.chat_view.submit("q")
+        await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
+        await pilot.press("ctrl+t")
+        await pilot.pause()
+        msg = app.query_one(AssistantMessage)
+        view = shown(msg._colour_view)
+        assert "**" not in view and view.startswith("Say Bold and [red]x[/red] \\x1b]0;X\\x07 [@click=app.quit]q[/]"), view
+        assert "• item" in view and "- item" not in view, view
+        assert app.is_running
+        text = msg._coloured()
+
+        def style_at(i: int) -> Style:
+            return Style.combine([s.style for s in text.spans if s.start <= i < s.end])
+
+        # round 1 accepted the draft's " **Bold**" (green, and bold from the Markdown); the target's " and" follows;
+        # round 2 accepted the draft's " [red]x[/red]" (green, not bold)
+        bold, after, red = (style_at(text.plain.index(w)) for w in ("Bold", "and", "[red]"))
+        assert bold.bold and bold.color.name == "green", bold
+        assert after.color.name == "yellow", after
+        assert red.color.name == "green" and not red.bold, red
+        assert style_at(text.plain.index("•")).color.name == "yellow"  # the list marker in its token's colour
+        await pilot.press("ctrl+c")
+    assert app.return_code == 0

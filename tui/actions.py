@@ -21,7 +21,7 @@ Ctrl+N new chat · Ctrl+Y copy last reply · Ctrl+S system prompt · Ctrl+O sett
 F5 regenerate the last reply · Shift+Tab to one of your messages, then e: edit it and re-run the chat from there ·
 Ctrl+G compare (the prompt in the box, or the last one, in AR, SD and SSD: tok/s and identical outputs) ·
 Ctrl+R chats · Ctrl+T token colours · Ctrl+P command palette · Ctrl+C quit.
-Commands: /mode ar|sd|ssd · /k N · /fan-out SPEC · /temp X · /top-p X · /top-k N · /seed N · /repeat-penalty X · /max N · /system TEXT ·
+Commands: /mode ar|sd|ssd|auto · /k N · /fan-out SPEC · /temp X · /top-p X · /top-k N · /seed N · /repeat-penalty X · /max N · /system TEXT ·
 /compare [PROMPT] · /regen · /edit [N] (your Nth message; none: the last) · /new · /copy · /chats · /colour · /help"""
 
 
@@ -101,6 +101,11 @@ class ChatActions:
         self.params.update(sampling)
         self._update_info()
         desc = ", ".join(f"{k.replace('_', '-')} {v if v is not None else 'default'}" for k, v in changes.items())
+        if changes.get("mode") == "auto":  # what auto chose here, and why (the panel's why line)
+            info = self.backend.info()
+            desc = desc.replace("mode auto", f"mode auto ({(info.get('mode') or '?').upper()} on this machine)", 1)
+            if info.get("mode_reason"):
+                desc += f" — {info['mode_reason']}"
         await self.chat.add_notice(f"from the next reply: {desc}")
         return True
 

@@ -82,6 +82,8 @@ class ChatApp(App[int]):
         self.resume_id = resume
         self._quitting = False
         self.signalled: int | None = None  # SIGTERM / SIGHUP that made the app quit
+        # k and fan-out as started with: the settings dialog shows them until the engine says what it has
+        self.engine_settings = {key: (settings or {}).get(key) for key in ("k", "fan_out")}
         self.chat_view = ChatView(backend, self.history, settings=dict(settings or {}), recorder=recorder, script=script,
                                   type_delay_s=type_delay_s, baselines=baselines)
 
@@ -187,7 +189,8 @@ class ChatApp(App[int]):
         if view.load_error:
             self.run_worker(view.apply_settings({}), exclusive=False)  # says why nothing can change
             return
-        current = {**self.backend.info(), **self.backend.sampling_defaults(), **view.params, **view.pending_settings}  # the temperature in force
+        current = {"settings": self.engine_settings, **self.backend.info(), **self.backend.sampling_defaults(), **view.params,
+                   **view.pending_settings}  # the temperature in force
 
         def done(changes: dict | None) -> None:
             if changes:
@@ -215,6 +218,8 @@ class ChatApp(App[int]):
         for m in ("ar", "sd", "ssd"):
             yield SystemCommand(f"Switch to {m.upper()}", f"Decode the next reply with {m.upper()} (models stay loaded)",
                                 lambda m=m: self.run_worker(view.apply_settings({"mode": m})))
+        yield SystemCommand("Switch to AUTO", "Back to the mode auto chose for this machine, with its why line (models stay loaded)",
+                            lambda: self.run_worker(view.apply_settings({"mode": "auto"})))
         yield SystemCommand("Compare AR, SD and SSD", "The prompt in the box (or the last one) in each mode: tok/s, identical? (Ctrl+G)",
                             self.action_compare)
         yield SystemCommand("Chats", "Resume or delete a saved chat (Ctrl+R)", self.action_chats)

@@ -13,13 +13,15 @@ SLASH_KEYS = {"mode": "mode", "k": "k", "fan-out": "fan_out", "fanout": "fan_out
               "temperature": "temperature", "max": "max_new_tokens", "max-new-tokens": "max_new_tokens",
               "top-p": "top_p", "top-k": "top_k", "seed": "seed",
               "repeat-penalty": "repetition_penalty", "repetition-penalty": "repetition_penalty"}
+# auto: the mode auto chose for this machine (Engine.reconfigure)
+MODES = ("ar", "sd", "ssd", "auto")
 # the settings that change the engine (no reload); the others are sampling settings for the next reply
 ENGINE_CHANGES = ("mode", "k", "fan_out")
 
 # The settings typed as text, in the settings dialog's order: setting -> (label, type).  A sampling
 # parameter's range is checked by SamplingParams itself, so a new one needs only its line here.
 FIELDS: dict[str, tuple[str, type]] = {
-    "k": ("k (draft tokens per round)", int),
+    "k": ("k (draft tokens per round: SD, SSD)", int),
     "fan_out": ("fan-out (geometric, uniform:F, 3,2,1)", str),
     "temperature": ("temperature (0 = greedy)", float),
     "top_p": ("top-p (1 = off)", float),
@@ -52,8 +54,8 @@ def parse_settings(raw: dict[str, str]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     if raw.get("mode"):
-        if raw["mode"] not in ("ar", "sd", "ssd"):
-            raise ValueError(f"unknown mode '{raw['mode']}' (ar, sd or ssd)")
+        if raw["mode"] not in MODES:
+            raise ValueError(f"unknown mode '{raw['mode']}' (ar, sd, ssd or auto)")
         out["mode"] = raw["mode"]
     for key, (_, kind) in FIELDS.items():
         if key not in raw:

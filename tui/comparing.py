@@ -68,7 +68,8 @@ class CompareActions:
         except ValueError as e:
             await self.chat.add_notice(str(e), "error")
             return
-        current = self.backend.info().get("mode") or "ar"
+        info = self.backend.info()
+        current = "auto" if info.get("auto") else (info.get("mode") or "ar")  # auto stays auto, its why line too
         self.switching = "compare"  # prompts and settings wait until the engine is back in its mode
         self._compare_stop = threading.Event()
         self._compare_same_prompt = {}

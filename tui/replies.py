@@ -70,7 +70,10 @@ class ReplyActions:
             await self.command(text)
             return
         if not self.ready:
-            await self.chat.add_notice(self.load_error or "the model is still loading; your prompt stays in the box", "warning")
+            if self.load_error:
+                await self.chat.add_notice(self.load_error, "warning")
+            else:  # a toast: a line in the chat would outlast the load it is about
+                self.notify("the model is still loading; your prompt stays in the box", severity="warning")
             return
         if self.current is not None and not self.current.finished:
             self.notify("a reply is still streaming — Esc stops it", severity="warning")

@@ -18,6 +18,7 @@ from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
 from ...terminal import printable
+from ..coloured import coloured
 
 
 @functools.cache
@@ -86,10 +87,8 @@ class AssistantMessage(Vertical):
         yield self._meta
 
     def _coloured(self) -> Text:
-        out = Text()
-        for text, source in self.segments:
-            out.append(printable(text), style=DRAFT_STYLE if source == "draft" else TARGET_STYLE)
-        return out
+        """The reply's Markdown rendered, each character in its token's colour (:mod:`..coloured`)."""
+        return coloured(self.segments, lambda source: DRAFT_STYLE if source == "draft" else TARGET_STYLE, _parser())
 
     @property
     def body(self) -> Markdown:

@@ -93,6 +93,8 @@ class MetricsPanel(Vertical):
         t.add_column(style="bold", no_wrap=True)
         t.add_column()
         mode = i.get("mode_label") or (i.get("mode") or "?").upper()
+        if i.get("auto"):  # auto's choice for this machine; the why line says how it was made
+            mode = f"auto → {mode}"
         if i.get("k"):
             mode += f"  k={i['k']}"
         if i.get("fan_out"):

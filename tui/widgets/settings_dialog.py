@@ -1,5 +1,6 @@
-"""Switch mode, k, fan-out, sampling (temperature, top-p, top-k, seed) and reply length between turns
-(models stay loaded).  The fields are :data:`ssd_chat.tui.changes.FIELDS`, one line each."""
+"""Switch mode (``auto``: back to the mode auto chose here), k, fan-out, sampling (temperature, top-p,
+top-k, seed) and reply length between turns (models stay loaded).  The fields are
+:data:`ssd_chat.tui.changes.FIELDS`, one line each."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select
 
-from ...config import SAMPLING_KEYS
+from ...config import SAMPLING_KEYS, EngineConfig
 from ...engine.speculate.fanout import DEFAULT_FAN_OUT
 from ...engine.params import SamplingParams
 from ...terminal import printable
-from ..changes import FIELDS, check_engine, parse_settings
+from ..changes import ENGINE_CHANGES, FIELDS, MODES, check_engine, parse_settings
 
 
 class SettingsDialog(ModalScreen[dict | None]):
@@ -28,9 +29,14 @@ class SettingsDialog(ModalScreen[dict | None]):
         super().__init__()
         self.current = current
         self.shown = {key: self._text(key) for key in FIELDS}
+        self.mode = "auto" if current.get("auto") else (current.get("mode") or "ar")
 
     def _text(self, key: str) -> str:
         v = self.current.get(key)
+        if v is None and key in ENGINE_CHANGES:  # k and fan-out as set, in AR too (they apply once SD / SSD run)
+            v = (self.current.get("settings") or {}).get(key)
+            if v is None and key == "k":
+                v = EngineConfig().k
         if v is None and key in SAMPLING_KEYS:
             v = getattr(SamplingParams(), key)  # what the next reply runs with
         if key == "fan_out" and v is None:
@@ -42,8 +48,7 @@ class SettingsDialog(ModalScreen[dict | None]):
             yield Label("Settings for the next reply (models stay loaded)", classes="dialog-title")
             with Grid(id="settings-grid"):
                 yield Label("mode")
-                yield Select(self._modes(), value=self.current.get("mode") or "ar", allow_blank=False, id="mode",
-                             compact=True)
+                yield Select(self._modes(), value=self.mode, allow_blank=False, id="mode", compact=True)
                 for key, (label, _) in FIELDS.items():
                     yield Label(label)
                     yield Input(self.shown[key], id=key, compact=True)
@@ -53,10 +58,10 @@ class SettingsDialog(ModalScreen[dict | None]):
                 yield Button("Cancel", id="cancel")
 
     def _modes(self) -> list[tuple[str, str]]:
-        modes = [(m.upper(), m) for m in ("ar", "sd", "ssd")]
-        mode = self.current.get("mode")
-        if mode and mode not in dict(modes).values():  # `auto` until the model has loaded and it resolves
-            modes.insert(0, (f"{mode.upper()} (unchanged)", mode))
+        resolved = self.current.get("mode") if self.current.get("auto") else None
+        modes = [(f"AUTO ({resolved.upper()} here)" if m == "auto" and resolved else m.upper(), m) for m in MODES]
+        if self.mode not in MODES:  # a mode of a replay's recording
+            modes.insert(0, (f"{self.mode.upper()} (unchanged)", self.mode))
         return modes
 
     def action_cancel(self) -> None:
@@ -65,7 +70,7 @@ class SettingsDialog(ModalScreen[dict | None]):
     def _apply(self) -> None:
         mode = str(self.query_one("#mode", Select).value)
         raw = {key: text for key in FIELDS if (text := self.query_one(f"#{key}", Input).value) != self.shown[key]}
-        if mode != self.current.get("mode"):  # kept as is, even a mode not switched to yet (AUTO while loading)
+        if mode != self.mode:  # AUTO while loading, or auto's choice, is kept as it is
             raw["mode"] = mode
         try:
             values = parse_settings(raw)
@@ -73,7 +78,7 @@ class SettingsDialog(ModalScreen[dict | None]):
         except ValueError as e:
             self.query_one("#settings-error", Label).update(printable(str(e)))
             return
-        self.dismiss({k: v for k, v in values.items() if v != self.current.get(k)})
+        self.dismiss({k: v for k, v in values.items() if k == "mode" or v != self.current.get(k)})
 
     def on_input_submitted(self) -> None:
         self._apply()

