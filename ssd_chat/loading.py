@@ -118,7 +118,7 @@ class StageLine:
             self.stream.flush()
 
 
-def load_engine(values: dict[str, Any], progress_to_stderr: bool = True, start_decoder: bool = False) -> Any:
+def load_engine(values: dict[str, Any], progress_to_stderr: bool = True, start_decoder: bool = False, measure: str = "no") -> Any:
     """Load models for resolved settings ``values``; on a terminal, progress goes to stderr as the app's
     load line (stage, percentage, seconds); warnings (a model too large for this machine) as lines before
     anything downloads.  Nothing but the warnings when stderr is not a terminal."""
@@ -143,7 +143,7 @@ def load_engine(values: dict[str, Any], progress_to_stderr: bool = True, start_d
             else:
                 typer.echo(text, err=True)
 
-        engine = Engine.load(cfg, progress=progress, tqdm_class=tqdm_to(progress) if show else None, warn=warn)
+        engine = Engine.load(cfg, progress=progress, tqdm_class=tqdm_to(progress) if show else None, warn=warn, measure=measure)
         if start_decoder:  # as the app does: SSD's speculator starts under the load line, not before the first token
             progress("starting the decoder", None)
             try:
