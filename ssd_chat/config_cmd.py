@@ -160,5 +160,7 @@ def config_measure(ctx: typer.Context) -> None:
         raise fail(str(e), 2) from None
     except SSDChatError as e:
         raise fail(str(e)) from None
-    console().print(f"auto → {mode}: {why}" + (f"\n{rec.when()} ({rec.load.words()})" if rec else " (nothing to measure)"),
-                    markup=False, highlight=False)
+    lines = [f"auto → {mode}" + ("" if rec else " (nothing to measure)"), why]
+    if rec is not None:
+        lines.append(f"measured {rec.when()} ({rec.load.words()})")
+    console().print("\n".join(lines), markup=False, highlight=False)

@@ -84,3 +84,28 @@ def test_the_app_ask_and_serve_run_the_mode_the_record_gives(figures, mode, tiny
     app.close()
     assert {k: (d["mode"], d["mode_reason"]) for k, d in seen.items()} == dict.fromkeys(seen, (mode, seen["ask"]["mode_reason"]))
     assert seen["ask"]["mode_reason"].startswith(f"{mode.upper()}: measured fastest here (AR {ar}, SD {sd}, SSD {ssd} tok/s)")
+
+
+def test_config_measure_measures_now_and_config_shows_when_and_under_what_load(tiny_chat_dir, cache, monkeypatch):  # noqa: F811
+    from typer.testing import CliRunner
+
+    from ssd_chat.cli import app
+
+    args = ["--target", str(tiny_chat_dir), "--draft", "layers:1", "--dtype", "float32", "--target-device", "cpu"]
+    values, _ = resolve({"target": str(tiny_chat_dir), "draft": "layers:1", "target_device": "cpu", "dtype": "float32"})
+    fields = fields_of(engine_config(values))
+    with ps.lock(fields):  # another process measures: a one-line error, nothing measured
+        r = CliRunner().invoke(app, [*args, "config", "measure"])
+    assert r.exit_code == 1 and "another ssd-chat is measuring AR, SD and SSD for this setup now" in r.output
+    assert "Traceback" not in r.output and ps.read(fields) is None
+    r = CliRunner().invoke(app, [*args, "config", "measure"])
+    assert r.exit_code == 0, r.output
+    rec = ps.read(fields)
+    mode, why = probe.choice(rec, on_cpu=True)
+    words = f"measured {rec.when()} ({rec.load.words()})"
+    assert r.stdout.splitlines() == [f"auto → {mode}", why, words]
+    shown = " ".join(CliRunner().invoke(app, [*args, "config"]).stdout.split())
+    assert f"mode: {why}" in shown and words in shown
+    first = rec.at
+    assert CliRunner().invoke(app, [*args, "config", "measure"]).exit_code == 0  # on request, again
+    assert ps.read(fields).at > first
