@@ -16,12 +16,17 @@ def measure_now(values: dict[str, Any]) -> tuple[str | None, str, Any]:
     :func:`probe.in_config`'s (mode, why, record), or without loading when ``auto`` has nothing to measure
     here (no draft, no room for the speculator).  SSDChatError when another process is measuring it."""
     from .config import engine_config
-    from .engine.decode.probe import in_config
+    from .engine.decode.probe import in_config, listed
+    from .engine.decode.probe_store import key_fields, measuring
+    from .engine.errors import SSDChatError
     from .engine.load.preflight import check
     from .loading import load_engine
 
     values = {**values, "mode": "auto"}
     pre = check(engine_config(values))
+    if pre.probe and measuring(key_fields(pre.config, pre.draft)):  # said before minutes of loading, not after
+        raise SSDChatError(f"another ssd-chat is measuring {listed(pre.probe)} for this setup now; "
+                           "`ssd-chat config` shows its result when it is done")
     if pre.probe:
         load_engine(values, measure="now").close()
     return in_config(pre)

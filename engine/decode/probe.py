@@ -350,7 +350,10 @@ def in_config(pre: Any) -> tuple[str | None, str, ps.Record | None]:
     probed ``auto``, the stored record's choice (and the record: when, under what load), else ``None``."""
     if not pre.probe:
         return pre.config.mode, pre.reason, None
-    rec = ps.read(ps.key_fields(pre.config, pre.draft))
+    fields = ps.key_fields(pre.config, pre.draft)
+    rec = ps.read(fields)
+    if rec is None and ps.measuring(fields):
+        return None, f"AR for now: another ssd-chat is measuring {listed(pre.probe)} on this machine ({pre.reason})", None
     if rec is None:
         return None, (f"{listed(pre.probe)} not measured on this machine yet: the app and `serve` measure them in the "
                       f"background at their first start, `ssd-chat config measure` now ({pre.reason})"), None
