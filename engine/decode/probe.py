@@ -235,7 +235,6 @@ def measure(engine: Probed, modes: tuple[str, ...], progress: Callable[[str, flo
     return Result(med, engine.config.k, accepted, verify, median_of("ssd", "hit_rate"), failed or None)
 
 
-
 # -- the choice a record makes ---------------------------------------------------------------------
 def choice(rec: ps.Record, on_cpu: bool) -> tuple[str, str]:
     """(mode, the *why* line) from a stored record: a speculative mode only from a trusted one."""
@@ -266,7 +265,8 @@ def settle(engine: Probed, draft: str | None, modes: tuple[str, ...], progress: 
            path: Path | None = None) -> ps.Record | None:
     """Give ``engine`` auto's mode for this key: the stored record's, else (``measure="now"``) measured now
     and stored, else AR (``"background"``: sets ``engine.measure_later`` to ``source`` and the key's lock, for
-    which the caller starts a low-priority measurer, :func:`start_measurer`, once its own load is done).  Returns the record used, if any."""
+    which the caller starts a low-priority measurer, :func:`start_measurer`, once its own load is done).
+    Returns the record used, if any."""
     fields = ps.key_fields(engine.config, draft)
     on_cpu = engine.target.device.type == "cpu"
     rec = None if measure == "now" else ps.read(fields, path)
