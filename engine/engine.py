@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -52,16 +53,19 @@ class Engine:
         self.auto = self.auto_choice is not None  # the mode in force is auto's (not one the user switched to)
         self._decoder: Any = None
         self._decoder_key: tuple | None = None
+        self.measurer: Any = None  # auto's background measurer process (engine/decode/probe.py), while it runs
+        self.measure_later: tuple[EngineConfig, int] | None = None  # what it is to measure, and the key's lock, until loaded
 
     # -- construction -------------------------------------------------------------------
     @classmethod
     def load(cls, config: EngineConfig, progress: models.ProgressFn = models._no_progress, tqdm_class: Any = None,
-             warn: Callable[[str], None] | None = None) -> "Engine":
+             warn: Callable[[str], None] | None = None, measure: str = "no") -> "Engine":
         """Check what can be checked (:func:`preflight.check`: ``auto``, devices, draft against mode, sizes;
-        ``warn`` hears its warnings before any download), then load the models."""
+        ``warn`` hears its warnings before any download), then load the models.  ``measure``: how ``auto``
+        gets a measurement this setup has none of (:func:`probe.settle`: "no", "background", "now")."""
         from .load.preflight import check
 
-        pre = check(config)
+        asked, pre = config, check(config)
         for w in pre.warnings:
             (warn or (lambda _m: None))(w)
         config, draft_name = pre.config, pre.draft
@@ -100,11 +104,15 @@ class Engine:
             from .decode.probe import settle
 
             try:
-                settle(engine, draft_name, pre.probe, progress)
+                settle(engine, draft_name, pre.probe, progress, measure, source=asked)
             except BaseException:
                 engine.close()
                 raise
         engine.warm(progress)
+        if engine.measure_later is not None:  # after warm: the measurer does not compile AR's graph beside it
+            from .decode.probe import start_measurer
+
+            engine.measurer, engine.measure_later = start_measurer(engine.measure_later), None
         return engine
 
     def settle(self, mode: str, reason: str, decoder: Any = None) -> None:
@@ -207,7 +215,7 @@ class Engine:
 
     def _auto(self, changes: dict[str, Any]) -> None:
         """The mode auto chose at load; for an engine loaded with a mode named, the same resolution now:
-        :func:`preflight.check`, then for a draft the probe's stored choice (measured now if none is stored)."""
+        :func:`preflight.check`, then for a draft the probe's stored choice (AR, saying so, while none is stored)."""
         others = {k: v for k, v in changes.items() if k != "mode"}
         if self.auto_choice is None:
             from .load.preflight import check
@@ -257,7 +265,14 @@ class Engine:
         return self.decoder().stream(prompt_ids, params, stop)
 
     def close(self) -> None:
-        """Stop the speculator and any tensor-parallel ranks (a later reply starts them again)."""
+        """Stop the speculator, any tensor-parallel ranks (a later reply starts them again) and auto's measurer."""
+        if self.measure_later is not None and self.measure_later[1] >= 0:  # a load that did not finish
+            os.close(self.measure_later[1])
+            self.measure_later = None
+        if self.measurer is not None:
+            self.measurer.kill()  # a measurement cut short stores nothing
+            self.measurer.wait()
+            self.measurer = None
         if self._decoder is not None and hasattr(self._decoder, "close"):
             self._decoder.close()
         self._decoder = None

@@ -107,6 +107,21 @@ def _start(proc: multiprocessing.process.BaseProcess) -> None:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+def popen(args: list[str], env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()) -> Any:
+    """``subprocess.Popen(args)`` (``env`` added to this process's, ``pass_fds`` inherited) from the spawner thread (the child's ``die_with_parent`` follows that
+    thread), in a session of its own (the terminal's Ctrl-C is the parent's to handle), output discarded
+    unless ``SSD_CHAT_DEBUG`` is set."""
+    import subprocess
+
+    global _spawner
+    with _lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(1, thread_name_prefix="ssd-spawner")
+    out = None if os.environ.get("SSD_CHAT_DEBUG") else subprocess.DEVNULL
+    return _spawner.submit(subprocess.Popen, args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                           env={**os.environ, **(env or {})}, pass_fds=pass_fds).result()
+
+
 def die_with_parent() -> None:
     """In a worker: SIGKILL this process when its parent dies (Linux), and leave Ctrl-C and a
     terminal's hang-up to the parent, which closes its workers itself (``serve`` drains its reply first)."""

@@ -80,7 +80,8 @@ class EngineBackend(Backend):
         from .loading import quiet_libraries, tqdm_to
 
         quiet_libraries()
-        self.engine = Engine.load(engine_config(self.values), progress=progress, tqdm_class=tqdm_to(progress), warn=self.warn)
+        self.engine = Engine.load(engine_config(self.values), progress=progress, tqdm_class=tqdm_to(progress), warn=self.warn,
+                                  measure="background")
         self._start_decoder()
 
     def _start_decoder(self) -> None:

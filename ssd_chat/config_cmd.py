@@ -41,7 +41,7 @@ def config_show(
         for k_, v in engine.items():
             if k_ in out and out[k_]["value"] is None:  # left to the engine: what it will use
                 out[k_]["in_force"] = v
-        out["mode"].update({"resolved": engine.get("mode"), "reason": engine.get("mode_reason"),
+        out["mode"].update({"resolved": engine.get("mode"), "reason": engine.get("mode_reason"), "measured": engine.get("measured"),
                             "warnings": engine.get("warnings", []), "error": engine.get("mode_error")})
         out["dtype"]["precision"] = engine.get("precision")  # what the linears will compute in
         out["draft"]["label"] = engine.get("draft_label")  # the name the panel, ask --json, bench and serve give it
@@ -61,7 +61,7 @@ def config_show(
         v = values[key]
         shown = "—" if v is None else printable(str(v), one_line=True)  # a control character is shown, not obeyed
         if key == "mode" and v == "auto" and "mode" in engine:
-            shown = f"auto → {engine['mode'] or 'measured at the first start'}"
+            shown = f"auto → {engine['mode'] or 'AR until measured'}"
         elif key == "dtype" and engine.get("precision") not in (None, v):
             shown = f"{v} → {engine['precision']}"
         elif key == "draft" and engine.get("draft_label"):
@@ -82,6 +82,8 @@ def config_show(
         raise fail(str(invalid), 2 if invalid.usage else 1)
     if "mode_reason" in engine:
         console().print(f"mode: {engine['mode_reason']}", markup=False, highlight=False)
+        if engine.get("measured"):
+            console().print(engine["measured"]["words"], markup=False, highlight=False)
         for w in engine["warnings"]:
             console().print(f"warning: {w}", markup=False, highlight=False)
     else:
@@ -102,9 +104,12 @@ def engine_in_force(values: dict) -> dict:
         pre = check(engine_config(values))
     except (SSDChatError, ValueError) as e:
         return {"mode_error": str(e)}
-    mode, why = in_config(pre)  # auto with a draft: what the probe measured here, else that the first start measures
+    mode, why, rec = in_config(pre)  # auto with a draft: what the probe measured here (and when), else not yet
     out = dict(in_force(replace(pre.config, mode=mode or pre.config.mode)))
     out.update(mode=mode, mode_reason=why, warnings=list(pre.warnings))
+    if rec is not None:
+        out["measured"] = {"at": rec.at, "verdict": rec.verdict, "load": vars(rec.load),
+                           "words": f"measured {rec.when()} ({rec.load.words()})"}
     c = pre.config
     out["precision"] = planned(c.target, c.target_device, c.dtype) or str(parse_placement(c.target_device, c.dtype).dtype).removeprefix("torch.")
     return out
@@ -142,3 +147,24 @@ def config_unset(key: str) -> None:
     except ConfigError as e:
         raise fail(str(e)) from None
     typer.echo(f"{key.replace('-', '_')} removed ({path})")
+
+
+@config_app.command("measure")
+def config_measure(ctx: typer.Context) -> None:
+    """Measure AR, SD and SSD on this machine now (about 2 minutes) and keep the fastest for `auto`."""
+    from . import config
+    from .engine.errors import ParamError, SSDChatError
+    from .measure import measure_now
+
+    given = {k_: v for k_, v in ((ctx.parent.obj if ctx.parent else None) or ctx.obj or {}).items() if k_ in config.DEFAULTS}
+    values, _sources = config.resolve(given)
+    try:
+        mode, why, rec = measure_now(values)
+    except ParamError as e:
+        raise fail(str(e), 2) from None
+    except SSDChatError as e:
+        raise fail(str(e)) from None
+    lines = [f"auto → {mode}" + ("" if rec else " (nothing to measure)"), why]
+    if rec is not None:
+        lines.append(f"measured {rec.when()} ({rec.load.words()})")
+    console().print("\n".join(lines), markup=False, highlight=False)

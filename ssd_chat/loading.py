@@ -6,6 +6,7 @@ loads models from the command line (``ask``, ``compare``, ``serve``, the headles
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -15,9 +16,21 @@ from typing import Any
 import typer
 
 
+class NotApplicable(logging.Filter):
+    """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." (logged when torch.utils.cpp_extension is
+    imported on a machine with a CUDA toolkit but no GPU): it reads like an error and is about nothing this
+    program does; every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
+
+
 def quiet_libraries() -> None:
     """No library progress bars or warnings over our output (a full-screen app or a command's lines);
     hub downloads report through :func:`tqdm_to` where a load line shows them."""
+    cpp = logging.getLogger("torch.utils.cpp_extension")  # before torch imports it
+    if not any(isinstance(f, NotApplicable) for f in cpp.filters):
+        cpp.addFilter(NotApplicable())
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -118,12 +131,33 @@ class StageLine:
             self.stream.flush()
 
 
-def load_engine(values: dict[str, Any], progress_to_stderr: bool = True, start_decoder: bool = False) -> Any:
+class StageLog:
+    """The load line's stages for a log (stderr not a terminal): one line per new stage, no redraws."""
+
+    def __init__(self, stream: Any = None) -> None:
+        self.stream, self.stage = stream or sys.stderr, None
+
+    def update(self, stage: str, frac: float | None) -> None:
+        if stage != self.stage:
+            self.stage = stage
+            self.say(f"ssd-chat: {stage}…")
+
+    def say(self, line: str) -> None:
+        self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        pass
+
+
+def load_engine(values: dict[str, Any], progress_to_stderr: bool = True, start_decoder: bool = False, measure: str = "no",
+                log_stages: bool = False) -> Any:
     """Load models for resolved settings ``values``; on a terminal, progress goes to stderr as the app's
     load line (stage, percentage, seconds); warnings (a model too large for this machine) as lines before
-    anything downloads.  Nothing but the warnings when stderr is not a terminal."""
+    anything downloads.  When stderr is not a terminal, nothing but the warnings, or with ``log_stages``
+    (``serve``'s log) a line per stage."""
     show = progress_to_stderr and sys.stderr.isatty()
-    line = StageLine() if show else None  # before the imports below, which take seconds
+    line = StageLine() if show else StageLog() if progress_to_stderr and log_stages else None  # before the slow imports
     try:
         from .config import engine_config
         from .engine import Engine
@@ -143,7 +177,7 @@ def load_engine(values: dict[str, Any], progress_to_stderr: bool = True, start_d
             else:
                 typer.echo(text, err=True)
 
-        engine = Engine.load(cfg, progress=progress, tqdm_class=tqdm_to(progress) if show else None, warn=warn)
+        engine = Engine.load(cfg, progress=progress, tqdm_class=tqdm_to(progress) if show else None, warn=warn, measure=measure)
         if start_decoder:  # as the app does: SSD's speculator starts under the load line, not before the first token
             progress("starting the decoder", None)
             try:

@@ -86,7 +86,7 @@ def serve(
     n = threads.coordinator()  # this thread runs the HTTP server: no OpenMP pool here (engine/threads.py)
 
     def load():
-        engine = load_engine(values)
+        engine = load_engine(values, measure="background", log_stages=True)
         engine.decoder()  # SSD: the speculator starts loading its draft now, not at the first request
         return engine
 

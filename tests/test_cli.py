@@ -54,14 +54,17 @@ def test_ask_json_says_which_forward_ran_and_both_give_the_same_tokens():
 @pytest.mark.parametrize("cores", [None, {0}])
 def test_ask_json_reports_the_mode_auto_ran(cores):
     """The default mode is auto: with a core for the speculator (and the shipped draft) the mode that measured
-    fastest here (engine/decode/probe.py), AR on one core."""
+    fastest here (engine/decode/probe.py; ask measures nothing: AR until the app, serve or `config measure`
+    has), AR on one core."""
     preexec = (lambda: os.sched_setaffinity(0, cores)) if cores else None
     r = subprocess.run([sys.executable, "-m", "ssd_chat", "ask", "--json", "-n", "12", "--temperature", "0", "What is the capital of France?"],
                        capture_output=True, text=True, timeout=300, preexec_fn=preexec)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     if cores is None and len(os.sched_getaffinity(0)) >= 2:  # SSD can run: auto keeps what measured fastest here
-        assert out["mode_reason"].startswith(f"{out['mode'].upper()}: measured fastest here (AR "), out["mode_reason"]
+        why = out["mode_reason"]
+        assert why.startswith(f"{out['mode'].upper()}: measured fastest here (AR ") or (
+            out["mode"] == "ar" and ("not measured on this machine yet" in why or "was not trusted" in why)), why
         if out["mode"] == "ar":
             assert out["stats"]["rounds"] == 0 and out["draft"] is None
         else:

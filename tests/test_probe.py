@@ -1,6 +1,8 @@
-"""``--mode auto``'s probe (engine/decode/probe.py): the cache is keyed by what can change the answer, a corrupt
-or unwritable cache never crashes, the choice is never slower than AR, and a speculative mode needs a
-clear margin.  The timing function is injected, so the choice is tested on fixed figures."""
+"""``--mode auto``'s probe (engine/decode/probe.py, probe_store.py): the cache is keyed by what can change the
+answer (and not by where the model file sits), a corrupt or unwritable cache never crashes, the choice is never
+slower than AR, a speculative mode needs a clear margin and a trusted record (no impossible figure, no busy
+machine), one process measures a key at a time, and every start reads the one record.  The timing function
+and the machine's load are injected, so the choice is tested on fixed figures."""
 
 from __future__ import annotations
 
@@ -14,9 +16,31 @@ from serving import tiny_chat_dir  # noqa: F401
 from ssd_chat.engine import Engine, EngineConfig, engine as engine_mod
 from ssd_chat.engine.load import models
 from ssd_chat.engine.decode import probe
+from ssd_chat.engine.decode import probe_store as ps
 from ssd_chat.engine.decode.probe import Result, Sample, choose, reason
+from ssd_chat.engine.errors import SSDChatError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+QUIET = ps.Load(0.1, 2.0, 2, 2)
+BUSY = ps.Load(1.9, 4.1, 2, 2)
+
+
+@pytest.fixture(autouse=True)
+def machine_load(monkeypatch):
+    """The load other processes put on the machine while measuring: quiet unless a test says otherwise
+    (this test machine's real load would decide the verdict)."""
+    seen = {"load": QUIET}
+
+    class Watch:
+        def __init__(self, probe_cores):
+            self.probe_cores = probe_cores
+
+        def stop(self):
+            return seen["load"]
+
+    monkeypatch.setattr(ps, "Watch", Watch)
+    return seen
 
 
 class FakeDecoder:
@@ -63,9 +87,9 @@ def eng(tiny_target, tiny_draft):
 MODES = ("ar", "sd", "ssd")
 
 
-def settle(eng, rates, path, calls=None, stages=None):
+def settle(eng, rates, path, calls=None, stages=None, measure="now"):
     return probe.settle(eng, "layers:1", MODES, lambda s, f: stages.append(s) if stages is not None else None,
-                        run=timer(rates, calls), path=path)
+                        measure, run=timer(rates, calls), path=path)
 
 
 # -- the choice ------------------------------------------------------------------------------------
@@ -117,7 +141,7 @@ def test_the_probe_interleaves_the_modes_after_a_warm_up(eng, fakes, tmp_path):
     stages: list[str] = []
     settle(eng, {"ar": 30.0, "sd": 20.0, "ssd": 40.0}, tmp_path / "p.json", calls, stages)
     assert calls == list(MODES) * (probe.REPEATS + 1)
-    assert stages and all(s == "measuring AR, SD and SSD on this machine (once)" for s in stages)
+    assert stages and all(s == "measuring AR, SD and SSD on this machine" for s in stages)
 
 
 # -- the cache -----------------------------------------------------------------------------------
@@ -129,17 +153,19 @@ def test_a_cached_result_is_used_and_any_key_change_measures_again(eng, fakes, t
     n = len(calls)
     assert n and eng.config.mode == "ssd"
     stages: list[str] = []
-    again = Engine(replace(eng.config, mode="ssd"), eng.target, eng.draft)
-    settle(again, {"ar": 99.0, "sd": 1.0, "ssd": 1.0}, path, calls, stages)  # cached: not timed, the stored figures win
-    assert len(calls) == n and not stages and again.config.mode == "ssd" and "SSD 40.0" in again.mode_reason
+    for measure in ("no", "background"):  # cached: not timed, the stored figures win, no measurer
+        again = Engine(replace(eng.config, mode="ssd"), eng.target, eng.draft)
+        settle(again, {"ar": 99.0, "sd": 1.0, "ssd": 1.0}, path, calls, stages, measure)
+        assert len(calls) == n and not stages and again.config.mode == "ssd" and "SSD 40.0" in again.mode_reason
+        assert again.measure_later is None
     for change in ({"k": 3}, {"compile": "on"}, {"dtype": "float32"}, {"draft_device": "cpu:1"}):
         e = Engine(replace(eng.config, mode="ssd", **change), eng.target, eng.draft)
-        settle(e, rates, path, calls)
-        assert len(calls) > n, change
-        n = len(calls)
+        settle(e, rates, path, calls, measure="no")
+        assert e.config.mode == "ar" and "not measured on this machine yet" in e.mode_reason, change
     monkeypatch.setenv("SSD_CHAT_CPU_KERNELS", "other")
-    settle(Engine(replace(eng.config, mode="ssd"), eng.target, eng.draft), rates, path, calls)
-    assert len(calls) > n
+    e = Engine(replace(eng.config, mode="ssd"), eng.target, eng.draft)
+    settle(e, rates, path, calls, measure="no")
+    assert e.config.mode == "ar" and len(calls) == n
 
 
 def test_the_key_follows_the_machine_the_versions_and_the_target_file(tmp_path, monkeypatch):
@@ -149,14 +175,16 @@ def test_the_key_follows_the_machine_the_versions_and_the_target_file(tmp_path, 
     (folder / "model.safetensors").write_bytes(b"x" * 10)
     cfg = EngineConfig(target=str(folder), mode="ssd", draft="layers:1")
     base = probe.key_fields(cfg, "layers:1")
-    assert base["target"][1] == str(folder.resolve()) and base["target"][2] == 12
+    assert str(tmp_path) not in json.dumps(base)
+    (folder / "model.safetensors").write_bytes(b"x" * 9 + b"y")  # the weights changed, not their size
+    assert probe.key_fields(cfg, "layers:1") != base
     (folder / "model.safetensors").write_bytes(b"y" * 11)  # the weights changed
     assert probe.key_fields(cfg, "layers:1") != base
     assert probe.key_fields(cfg, "int8") != probe.key_fields(cfg, "layers:1")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert probe.key_fields(cfg, "layers:1")["cores"] == 1
-    monkeypatch.setattr(probe, "_cpu_name", lambda: "Other CPU")
-    monkeypatch.setattr(probe, "_version", lambda d: "9.9")
+    monkeypatch.setattr(ps, "_cpu_name", lambda: "Other CPU")
+    monkeypatch.setattr(ps, "_version", lambda d: "9.9")
     fields = probe.key_fields(cfg, "layers:1")
     assert fields["cpu"] == "Other CPU" and fields["torch"] == fields["ssd-chat"] == "9.9"
 
@@ -168,24 +196,28 @@ def test_the_key_follows_the_machine_the_versions_and_the_target_file(tmp_path, 
 def test_a_corrupt_cache_means_measuring_again_never_a_crash(eng, fakes, tmp_path, content):
     path = tmp_path / "p.json"
     if content is None:
-        key = probe._key(probe.key_fields(eng.config, "layers:1"))
-        content = json.dumps({key: {"result": {"v": 1, "tok_s": {"ar": "fast"}, "k": 2, "accepted": {}, "verify_steps": {}}}})
+        key = ps.key(probe.key_fields(eng.config, "layers:1"))
+        content = json.dumps({key: {"v": 2, "verdict": "ok", "at": 1, "load": {}, "result": {"v": 1, "tok_s": {"ar": "fast"}}}})
     path.write_text(content, encoding="latin-1")
+    first = Engine(replace(eng.config, mode="ssd"), eng.target, eng.draft)
+    settle(first, {"ar": 30.0, "sd": 20.0, "ssd": 40.0}, path, measure="no")  # unreadable: as if never measured
+    assert first.config.mode == "ar" and "not measured" in first.mode_reason
     calls: list[str] = []
     settle(eng, {"ar": 30.0, "sd": 20.0, "ssd": 40.0}, path, calls)
     assert calls and eng.config.mode == "ssd"
-    assert probe.cached(probe.key_fields(eng.config, "layers:1"), path) is not None  # rewritten, readable
+    assert ps.read(probe.key_fields(eng.config, "layers:1"), path) is not None  # rewritten, readable
 
 
-def test_an_unwritable_cache_measures_at_every_start(eng, fakes, tmp_path):
+def test_an_unwritable_cache_measures_on_request_and_never_crashes(eng, fakes, tmp_path):
     blocked = tmp_path / "a-file"  # the cache dir's place is taken by a file: nothing can be written there
     blocked.write_text("")
     calls: list[str] = []
     settle(eng, {"ar": 30.0, "sd": 20.0, "ssd": 40.0}, blocked / "p.json", calls)
     n = len(calls)
     assert n and eng.config.mode == "ssd"
-    settle(Engine(replace(eng.config, mode="ssd"), eng.target, eng.draft), {"ar": 30.0, "sd": 20.0, "ssd": 40.0}, blocked / "p.json", calls)
-    assert len(calls) == 2 * n
+    later = Engine(replace(eng.config, mode="ssd"), eng.target, eng.draft)
+    settle(later, {"ar": 30.0, "sd": 20.0, "ssd": 40.0}, blocked / "p.json", calls, measure="background")
+    assert later.config.mode == "ar" and later.measure_later is not None and later.measure_later[1] == -1  # no lock to share
 
 
 # -- the real decoders, through Engine.load ------------------------------------------------------------
@@ -194,20 +226,23 @@ def test_auto_loads_measures_once_and_explicit_modes_never_measure(tiny_chat_dir
     monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # room for the speculator
     monkeypatch.setattr(probe, "TOKENS", 8)
+    monkeypatch.setattr(probe, "floor", lambda e: 0.0)  # a tiny model's step is mostly overhead a verify does not time
     cfg = EngineConfig(target=str(tiny_chat_dir), draft="layers:1", mode="auto", target_device="cpu", dtype="float32")
     stages: list[str] = []
-    with Engine.load(cfg, progress=lambda s, f: stages.append(s)) as e:
+    with Engine.load(cfg, progress=lambda s, f: stages.append(s), measure="now") as e:
         mode = e.config.mode
         assert mode in MODES and e.mode_reason.startswith(f"{mode.upper()}: measured fastest here (AR ")
-        assert "measuring AR, SD and SSD on this machine (once)" in stages
+        assert "measuring AR, SD and SSD on this machine" in stages
         stored = json.loads((tmp_path / "cache" / probe.FILE).read_text())
         (entry,) = stored.values()
         assert set(entry["result"]["tok_s"]) == set(MODES) and set(entry["result"]["verify_steps"]) == {"sd", "ssd"}
+        assert entry["verdict"] == "ok" and entry["load"] == vars(QUIET)
         speculators = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
         assert bool(speculators) == (mode == "ssd")  # the probe's speculator lives on only if SSD was chosen
     stages.clear()
-    with Engine.load(cfg, progress=lambda s, f: stages.append(s)) as e2:
+    with Engine.load(cfg, progress=lambda s, f: stages.append(s), measure="background") as e2:
         assert e2.config.mode == mode and not any("measuring" in s for s in stages)  # cached
+        assert e2.measurer is None
     for explicit in ("ar", "sd"):
         with Engine.load(replace(cfg, mode=explicit), progress=lambda s, f: stages.append(s)) as e3:
             assert e3.config.mode == explicit and e3.mode_reason is None
@@ -227,15 +262,19 @@ def test_config_shows_the_probes_figures_from_the_cache(figures, mode, tmp_path,
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("config loaded weights"))
     pre = preflight.check(EngineConfig(target=models.PACKAGED, mode="auto"))
-    probe.store(probe.key_fields(pre.config, pre.draft), result(*figures))
+    rec = probe.record(result(*figures), QUIET, 1.0)
+    ps.write(probe.key_fields(pre.config, pre.draft), rec)
     r = CliRunner().invoke(app, ["config"])
     assert r.exit_code == 0, r.output
     assert f"auto → {mode}" in r.stdout
     ar, sd, ssd = figures
     line = f"mode: {mode.upper()}: measured fastest here (AR {ar}, SD {sd}, SSD {ssd} tok/s); SSD {ssd / ar:.2f}x AR"
-    assert line in " ".join(r.stdout.split())  # the table's console may wrap the line
+    flat = " ".join(r.stdout.split())  # the table's console may wrap the line
+    assert line in flat
+    assert f"measured {rec.when()} (other work 0.1 of 2 cores, load average 2.0)" in flat
     data = json.loads(CliRunner().invoke(app, ["config", "--json"]).stdout)
     assert data["mode"]["resolved"] == mode and data["mode"]["reason"].startswith(line.removeprefix("mode: "))
+    assert data["mode"]["measured"]["verdict"] == "ok" and data["mode"]["measured"]["load"]["others"] == 0.1
     assert (data["draft"]["in_force"] is None) == (mode == "ar")  # AR loads no draft
 
 
@@ -253,8 +292,9 @@ def test_the_real_speculator_is_closed_unless_ssd_wins(winner, tiny_chat_dir, tm
     monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(probe, "TOKENS", 8)
+    monkeypatch.setattr(probe, "floor", lambda e: 0.0)  # a tiny model's step is mostly overhead a verify does not time
     cfg = EngineConfig(target=str(tiny_chat_dir), draft="layers:1", mode="auto", target_device="cpu", dtype="float32")
-    with Engine.load(cfg) as e:
+    with Engine.load(cfg, measure="now") as e:
         assert e.config.mode == winner and e.describe()["mode"] == winner
         speculators = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
         if winner == "ar":
@@ -270,24 +310,110 @@ def test_a_probe_that_fails_leaves_the_engine_in_ar_and_stores_nothing(eng, fake
         raise RuntimeError("boom\nwith a second line")
 
     path = tmp_path / "p.json"
-    assert probe.settle(eng, "layers:1", MODES, lambda s, f: None, run=broken, path=path) is None
+    assert probe.settle(eng, "layers:1", MODES, lambda s, f: None, "now", run=broken, path=path) is None
     assert eng.config.mode == "ar" and eng.mode_reason.startswith("AR: measuring the modes failed (SSDChatError: ")
     assert "\n" not in eng.mode_reason and fakes["ssd"].closed and not path.exists()
 
 
-def test_a_noisy_measurement_is_not_stored_nor_believed(eng, fakes, tmp_path):
-    """AR slowed by other work: a 3-row verify timed at 0.2 AR steps; AR, nothing cached, and a stored
-    result like that is measured again."""
+def test_a_noisy_measurement_is_stored_as_noisy_and_not_measured_again(eng, fakes, tmp_path):
+    """AR slowed by other work: a 3-row verify timed at 0.2 AR steps.  AR, the record kept as noisy with its
+    load, and later starts run AR from it without measuring (``config measure`` measures again)."""
     path = tmp_path / "p.json"
     settle(eng, {"ar": 4.0, "sd": 20.0, "ssd": 60.0}, path)  # verify 0.05 s against a 0.25 s step
-    assert eng.config.mode == "ar" and "noisy (a 3-row verify timed at 0.2 AR steps" in eng.mode_reason
-    assert not path.exists() and fakes["ssd"].closed
-    probe.store(probe.key_fields(eng.config, "layers:1"), Result(
-        {"ar": 10.0, "sd": 20.0, "ssd": 60.0}, 2, {"sd": 1.5, "ssd": 1.6}, {"sd": 0.3, "ssd": 0.3}, 0.5), path)
+    assert eng.config.mode == "ar" and "not trusted: SD's 3-row verify timed at 0.2 AR steps, cheaper than a 1-row step" in eng.mode_reason
+    assert "`ssd-chat config measure` measures again" in eng.mode_reason and fakes["ssd"].closed
+    rec = ps.read(probe.key_fields(eng.config, "layers:1"), path)
+    assert rec.verdict == "noisy" and rec.load == QUIET
     calls: list[str] = []
     again = Engine(replace(eng.config, mode="ssd"), eng.target, eng.draft)
-    settle(again, {"ar": 30.0, "sd": 20.0, "ssd": 40.0}, path, calls)
-    assert calls and again.config.mode == "ssd" and "SSD 40.0" in again.mode_reason
+    settle(again, {"ar": 30.0, "sd": 20.0, "ssd": 40.0}, path, calls, measure="background")
+    assert not calls and again.measure_later is None and again.config.mode == "ar" and "not trusted" in again.mode_reason
+
+
+def test_on_a_cpu_a_verify_cheaper_than_a_step_is_impossible(eng, fakes, tmp_path):
+    """0.8 AR steps for 3 rows passed the old 0.5 floor; on a CPU a verify reads every weight as a step does."""
+    r = Result({"ar": 12.7, "sd": 7.9, "ssd": 20.5}, 2, {"sd": 1.5, "ssd": 1.6}, {"sd": 1.4, "ssd": 0.8}, 0.5)
+    assert probe.noisy(r, probe.floor(eng)) == ("SSD's 3-row verify timed at 0.8 AR steps, cheaper than a 1-row step: "
+                                                 "other work slowed AR")
+    assert probe.noisy(r, 0.5) is None  # a GPU's floor
+    rec = probe.record(r, QUIET, probe.floor(eng))
+    assert rec.verdict == "noisy" and probe.choice(rec, on_cpu=True)[0] == "ar"
+
+
+def test_a_measurement_on_a_busy_machine_does_not_choose_ssd(eng, fakes, tmp_path, machine_load):
+    machine_load["load"] = BUSY  # two other processes spun on the two cores
+    path = tmp_path / "p.json"
+    settle(eng, {"ar": 30.0, "sd": 20.0, "ssd": 40.0}, path)  # SSD fastest by far, and plausible figures
+    assert eng.config.mode == "ar" and fakes["ssd"].closed
+    assert "measured while the machine was busy (other work 1.9 of 2 cores, load average 4.1)" in eng.mode_reason
+    rec = ps.read(probe.key_fields(eng.config, "layers:1"), path)
+    assert rec.verdict == "busy" and rec.load == BUSY and not rec.stale()
+    assert ps.Load(0.4, 2.3, 2, 2).busy() is False and ps.Load(0.4, 1.0, 16, 1).busy() is False
+    assert ps.Load(3.0, 4.0, 16, 2).busy() is False and ps.Load(15.5, 17, 16, 2).busy() is True  # room left for the probe
+
+
+def test_a_stale_busy_record_is_measured_again_in_the_background(eng, fakes, tmp_path, machine_load):
+    machine_load["load"] = BUSY
+    path = tmp_path / "p.json"
+    settle(eng, {"ar": 30.0, "sd": 20.0, "ssd": 40.0}, path)
+    fields = probe.key_fields(eng.config, "layers:1")
+    rec = ps.read(fields, path)
+    ps.write(fields, replace(rec, at=rec.at - ps.RETRY_S - 1), path)
+    again = Engine(replace(eng.config, mode="ssd"), eng.target, eng.draft)
+    settle(again, {"ar": 30.0, "sd": 20.0, "ssd": 40.0}, path, measure="background")
+    assert again.config.mode == "ar" and again.measure_later is not None
+    again.close()
+
+
+def test_on_a_cpu_where_speculation_cannot_pay_the_why_line_says_so(eng, fakes, tmp_path):
+    settle(eng, {"ar": 47.7, "sd": 35.0, "ssd": 35.8}, tmp_path / "p.json")
+    assert eng.config.mode == "ar"
+    assert "so speculation cannot pay here: `ssd-chat bench --simulate h100-70b-1b` shows SSD winning" in eng.mode_reason
+    ssd_wins = probe.record(result(30.0, 25.0, 36.0), QUIET, 1.0)
+    assert "cannot pay" not in probe.choice(ssd_wins, on_cpu=True)[1]
+    assert "cannot pay" not in probe.choice(probe.record(result(47.7, 35.0, 35.8), QUIET, 1.0), on_cpu=False)[1]
+
+
+# -- one measurer per key ----------------------------------------------------------------------------
+def test_one_process_measures_a_key_at_a_time(eng, fakes, tmp_path):
+    """While the key's lock is held (another start's measurer), a start does not measure nor start a measurer,
+    and ``config measure`` says another one is measuring."""
+    path = tmp_path / "p.json"
+    fields = probe.key_fields(eng.config, "layers:1")
+    with ps.lock(fields, path) as mine:
+        assert mine and ps.measuring(fields, path)
+        calls: list[str] = []
+        with pytest.raises(SSDChatError, match="another ssd-chat is measuring AR, SD and SSD for this setup now"):
+            settle(eng, {"ar": 30.0, "sd": 20.0, "ssd": 40.0}, path, calls)
+        assert not calls
+        bg = Engine(replace(eng.config, mode="ssd"), eng.target, eng.draft)
+        settle(bg, {"ar": 30.0, "sd": 20.0, "ssd": 40.0}, path, calls, measure="background")
+        assert bg.measure_later is None and not calls and bg.config.mode == "ar"
+        assert "another ssd-chat is measuring AR, SD and SSD on this machine" in bg.mode_reason
+    assert not ps.measuring(fields, path)
+    first = Engine(replace(eng.config, mode="ssd"), eng.target, eng.draft)
+    settle(first, {"ar": 30.0, "sd": 20.0, "ssd": 40.0}, path, measure="background")  # it takes the lock at once
+    assert first.measure_later is not None and "measuring AR, SD and SSD in the background at low priority" in first.mode_reason
+    assert ps.measuring(fields, path)  # held from now until its measurer ends
+    second = Engine(replace(eng.config, mode="ssd"), eng.target, eng.draft)
+    settle(second, {"ar": 30.0, "sd": 20.0, "ssd": 40.0}, path, measure="background")
+    assert second.measure_later is None and "another ssd-chat is measuring" in second.mode_reason
+    first.close()  # a load that ends before its measurer starts gives the lock back
+    assert not ps.measuring(fields, path)
+
+
+def test_the_key_does_not_depend_on_where_the_model_file_is(tmp_path):
+    """Each virtualenv has its own copy of the packaged model: one key for all of them."""
+    a, b = tmp_path / "venv-a" / "m.gguf", tmp_path / "venv-b" / "m.gguf"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_bytes(b"GGUF" + bytes(range(256)) * (3 * ps.SAMPLE // 256 + 1))
+    os.utime(b, (1, 1))
+    assert ps._file_identity(a) == ps._file_identity(b)
+    data = bytearray(b.read_bytes())
+    data[-10] ^= 1  # the tail differs
+    b.write_bytes(bytes(data))
+    assert ps._file_identity(a) != ps._file_identity(b)
 
 
 # -- going back to auto after a switch (the app's /mode auto) --------------------------------------
@@ -315,7 +441,7 @@ def test_mode_auto_on_an_engine_started_in_a_named_mode_takes_the_stored_choice(
     assert not e.describe()["auto"] and e.describe()["mode_reason"] is None
     monkeypatch.setattr(preflight, "check", lambda c: preflight.Preflight(replace(c, mode="ssd"), "layers:1", "SSD: candidate",
                                                                           True, (), MODES))
-    probe.store(probe.key_fields(e.config, "layers:1"), result(20.0, 25.0, 30.0))
+    ps.write(ps.key_fields(e.config, "layers:1"), probe.record(result(20.0, 25.0, 30.0), QUIET, 1.0))
     e.reconfigure(mode="auto")
     d = e.describe()
     assert d["mode"] == "ssd" and d["auto"] and d["mode_reason"].startswith("SSD: measured fastest here (AR 20.0, SD 25.0, SSD 30.0")

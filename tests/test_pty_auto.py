@@ -19,6 +19,7 @@ from test_pty_ssd import turns  # noqa: E402
 
 from ssd_chat.engine import EngineConfig  # noqa: E402
 from ssd_chat.engine.decode import probe  # noqa: E402
+from ssd_chat.engine.decode import probe_store as ps  # noqa: E402
 from ssd_chat.engine.load import models, preflight  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
@@ -33,7 +34,8 @@ def test_mode_auto_returns_to_autos_choice_and_decodes_in_it(tmp_path):
     if not pre.probe:
         pytest.skip(f"auto does not measure on this machine: {pre.reason}")
     result = probe.Result({"ar": 10.0, "sd": 30.0, "ssd": 20.0}, pre.config.k, {"sd": 2.0, "ssd": 2.0}, {"sd": 1.5, "ssd": 1.5}, 0.5)
-    probe.store(probe.key_fields(pre.config, pre.draft), result, cache / probe.FILE)
+    quiet = ps.Load(0.1, 2.0, 2, 2)
+    ps.write(ps.key_fields(pre.config, pre.draft), ps.Record(result.to_json(), "ok", None, time.time(), quiet), cache / probe.FILE)
     db = tmp_path / "h.db"
     env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"), SSD_CHAT_DATA_DIR=str(tmp_path / "data"),
                SSD_CHAT_CACHE_DIR=str(cache), HF_HUB_OFFLINE="1")

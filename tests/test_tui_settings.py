@@ -28,14 +28,15 @@ WHY = "SD: measured fastest here (AR 10.0, SD 30.0, SSD 20.0 tok/s)"
 def loaded_in_auto(folder: Path, tmp_path, monkeypatch) -> Engine:
     """``Engine.load`` with ``auto`` as the app does it, on a machine whose stored probe says SD is fastest."""
     from ssd_chat.engine.decode import probe
+    from ssd_chat.engine.decode import probe_store as ps
     from ssd_chat.engine.load import preflight
 
     monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # room for SSD's speculator: auto probes
     cfg = EngineConfig(target=str(folder), draft="layers:1", mode="auto", target_device="cpu", dtype="float32")
     pre = preflight.check(cfg)
-    probe.store(probe.key_fields(pre.config, pre.draft),
-                probe.Result({"ar": 10.0, "sd": 30.0, "ssd": 20.0}, 2, {"sd": 2.0, "ssd": 2.0}, {"sd": 1.5, "ssd": 1.5}, 0.5))
+    measured = probe.Result({"ar": 10.0, "sd": 30.0, "ssd": 20.0}, 2, {"sd": 2.0, "ssd": 2.0}, {"sd": 1.5, "ssd": 1.5}, 0.5)
+    ps.write(ps.key_fields(pre.config, pre.draft), probe.record(measured, ps.Load(0.1, 2.0, 2, 2), 1.0))
     engine = Engine.load(cfg)
     assert engine.config.mode == "sd" and engine.mode_reason.startswith(WHY)
     return engine

@@ -1,5 +1,5 @@
 """``--mode auto``'s measured choice: time AR, SD and SSD on this machine with the loaded models, keep the
-fastest, and remember it.
+fastest, and remember it (:mod:`probe_store`: the key, the records, the lock, the machine's load).
 
 The probe runs the real decoders (greedy, one fixed chat prompt, :data:`TOKENS` new tokens with EOS
 ignored): one short warm-up each (JIT, the speculator's start), then :data:`REPEATS` runs interleaved
@@ -8,43 +8,45 @@ figure is its median decode rate.  What explains the result comes from the same 
 verification (the mean accepted length) and a verification's cost in AR steps.
 
 A speculative mode is chosen only when it beat AR by more than :data:`MARGIN` (noise is not a reason
-to run a draft).  Results live in ``mode-probe.json`` in the cache dir, one entry per :func:`key_fields`
-(this machine's CPU, cores and GPUs, torch and ssd-chat versions, the target file, the draft, k, dtype,
-compile, placement, ``SSD_CHAT_CPU_KERNELS``): any change measures again.  An unreadable or corrupt
-file means measuring again; an unwritable one, measuring at every start.
+to run a draft), and only from a trusted record: figures that cannot be right (:func:`noisy`) or runs
+that other work shared the cores with (``Load.busy``) are kept as such, and ``auto`` runs AR on them.
+
+Who measures (:func:`settle`'s ``measure``): ``"now"`` (``ssd-chat config measure`` and the background
+measurer), ``"background"`` (the app and ``serve``: with no record they run AR and start a measurer
+process at the lowest priority, ``ssd_chat.measure``, whose record the next start uses), ``"no"`` (``ask``
+and the rest: the record, else AR).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import statistics
+import subprocess
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
-from importlib import metadata
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any, Protocol
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-from ..config import EngineConfig, cache_dir
-from ..config import cpu_name as _cpu_name  # a seam: tests give it another CPU
+from ..config import EngineConfig
+from . import probe_store as ps
+from .probe_store import FILE, key_fields  # noqa: F401 - where callers and tests find them
 
-FILE = "mode-probe.json"
 PROMPT = "Explain in a few sentences how a bicycle works."
 TOKENS = 24  # new tokens per timed run
 WARMUP_TOKENS = 6
 REPEATS = 3
 MARGIN = 0.05  # a speculative mode must beat AR by more than this to be chosen
-STAGE = "measuring {} on this machine (once)"
+STAGE = "measuring {} on this machine"
 
 
 def listed(modes: tuple[str, ...]) -> str:
     """("ar", "sd", "ssd") -> "AR, SD and SSD"."""
     up = [m.upper() for m in modes]
     return up[0] if len(up) == 1 else f"{', '.join(up[:-1])} and {up[-1]}"
-VERSION = 1  # of the stored result's format
+VERSION = 1  # of a result's format
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class Probed(Protocol):
     """What the probe needs of an :class:`engine.Engine`, which calls it (so it imports no engine)."""
 
     config: EngineConfig
+    target: Any  # the loaded target (its device)
+    measure_later: tuple[EngineConfig, int] | None
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> tuple[list[int], tuple[str, ...]]: ...
 
@@ -125,19 +129,22 @@ class Result:
 _STORED = TypeAdapter(Result)
 
 
-# a verify of k + 1 rows timed below this many AR steps: AR was slowed by other work (a quiet 2-core
-# machine gives about 0.8: the verifier is pinned to one core, AR's step runs on two contending threads)
-NOISY_VERIFY = 0.5
+def floor(engine: Any) -> float:
+    """The fewest AR steps a (k+1)-row verify can cost on the target's device: on a CPU at least one (it
+    reads every weight, as a 1-row step does, and on no more threads than AR's); a GPU's wide units
+    leave room for timing noise."""
+    return 1.0 if engine.target.device.type == "cpu" else 0.5
 
 
-def noisy(r: Result) -> str | None:
-    """Why ``r`` cannot be right, or None: a verify at a fraction of a one-row step means the AR runs
+def noisy(r: Result, least: float = 0.5) -> str | None:
+    """Why ``r`` cannot be right, or None: a verify cheaper than ``least`` AR steps means the AR runs
     were slowed by other work on the machine (the figure would flatter SD and SSD)."""
-    low = {m: v for m, v in r.verify_steps.items() if v < NOISY_VERIFY}
+    low = {m: v for m, v in r.verify_steps.items() if v < least}
     if not low:
         return None
     m, v = min(low.items(), key=lambda x: x[1])
-    return f"a {r.k + 1}-row verify timed at {v:.1f} AR steps: other work slowed AR"
+    return (f"{m.upper()}'s {r.k + 1}-row verify timed at {v:.1f} AR steps, cheaper than a 1-row step"
+            + (" can be on this device" if least < 1 else "") + ": other work slowed AR")
 
 
 def choose(r: Result, margin: float = MARGIN) -> str:
@@ -170,108 +177,14 @@ def reason(r: Result, mode: str, margin: float = MARGIN) -> str:
     return line
 
 
+CANNOT_PAY = ("; on this CPU a verify costs too much of an AR step for the tokens it accepts, so speculation cannot pay "
+              "here: `ssd-chat bench --simulate h100-70b-1b` shows SSD winning where it can (a 70B target, a 1B draft, GPUs)")
+REMEASURE = "`ssd-chat config measure` measures again"
+
+
 def _short(text: str, limit: int = 100) -> str:
     first = " ".join(str(text).split())
     return first if len(first) <= limit else first[:limit - 1] + "…"
-
-
-# -- the cache -------------------------------------------------------------------------------------
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "?"
-
-
-def _file_identity(path: Path) -> list[Any]:
-    """A local model's path with its size and mtime (a folder: its files' total size and latest mtime)."""
-    try:
-        files = [p for p in path.iterdir() if p.is_file()] if path.is_dir() else [path]
-        stats = [p.stat() for p in files]
-        return [str(path.resolve()), sum(s.st_size for s in stats), max((s.st_mtime_ns for s in stats), default=0)]
-    except OSError:
-        return [str(path)]
-
-
-def _model_identity(name: str) -> list[Any]:
-    from ..errors import ModelError
-    from ..load import models
-
-    try:
-        spec = models.resolve(name)
-    except (ModelError, OSError, ValueError):  # a derived draft ("int8", "layers:6", "trained"): the name is all there is
-        return [name]
-    if spec.kind in ("folder", "gguf"):
-        return [spec.kind, *_file_identity(Path(spec.source))]
-    return [spec.kind, spec.source]
-
-
-def key_fields(config: EngineConfig, draft: str | None) -> dict[str, Any]:
-    """Everything that can change which mode is fastest here."""
-    import torch
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    return {
-        "cpu": _cpu_name(), "cores": cores, "gpus": gpus, "torch": _version("torch"), "ssd-chat": _version("ssd-chat"),
-        "target": _model_identity(config.target), "draft": _model_identity(draft) if draft else None, "k": config.k,
-        "dtype": config.dtype, "compile": config.compile, "target_device": config.target_device,
-        "draft_device": config.draft_device, "fan_out": config.fan_out, "budget": config.budget,
-        "cpu_kernels": os.environ.get("SSD_CHAT_CPU_KERNELS", ""),
-    }
-
-
-def _key(fields: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
-def store_path() -> Path:
-    return cache_dir() / FILE
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        got = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return {}
-    return got if isinstance(got, dict) else {}
-
-
-def cached(fields: dict[str, Any], path: Path | None = None) -> Result | None:
-    entry = _read(path or store_path()).get(_key(fields))
-    return Result.from_json(entry.get("result")) if isinstance(entry, dict) else None
-
-
-def store(fields: dict[str, Any], result: Result, path: Path | None = None) -> None:
-    """Add ``result`` under ``fields``; a cache dir that cannot be written is left as it is."""
-    path = path or store_path()
-    data = _read(path)
-    data[_key(fields)] = {"key": fields, "result": result.to_json()}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True, default=str), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
-def cached_choice(config: EngineConfig, draft: str | None, path: Path | None = None) -> tuple[str, str] | None:
-    """(mode, reason) from an earlier probe of exactly this setup, or None (the next start measures)."""
-    r = cached(key_fields(config, draft), path)
-    if r is None:
-        return None
-    mode = choose(r)
-    return mode, reason(r, mode)
-
-
-def in_config(pre: Any) -> tuple[str | None, str]:
-    """What ``ssd-chat config`` says a :class:`preflight.Preflight` resolves to, without loading: for a probed
-    ``auto``, the cached choice, else ``None`` and that the first start measures."""
-    if not pre.probe:
-        return pre.config.mode, pre.reason
-    return cached_choice(pre.config, pre.draft) or (
-        None, f"the first start measures {listed(pre.probe)} on this machine and keeps the fastest ({pre.reason})")
 
 
 # -- measuring ---------------------------------------------------------------------------------------
@@ -322,16 +235,72 @@ def measure(engine: Probed, modes: tuple[str, ...], progress: Callable[[str, flo
     return Result(med, engine.config.k, accepted, verify, median_of("ssd", "hit_rate"), failed or None)
 
 
+# -- the choice a record makes ---------------------------------------------------------------------
+def choice(rec: ps.Record, on_cpu: bool) -> tuple[str, str]:
+    """(mode, the *why* line) from a stored record: a speculative mode only from a trusted one."""
+    r = Result.from_json(rec.result)
+    if r is None:
+        return "ar", f"AR: the stored measurement cannot be read; {REMEASURE}"
+    if rec.verdict != "ok":
+        figures = ", ".join(f"{m.upper()} {r.tok_s[m]:.1f}" for m in ("ar", "sd", "ssd") if m in r.tok_s)
+        return "ar", f"AR: the measurement ({figures} tok/s) was not trusted: {rec.why}; {REMEASURE}"
+    mode = choose(r)
+    return mode, reason(r, mode) + (CANNOT_PAY if on_cpu and mode == "ar" and len(r.tok_s) > 1 else "")
+
+
+def record(result: Result, load: ps.Load, least: float) -> ps.Record:
+    """The verdict on one measurement: noisy figures first, then a busy machine, else ok."""
+    import time
+
+    why = noisy(result, least)
+    if why is None and load.busy():
+        why = f"measured while the machine was busy ({load.words()})"
+        return ps.Record(result.to_json(), "busy", why, time.time(), load)
+    return ps.Record(result.to_json(), "noisy" if why else "ok", why, time.time(), load)
+
+
+# -- settle: the engine gets auto's mode ---------------------------------------------------------------
 def settle(engine: Probed, draft: str | None, modes: tuple[str, ...], progress: Callable[[str, float | None], None],
-           run: Run | None = None, path: Path | None = None) -> Result | None:
-    """Give ``engine`` auto's measured mode: from the cache for this setup, else measured now and stored
-    (None: measuring failed, and the engine runs AR, the one mode that needs nothing else)."""
-    fields = key_fields(engine.config, draft)
-    result = cached(fields, path)
-    if result is not None and noisy(result):
-        result = None  # measured on a busy machine: measure again
-    decoders: dict[str, Any] = {}
-    if result is None:
+           measure: str = "no", source: EngineConfig | None = None, run: Run | None = None,
+           path: Path | None = None) -> ps.Record | None:
+    """Give ``engine`` auto's mode for this key: the stored record's, else (``measure="now"``) measured now
+    and stored, else AR (``"background"``: sets ``engine.measure_later`` to ``source`` and the key's lock, for
+    which the caller starts a low-priority measurer, :func:`start_measurer`, once its own load is done).
+    Returns the record used, if any."""
+    fields = ps.key_fields(engine.config, draft)
+    on_cpu = engine.target.device.type == "cpu"
+    rec = None if measure == "now" else ps.read(fields, path)
+    if rec is None and measure == "now":
+        return _measure_now(engine, fields, modes, progress, run, path, on_cpu)
+    if rec is not None:
+        engine.settle(*choice(rec, on_cpu))
+        if measure == "background" and rec.stale():
+            engine.measure_later = _later(source or engine.config, fields, path)
+        return rec
+    what = listed(modes)
+    later = _later(source or engine.config, fields, path) if measure == "background" else None
+    if measure == "background" and later is None:
+        engine.settle("ar", f"AR for now: another ssd-chat is measuring {what} on this machine; the next start uses the fastest")
+    elif measure == "background":
+        engine.measure_later = later
+        engine.settle("ar", f"AR for now: measuring {what} in the background at low priority; the next start uses the fastest")
+    else:
+        engine.settle("ar", f"AR: {what} not measured on this machine yet (the app and `serve` measure them in the "
+                            "background; `ssd-chat config measure` now)")
+    return None
+
+
+def _measure_now(engine: Probed, fields: dict[str, Any], modes: tuple[str, ...], progress: Callable[[str, float | None], None],
+                 run: Run | None, path: Path | None, on_cpu: bool) -> ps.Record | None:
+    from ..errors import SSDChatError
+
+    with ps.lock(fields, path, wait=1.0) as mine:
+        if not mine:
+            raise SSDChatError(f"another ssd-chat is measuring {listed(modes)} for this setup now; "
+                               "`ssd-chat config` shows its result when it is done")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        watch = ps.Watch(cores if on_cpu else 1)
+        decoders: dict[str, Any] = {}
         try:
             result = measure(engine, modes, progress, run, decoders=decoders)
         except BaseException as e:
@@ -341,16 +310,54 @@ def settle(engine: Probed, draft: str | None, modes: tuple[str, ...], progress: 
                 raise
             engine.settle("ar", f"AR: measuring the modes failed ({_short(f'{type(e).__name__}: {e}')})")
             return None
-        why = noisy(result)
-        if why:  # not stored, and no speculative mode chosen on figures that cannot hold
-            for d in decoders.values():
-                getattr(d, "close", lambda: None)()
-            engine.settle("ar", f"AR: the measurement was noisy ({why}); measured again at the next start")
-            return result
-        store(fields, result, path)
-    mode = choose(result)
+        rec = record(result, watch.stop(), floor(engine))
+        ps.write(fields, rec, path)
+    mode, why = choice(rec, on_cpu)
     for m, d in decoders.items():
         if m != mode:  # no speculator outlives a probe that did not choose SSD
             getattr(d, "close", lambda: None)()
-    engine.settle(mode, reason(result, mode), decoders.get(mode))
-    return result
+    engine.settle(mode, why, decoders.get(mode))
+    return rec
+
+
+def _later(config: EngineConfig, fields: dict[str, Any], path: Path | None) -> tuple[EngineConfig, int] | None:
+    """(what to measure, the key's lock, taken now so that no other start measures it meanwhile), or None:
+    another process holds it."""
+    fd = ps.take(fields, path)
+    return None if fd is None else (config, fd)
+
+
+def start_measurer(later: tuple[EngineConfig, int]) -> subprocess.Popen | None:
+    """A process that measures the modes at the lowest priority and stores the record, dying with this one
+    (``ssd_chat.measure``); it inherits the key's lock.  None if it cannot start."""
+    import json
+
+    from ..workers import popen
+
+    config, fd = later
+    try:
+        return popen([sys.executable, "-m", "ssd_chat.measure", str(os.getpid()), json.dumps(asdict(config), default=str)],
+                     {ps.LOCK_FD: str(fd)} if fd >= 0 else {}, (fd,) if fd >= 0 else ())
+    except OSError:
+        return None
+    finally:
+        if fd >= 0:
+            os.close(fd)  # the child's copy holds the lock now
+
+
+def in_config(pre: Any) -> tuple[str | None, str, ps.Record | None]:
+    """What ``ssd-chat config`` says a :class:`preflight.Preflight` resolves to, without loading: for a
+    probed ``auto``, the stored record's choice (and the record: when, under what load), else ``None``."""
+    if not pre.probe:
+        return pre.config.mode, pre.reason, None
+    fields = ps.key_fields(pre.config, pre.draft)
+    rec = ps.read(fields)
+    if rec is None and ps.measuring(fields):
+        return None, f"AR for now: another ssd-chat is measuring {listed(pre.probe)} on this machine ({pre.reason})", None
+    if rec is None:
+        return None, (f"{listed(pre.probe)} not measured on this machine yet: the app and `serve` measure them in the "
+                      f"background at their first start, `ssd-chat config measure` now ({pre.reason})"), None
+    from ..load.models import parse_placement
+
+    on_cpu = parse_placement(pre.config.target_device, pre.config.dtype).device.type == "cpu"
+    return (*choice(rec, on_cpu), rec)
