@@ -77,14 +77,23 @@ def started(eng: Engine) -> None:
 
 
 def provide(eng: Engine, graphs: dict) -> list[Graph]:
-    """The fake packages for every job of the builds started so far."""
-    started(eng)
-    made = []
+    """The fake packages for every job of the builds started so far, each build finished in turn (a build
+    starts once the one before it has finished)."""
+    made: list[Graph] = []
     core = next(iter(eng.target.forwards._cores.values()))
-    for b in FakeBuild.made:
-        for r, _t, path in b.jobs:
-            graphs[str(path)] = g = Graph(core.graph_for(r))
-            made.append(g)
+    spawners = [t for c in eng.target.forwards._cores.values() for t in c.compiler._spawners]
+    finished: set[int] = set()
+    while any(t.is_alive() for t in spawners) or len(finished) < len(FakeBuild.made):
+        for t in spawners:
+            t.join(0.2)
+        for b in list(FakeBuild.made):
+            if id(b) in finished:
+                continue
+            for r, _t, path in b.jobs:
+                graphs[str(path)] = g = Graph(core.graph_for(r))
+                made.append(g)
+            b.finish()
+            finished.add(id(b))
     return made
 
 
@@ -113,7 +122,6 @@ def test_the_path_switches_only_between_replies(auto_cpu):
             evs.append(ev)
             if isinstance(ev, Token) and not made:  # the build finishes inside this reply
                 made = provide(eng, graphs)
-                FakeBuild.made[0].finish()
         assert made and all(g.calls == 0 for g in made)  # not taken inside the reply
         assert evs[-1].stats.path == "eager" and evs[-1].token_ids == eager.token_ids
         nxt = list(eng.stream([1, 2, 3], params))[-1]
@@ -131,8 +139,7 @@ def test_sd_equals_ar_on_each_path(auto_cpu):
         a, s = list(ar.stream([4, 5, 6], params))[-1], list(sd.stream([4, 5, 6], params))[-1]
         assert a.stats.path == s.stats.path == "eager" and a.token_ids == s.token_ids
         provide(ar, graphs)
-        for b in FakeBuild.made:
-            b.finish()
+        assert len(FakeBuild.made) == 2  # AR's 1 row, SD's 3 rows: one after the other
         a, s = list(ar.stream([4, 5, 6], params))[-1], list(sd.stream([4, 5, 6], params))[-1]
         assert a.stats.path == s.stats.path == "compiled" and a.token_ids == s.token_ids
 

@@ -217,6 +217,8 @@ class ReplyActions:
                 self.panel.set_measured(b)  # later replies in another mode are measured against it
             info = self.backend.info()
             self.history.save_metrics(t.message_id, end.stats, info.get("target"), info.get("draft"))
+            if info.get("compiling") or self.panel.info.get("compiling") or info.get("forward") != self.panel.info.get("forward"):
+                self._update_info()  # the path this reply ran, and how far a background compile is
             meta = metrics_line(dataclasses.asdict(end.stats)) + ("" if status == "done" else f" · {status}")
             await self._finish(t, end.text, status, meta)
         else:

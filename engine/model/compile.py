@@ -77,6 +77,7 @@ class Compiler:
         self._builds: list[background.Build] = []
         self._bg_failed: str | None = None
         self._spawners: list[threading.Thread] = []
+        self._slots: list[_Slot] = []
         self._gen = 0  # :meth:`close` counts up: a build that starts after it is closed at once
         self._lock = threading.Lock()
         if mode != "off" and self.rows:
@@ -118,8 +119,11 @@ class Compiler:
         with self._lock:
             self._gen += 1
             builds, self._builds = self._builds, []
+            slots, self._slots = self._slots, []
         for b in builds:
             b.close()
+        for slot in slots:
+            slot.done(True)
         self._building.clear()
 
     def forget(self) -> None:
@@ -211,19 +215,29 @@ class Compiler:
         t.start()
 
     def _spawn(self, jobs: list[tuple[int, int, Any]], gen: int) -> None:
+        """Start the build once no other build of this process runs (one at a time: two cores, and each
+        build holds a copy of the model)."""
         assert self.source is not None
+        while not _SLOT.acquire(timeout=0.2):
+            if gen != self._gen:
+                return
+        slot = _Slot(len(jobs))
         try:
-            b = background.Build(self.source, type(self.core), self.core.name, self.core.mid_layer, AUTO_WIDTH,
-                                 jobs, self._built, self._build_failed)
+            b = background.Build(self.source, type(self.core), self.core.name, self.core.mid_layer, AUTO_WIDTH, jobs,
+                                 lambda r, t, path: (self._built(r, t, path), slot.done()),
+                                 lambda why: (slot.done(True), self._build_failed(why)))
         except Exception as e:  # noqa: BLE001 - no process could start: stay eager, say so once
+            slot.done(True)
             self._build_failed(f"{type(e).__name__}: {e}")
             return
         with self._lock:
             stale = gen != self._gen  # closed while it started
             if not stale:
                 self._builds.append(b)
+                self._slots.append(slot)
         if stale:
             b.close()
+            slot.done(True)
 
     def _built(self, r: int, t: int, path: Any) -> None:
         """From the build's watcher thread: load the package; the next reply takes it."""
@@ -321,6 +335,24 @@ class Compiler:
         self.failed = f"{type(e).__name__}: {first}"
         self._fns.clear()
         self.notify(f"compiling {self.core.name} failed ({self.failed}); it runs uncompiled")
+
+
+_SLOT = threading.Semaphore(1)  # one background build at a time in this process
+
+
+class _Slot:
+    """A build's hold on :data:`_SLOT`: given back when its last shape is built, or it fails or is closed."""
+
+    def __init__(self, shapes: int) -> None:
+        self.left, self._lock = shapes, threading.Lock()
+
+    def done(self, all_shapes: bool = False) -> None:
+        with self._lock:
+            if self.left <= 0:
+                return
+            self.left = 0 if all_shapes else self.left - 1
+            if self.left == 0:
+                _SLOT.release()
 
 
 @contextmanager
