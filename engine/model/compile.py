@@ -204,10 +204,10 @@ class Compiler:
             self._start(jobs)
         if all((r, t) in self._fns for r in self.rows):
             self.path = "compiled"
+        elif self._building:  # every reply that runs eagerly for it says so, before its first token
+            self.notify(f"{self.status()}; replies run uncompiled until it is ready")
 
     def _start(self, jobs: list[tuple[int, int, Any]]) -> None:
-        rows = ", ".join(str(r) for r, _t, _p in jobs)
-        self.notify(f"compiling {self.core.name} for {rows} rows in the background; replies run uncompiled until it is ready")
         self._building.update((r, t) for r, t, _p in jobs)
         # the process starts from a thread of its own: spawning it is no part of the reply that asked
         t = threading.Thread(target=self._spawn, args=(jobs, self._gen), name="ssd-compile-start", daemon=True)
