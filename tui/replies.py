@@ -198,7 +198,7 @@ class ReplyActions:
             self.cache.add_rounds(rounds)
         if end is None:
             self.panel.show(t.metrics.stats(t.last_t_s), live=True)
-        for ev in notices:
+        for ev in notices:  # before this batch's text: a notice ("compiling ... in the background") precedes the work
             if ev.mode is not None:
                 self._show_mode(t.metrics.label)
             await self.chat.add_notice(ev.message, ev.level)
