@@ -165,7 +165,7 @@ class Compiler:
         if not self.active:
             return
         if self.background:  # packages on disk load now; missing ones start building, and replies run eagerly
-            self._decide()
+            self._decide(say=False)  # the load line says it; each reply that runs eagerly says it again
             return
         kv = self.core.kv
         kv.reserve(min(AUTO_WIDTH, kv.limit or AUTO_WIDTH))  # a small model's context may be shorter
@@ -178,7 +178,7 @@ class Compiler:
         return self._dummy(r)
 
     # -- background builds -------------------------------------------------------------------------
-    def _decide(self) -> None:
+    def _decide(self, say: bool = True) -> None:
         """Fix this reply's path: compiled when every row shape has its package for this thread count
         (loaded from disk, or built in the background since the last reply), else eager, starting the
         builds it lacks; their notice is queued before any work of the reply."""
@@ -204,7 +204,7 @@ class Compiler:
             self._start(jobs)
         if all((r, t) in self._fns for r in self.rows):
             self.path = "compiled"
-        elif self._building:  # every reply that runs eagerly for it says so, before its first token
+        elif self._building and say:  # every reply that runs eagerly for it says so, before its first token
             self.notify(f"{self.status()}; replies run uncompiled until it is ready")
 
     def _start(self, jobs: list[tuple[int, int, Any]]) -> None:
