@@ -198,3 +198,24 @@ def test_closing_during_a_real_background_build_leaves_no_process(monkeypatch, t
     aoti_dir = tmp_path / "aoti"
     assert not list(aoti_dir.glob("*.tmp.pt2")) if aoti_dir.exists() else True
     assert not list(aoti_dir.glob("*.pt2")) if aoti_dir.exists() else True
+
+
+@pytest.mark.slow
+def test_a_real_background_build_is_taken_by_the_next_reply(monkeypatch, tmp_path):
+    """The build process rebuilds the model from its recipe, writes the package, the watcher loads it, and the
+    next reply runs compiled, with the eager reply's greedy tokens (a tiny float32 model)."""
+    monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(quant, "int4_ready", lambda model: True)
+    target = as_loaded(tiny_llama(head_scale=3.0, dtype=torch.float32), CharTokenizer(64), "t")
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    with Engine(EngineConfig(mode="ar", compile="auto"), target) as eng:
+        first = list(eng.stream([1, 2, 3], params))[-1]
+        assert first.stats.path == "eager"
+        deadline = time.monotonic() + 900
+        while eng.target.forwards.status() and time.monotonic() < deadline:
+            time.sleep(1)
+        core = next(iter(target.forwards._cores.values()))
+        assert core.compiler._bg_failed is None and list(core.compiler._ready) == [(1, torch.get_num_threads())]
+        assert [p.name for p in (tmp_path / "aoti").glob("*.pt2")] and not list((tmp_path / "aoti").glob("*.tmp.pt2"))
+        second = list(eng.stream([1, 2, 3], params))[-1]
+    assert second.stats.path == "compiled" and second.token_ids == first.token_ids
