@@ -55,6 +55,8 @@ class Engine:
         self._decoder_key: tuple | None = None
         self.measurer: Any = None  # auto's background measurer process (engine/decode/probe.py), while it runs
         self.measure_later: tuple[EngineConfig, int] | None = None  # what it is to measure, and the key's lock, until loaded
+        if target.forwards.sharded is None and target.device.type == "cpu":  # auto builds its CPU graphs in the background
+            target.forwards.source = lambda: _rebuild(target)
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -136,6 +138,12 @@ class Engine:
         core = getattr(self.target.forwards.runner("target", cfg.compile, rows), "core", None)
         if core is None:
             return
+        if core.compiler.background:  # packages on disk load now; a missing one builds while replies run eagerly
+            core.compiler.warm()
+            said = self.target.forwards.status()
+            if said:
+                progress(said, None)
+            return
         said = core.compiler.progress
         core.compiler.progress = lambda text: progress(text, None)
         where = contextlib.nullcontext()
@@ -184,6 +192,8 @@ class Engine:
             "draft_forward": self._draft_forward() if uses_draft else None,
             # what the linears compute in: "gguf Q4_1" (the GGUF's blocks) or the dtype ("float32")
             "precision": precision.of(self.target), "draft_precision": precision.of(self.draft) if uses_draft else None,
+            # the last reply's path ("compiled" | "eager"), and a background compile under way ("... 40%")
+            "path": self.target.forwards.path("target"), "compiling": self.target.forwards.status(),
         }
         if c.mode == "ssd":  # the speculator runs where the SSD decoder's plan puts it, not where the draft was loaded
             from .decode.ssd import plan
@@ -277,9 +287,18 @@ class Engine:
             self._decoder.close()
         self._decoder = None
         self.target.forwards.close()
+        if self.draft is not None:
+            self.draft.forwards.close()
 
     def __enter__(self) -> "Engine":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _rebuild(target: models.LoadedModel) -> tuple[Callable, Any]:
+    """(make, recipe): how a background compile process rebuilds ``target`` (as the SSD speculator does its draft)."""
+    from .speculate.worker import build_model, recipe_for
+
+    return build_model, recipe_for(target, target, "cpu", target.placement.dtype)

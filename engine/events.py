@@ -80,6 +80,7 @@ class Stats:
     sd_estimate_s: float | None = None  # SSD: what SD would have taken for the same rounds (estimate)
     ran_as: str | None = None  # the mode that produced the end of the reply, when not ``mode``
     switched_after: int | None = None  # rounds ``mode`` ran before it switched to ``ran_as``
+    path: str | None = None  # the target's forwards: "compiled" graphs or "eager" kernels (fixed for the whole reply)
 
     @property
     def label(self) -> str:

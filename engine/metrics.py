@@ -59,6 +59,7 @@ class Metrics:
     sd_estimate_s: float | None = None
     ran_as: str | None = None  # the mode the reply switched to (see Notice.mode)
     switched_after: int | None = None
+    path: str | None = None  # "compiled" or "eager": what the target ran on (forward.Forwards.path)
 
     def add(self, ev: Event) -> None:
         if isinstance(ev, Token):
@@ -135,4 +136,5 @@ class Metrics:
             sd_estimate_s=self.sd_estimate_s,
             ran_as=self.ran_as,
             switched_after=self.switched_after,
+            path=self.path,
         )

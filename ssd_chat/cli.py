@@ -28,7 +28,7 @@ from .draft_cmd import draft_app
 from .loading import load_engine
 from .options import console, engine_options, fail, merge, settings, utf8_text
 from .serve_cmd import serve
-from .stats import format_stats, ran_as
+from .stats import SAMPLING_SHOWN, STATS_SHOWN, format_stats, ran_as
 
 
 class _Commands(TyperGroup):
@@ -151,9 +151,6 @@ def precision_of(engine) -> dict[str, str | None]:
     return {"target": of(engine.target), "draft": of(engine.draft) if uses_draft else None}
 
 
-SAMPLING_SHOWN = ("temperature", "top_p", "top_k", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed")
-
-
 def _answer(engine, prompt: str, values: dict[str, Any], params, json_out: bool, stats: bool) -> int:
     from .engine.events import Done, Error, Notice, Token
     from .session import Session
@@ -190,11 +187,7 @@ def _answer(engine, prompt: str, values: dict[str, Any], params, json_out: bool,
                     "precision": precision_of(engine),  # what the linears computed in: "gguf Q4_1", "float32"
                     "finish_reason": ev.reason,
                     "sampling": {key: getattr(params, key) for key in SAMPLING_SHOWN},
-                    "stats": {
-                        "new_tokens": s.new_tokens, "rounds": s.rounds, "tok_per_s": s.tok_per_s, "ttft_s": s.ttft_s,
-                        "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
-                        "cache_hit_rate": s.cache_hit_rate,
-                    },
+                    "stats": {key: getattr(s, key) for key in STATS_SHOWN},
                 }
                 sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
             else:

@@ -250,10 +250,14 @@ def answer(server: Server, prompt: str, values: dict[str, Any], explicit: set[st
         raise ServerError(f"the server at {server.url} ended the reply without finishing it")
     s = final.get("ssd_stats") or {}
     if json_out:
-        out = {"text": text, "token_ids": ids, "mode": s.get("mode"), "target": server.card["ssd"]["config"]["target"],
-               "draft": s.get("draft"), "finish_reason": final["choices"][0]["finish_reason"], "server": server.url,
-               "stats": {k: s.get(k) for k in ("new_tokens", "rounds", "tok_per_s", "ttft_s", "acceptance_rate",
-                                                "mean_accepted_length", "cache_hit_rate")}}
+        from .stats import STATS_SHOWN
+
+        # the keys and order of a local answer's (cli._answer), and where it came from
+        out = {"text": text, "token_ids": ids, "mode": s.get("mode"), "mode_label": s.get("mode_label"), "mode_reason": s.get("mode_reason"),
+               "target": server.card["ssd"]["config"]["target"], "draft": s.get("draft"), "forward": s.get("forward"),
+               "draft_forward": s.get("draft_forward"), "precision": s.get("precision"),
+               "finish_reason": final["choices"][0]["finish_reason"], "sampling": s.get("sampling"),
+               "stats": {k: s.get(k) for k in STATS_SHOWN}, "server": server.url}
         sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
     else:
         sys.stdout.write("\n")

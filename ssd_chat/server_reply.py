@@ -13,6 +13,7 @@ from fastapi.sse import format_sse_event
 
 from . import server_tools
 from .engine.events import Done, Error, Notice, Token
+from .stats import SAMPLING_SHOWN
 from .server_schema import APIError, ChatRequest, CompletionRequest, error_body
 from .server_worker import END, Job, ShuttingDown
 
@@ -51,7 +52,16 @@ class Reply:
             "per_position_acceptance": list(s.per_position_acceptance) if s.per_position_acceptance is not None else None,
             "tok_per_s": s.tok_per_s, "ttft_s": s.ttft_s, "elapsed_s": s.elapsed_s,
             "queue_s": (job.started_s - job.arrived_s) if job.started_s is not None else None, "notices": self.notices,
+            "path": s.path, **self.setup(),
         }
+
+    def setup(self) -> dict[str, Any]:
+        """What `ask --json` shows beside the figures: the sampling the reply used, why the mode, what forwarded
+        the models and in what precision (as a local answer has them)."""
+        info, spec = self.api.engine.describe(), self.api.engine.config.mode != "ar"
+        return {"sampling": {key: getattr(self.job.params, key) for key in SAMPLING_SHOWN}, "mode_reason": info.get("mode_reason"),
+                "forward": info.get("forward"), "draft_forward": info.get("draft_forward"),
+                "precision": {"target": info.get("precision"), "draft": info.get("draft_precision") if spec else None}}
 
     def usage(self, done: Done | None, num_tokens: int) -> dict[str, int]:
         n = len(done.token_ids) if done is not None else num_tokens

@@ -160,6 +160,10 @@ def test_ask_uses_a_running_server_it_finds(tiny_chat_dir):
         assert f"using the ssd-chat server at {url}" in r.stderr
         out = json.loads(r.stdout)
         assert out["server"] == url and out["mode"] == "sd" and out["token_ids"] == json.loads(local.stdout)["token_ids"]
+        mine = json.loads(local.stdout)  # the same block as a local answer: keys, stats, sampling, path
+        assert list(out) == [*mine, "server"] and list(out["stats"]) == list(mine["stats"])
+        assert list(out["sampling"]) == list(mine["sampling"]) and out["sampling"]["temperature"] is not None
+        assert out["stats"]["path"] == mine["stats"]["path"] == "eager" and out["forward"] == "core eager"
         assert len(worker.history) == 1 and not stale.exists()
         # through a server, `ask` never imports torch (seconds of start-up saved on every call)
         probe = ("import sys\nfrom ssd_chat.cli import app\ntry:\n    app()\nexcept SystemExit as e:\n"

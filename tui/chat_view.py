@@ -125,6 +125,13 @@ class ChatView(RerunActions, ReplyActions, CompareActions, ChatActions, Widget):
         self.cache.token_text = self._lookup_text
         self.prompt.focus()
         self._frames = self.set_interval(FRAME_S, self._flush_pending, pause=True)  # runs only while a reply streams
+        self.set_interval(2.0, self._compile_progress)
+
+    def _compile_progress(self) -> None:
+        """While the target's graphs build in the background, the panel's "compiling" row counts up;
+        the next reply (not the one under way) runs compiled once it is done."""
+        if self.panel.info.get("compiling"):
+            self._update_info()
 
     @on(PromptInput.Submitted)
     async def on_prompt_submitted(self, event: PromptInput.Submitted) -> None:

@@ -203,7 +203,7 @@ class ReplyActions:
             self.cache.add_rounds(rounds)
         if end is None:
             self.panel.show(t.metrics.stats(t.last_t_s), live=True)
-        for ev in notices:
+        for ev in notices:  # before this batch's text: a notice ("compiling ... in the background") precedes the work
             if ev.mode is not None:
                 self._show_mode(t.metrics.label)
             await self.chat.add_notice(ev.message, ev.level)
@@ -222,6 +222,8 @@ class ReplyActions:
                 self.panel.set_measured(b)  # later replies in another mode are measured against it
             info = self.backend.info()
             self.history.save_metrics(t.message_id, end.stats, info.get("target"), info.get("draft"))
+            if info.get("compiling") or self.panel.info.get("compiling") or info.get("forward") != self.panel.info.get("forward"):
+                self._update_info()  # the path this reply ran, and how far a background compile is
             meta = metrics_line(dataclasses.asdict(end.stats)) + ("" if status == "done" else f" · {status}")
             await self._finish(t, end.text, status, meta)
         else:

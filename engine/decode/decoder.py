@@ -96,12 +96,16 @@ class Reply:
         then the stop flag.  False once the reply is over."""
         if self.builder.finished:
             return False
-        for source in self.noticed:
-            for note in source.take_notices():
-                yield Notice(note, "info")
+        yield from self.notices()
         if self.stop is not None and self.stop.is_set():
             self.cancelled = True
         return not self.cancelled
+
+    def notices(self) -> Iterator[Notice]:
+        """The notices the models left since the last call."""
+        for source in self.noticed:
+            for note in source.take_notices():
+                yield Notice(note, "info")
 
     @property
     def reason(self) -> DoneReason | None:
@@ -121,10 +125,16 @@ class Decoder(ABC):
         self._prepare()
         r = Reply(builder, metrics, params, stop, self._noticed())
         try:
-            yield from self._reply(prompt_ids, r)
+            first = True
+            for ev in self._reply(prompt_ids, r):
+                if first and isinstance(ev, Token):  # what the reply's setup said (a compile starting) comes first
+                    first = False
+                    yield from r.notices()
+                yield ev
         except Exception as e:  # noqa: BLE001 - reported as an event, with the partial reply
             yield error_event(e, builder)
             return
+        metrics.path = self.target.forwards.path("target")
         yield Done(r.reason, builder.text + builder.flush(), tuple(builder.token_ids), metrics.stats(time.perf_counter() - r.t0))
 
     @abstractmethod

@@ -61,10 +61,12 @@ def path_for(core: Trunk, rows: int) -> Path:
     return cache_dir() / "aoti" / f"{core.name.replace('/', '_')}-{rows}rows-{key}.pt2"
 
 
-def load_or_build(core: Trunk, rows: int, example: tuple, progress: Callable[[str], None]) -> Callable:
-    """The package for ``core``'s graph of ``rows`` rows: loaded from the cache, else exported,
-    compiled (minutes on a small CPU; ``progress`` says so first) and stored."""
-    path = path_for(core, rows)
+def load_or_build(core: Trunk, rows: int, example: tuple, progress: Callable[[str], None], path: Path | None = None,
+                  load: bool = True) -> Callable | None:
+    """The package for ``core``'s graph of ``rows`` rows (at ``path``, default :func:`path_for`): loaded from
+    the cache, else exported, compiled (minutes on a small CPU; ``progress`` says so first) and stored.
+    ``load`` False: only build it (a background build, :mod:`background`)."""
+    path = path or path_for(core, rows)
     if not path.exists():
         progress(f"compiling {core.name} for {rows} rows (once)")
         fn = core.graph_for(rows)
@@ -84,4 +86,20 @@ def load_or_build(core: Trunk, rows: int, example: tuple, progress: Callable[[st
             tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
             torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
             os.replace(tmp, path)
+    return load_package(path) if load else None
+
+
+def use_disk_cache() -> None:
+    """Inductor's kernels and FX graphs under the ssd-chat cache dir (unless the user chose a dir)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # inductor writes its default into the environment when it first looks: that one is not a choice
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+    # several models x row shapes x cache reallocations recompile the same code object
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+
+def load_package(path: Path) -> Callable:
+    """A built package, ready to call (a seam: tests stand in for it)."""
     return torch._inductor.aoti_load_package(str(path))

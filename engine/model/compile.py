@@ -34,7 +34,7 @@ import torch
 
 from ..config import cache_dir
 from ..cpu import quant
-from . import aoti
+from . import aoti, background
 from .aoti import Trunk
 
 MODES = ("off", "on", "auto")
@@ -67,8 +67,21 @@ class Compiler:
         self.compile_s: dict[int, float] = {}  # rows -> seconds the first call took (compile + run)
         self._fns: dict[tuple[int, int], Callable] = {}  # (rows, threads) -> compiled graph
         self._static: int = -1  # kv.version last marked a static address
+        # background builds (``auto`` on CPU, :mod:`background`): set by the model's handle, () -> (make, recipe):
+        # rebuilds the model in the build process
+        self.source: Callable[[], tuple[Callable, Any]] | None = None
+        self.path = "eager"  # the path of the reply under way, fixed at its first forward (:meth:`_decide`)
+        self._decided = False
+        self._ready: dict[tuple[int, int], Callable] = {}  # packages built in the background, taken at a reply's start
+        self._building: set[tuple[int, int]] = set()
+        self._builds: list[background.Build] = []
+        self._bg_failed: str | None = None
+        self._spawners: list[threading.Thread] = []
+        self._slots: list[_Slot] = []
+        self._gen = 0  # :meth:`close` counts up: a build that starts after it is closed at once
+        self._lock = threading.Lock()
         if mode != "off" and self.rows:
-            _use_disk_cache()
+            aoti.use_disk_cache()
             if not self.cuda:
                 quant.use_int4(core.model)
 
@@ -76,10 +89,49 @@ class Compiler:
     def active(self) -> bool:
         return self.mode != "off" and self.failed is None and bool(self.rows)
 
+    @property
+    def background(self) -> bool:
+        """Whether a missing shape builds in a background process while replies run eagerly: ``auto`` on
+        CPU, for a model the build process can rebuild (``source``)."""
+        return self.mode == "auto" and not self.cuda and self.source is not None and _compile is _default_compile
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the reply under way (or the last one) runs on compiled graphs."""
+        return self.active and (self.path == "compiled" if self.background else True)
+
+    def begin(self) -> None:
+        """A new reply: its path (compiled or eager) is fixed at its first forward and kept to its end, so
+        a build that finishes mid-reply is taken by the next reply, never inside one (the paths compute in
+        different precisions, so their greedy tokens part after a while)."""
+        self._decided = False
+
+    def status(self) -> str | None:
+        """"compiling <name> for 3 rows in the background, 40%" while a background build runs, else None."""
+        if not self._building:
+            return None
+        live = [b for b in self._builds if b.running]
+        rows = ", ".join(str(r) for r in sorted({r for r, _t in self._building}))
+        return f"compiling {self.core.name} for {rows} rows in the background, {live[-1].fraction() if live else 0:.0%}"
+
+    def close(self) -> None:
+        """Stop the background builds (their unfinished files go; finished packages stay)."""
+        with self._lock:
+            self._gen += 1
+            builds, self._builds = self._builds, []
+            slots, self._slots = self._slots, []
+        for b in builds:
+            b.close()
+        for slot in slots:
+            slot.done(True)
+        self._building.clear()
+
     def forget(self) -> None:
         """Drop the graphs made so far: CPU packages bake the weights in (:mod:`aoti`), so a caller that
         changes them in place must call this; the next call loads or builds a package for the new ones."""
+        self.close()
         self._fns.clear()
+        self._ready.clear()
 
     def shape_for(self, n: int) -> int | None:
         """The compiled row count that serves ``n`` rows (None: run eagerly)."""
@@ -92,6 +144,11 @@ class Compiler:
         """The compiled graph's (logits, hidden, mid) for these rows, or None: run them eagerly."""
         if not self.active:
             return None
+        if self.background:
+            if not self._decided:
+                self._decide()
+            if self.path != "compiled":
+                return None
         n = ids.shape[0]
         r = self.shape_for(n)
         if r is None:
@@ -107,11 +164,92 @@ class Compiler:
         """Compile (or load) every row shape now."""
         if not self.active:
             return
+        if self.background:  # packages on disk load now; missing ones start building, and replies run eagerly
+            self._decide(say=False)  # the load line says it; each reply that runs eagerly says it again
+            return
         kv = self.core.kv
         kv.reserve(min(AUTO_WIDTH, kv.limit or AUTO_WIDTH))  # a small model's context may be shorter
         for r in self.rows:
             if not self._call(r, *self._dummy(r)):
                 return
+
+    def example(self, r: int) -> tuple:
+        """Inputs (ids, pos, slots, mask) of a warm-up call of ``r`` rows."""
+        return self._dummy(r)
+
+    # -- background builds -------------------------------------------------------------------------
+    def _decide(self, say: bool = True) -> None:
+        """Fix this reply's path: compiled when every row shape has its package for this thread count
+        (loaded from disk, or built in the background since the last reply), else eager, starting the
+        builds it lacks; their notice is queued before any work of the reply."""
+        self._decided, self.path = True, "eager"
+        t = torch.get_num_threads()
+        with self._lock:
+            self._fns.update(self._ready)
+            self._ready.clear()
+        jobs = []
+        for r in self.rows:
+            if (r, t) in self._fns or (r, t) in self._building:
+                continue
+            path = aoti.path_for(self.core, r)
+            if path.exists():
+                try:
+                    self._fns[r, t] = aoti.load_package(path)
+                except Exception as e:  # noqa: BLE001 - a package that does not load: compile it again
+                    self._fail(e)
+                    return
+            elif self._bg_failed is None:
+                jobs.append((r, t, path))
+        if jobs:
+            self._start(jobs)
+        if all((r, t) in self._fns for r in self.rows):
+            self.path = "compiled"
+        elif self._building and say:  # every reply that runs eagerly for it says so, before its first token
+            self.notify(f"{self.status()}; replies run uncompiled until it is ready")
+
+    def _start(self, jobs: list[tuple[int, int, Any]]) -> None:
+        self._building.update((r, t) for r, t, _p in jobs)
+        # the process starts from a thread of its own: spawning it is no part of the reply that asked
+        t = threading.Thread(target=self._spawn, args=(jobs, self._gen), name="ssd-compile-start", daemon=True)
+        self._spawners.append(t)
+        t.start()
+
+    def _spawn(self, jobs: list[tuple[int, int, Any]], gen: int) -> None:
+        """Start the build once no other build of this process runs (one at a time: two cores, and each
+        build holds a copy of the model)."""
+        assert self.source is not None
+        while not _SLOT.acquire(timeout=0.2):
+            if gen != self._gen:
+                return
+        slot = _Slot(len(jobs))
+        try:
+            b = background.Build(self.source, type(self.core), self.core.name, self.core.mid_layer, AUTO_WIDTH, jobs,
+                                 lambda r, t, path: (self._built(r, t, path), slot.done()),
+                                 lambda why: (slot.done(True), self._build_failed(why)))
+        except Exception as e:  # noqa: BLE001 - no process could start: stay eager, say so once
+            slot.done(True)
+            self._build_failed(f"{type(e).__name__}: {e}")
+            return
+        with self._lock:
+            stale = gen != self._gen  # closed while it started
+            if not stale:
+                self._builds.append(b)
+                self._slots.append(slot)
+        if stale:
+            b.close()
+            slot.done(True)
+
+    def _built(self, r: int, t: int, path: Any) -> None:
+        """From the build's watcher thread: load the package; the next reply takes it."""
+        fn = aoti.load_package(path)
+        with self._lock:
+            self._ready[r, t] = fn
+            self._building.discard((r, t))
+
+    def _build_failed(self, why: str) -> None:
+        self._bg_failed = why
+        self._building.clear()
+        self.notify(f"compiling {self.core.name} in the background failed ({why}); it runs uncompiled")
 
     # -- internals ---------------------------------------------------------------------------------
     def _pad(self, r: int, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> tuple:
@@ -199,6 +337,24 @@ class Compiler:
         self.notify(f"compiling {self.core.name} failed ({self.failed}); it runs uncompiled")
 
 
+_SLOT = threading.Semaphore(1)  # one background build at a time in this process
+
+
+class _Slot:
+    """A build's hold on :data:`_SLOT`: given back when its last shape is built, or it fails or is closed."""
+
+    def __init__(self, shapes: int) -> None:
+        self.left, self._lock = shapes, threading.Lock()
+
+    def done(self, all_shapes: bool = False) -> None:
+        with self._lock:
+            if self.left <= 0:
+                return
+            self.left = 0 if all_shapes else self.left - 1
+            if self.left == 0:
+                _SLOT.release()
+
+
 @contextmanager
 def _sigint_after():
     """Ctrl-C during a graph call raises KeyboardInterrupt when the call returns.  Raised inside it, in
@@ -227,14 +383,3 @@ def _graph_tls() -> None:
         return
     ct.local.tree_manager_containers = {}
     ct.local.tree_manager_locks = defaultdict(threading.Lock)
-
-
-def _use_disk_cache() -> None:
-    """Inductor's kernels and FX graphs under the ssd-chat cache dir (unless the user chose a dir)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    # inductor writes its default into the environment when it first looks: that one is not a choice
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
-    # several models x row shapes x cache reallocations recompile the same code object
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)

@@ -46,6 +46,10 @@ class Forwards:
         self._runners: dict[tuple[str, str], kv.Runner | kv.CoreRunner] = {}  # (role, compile) -> the last runner made
         self._said: set[str] = set()
         self._pending: list[str] = []
+        self._last: dict[str, kv.Runner | kv.CoreRunner] = {}  # role -> the runner of its last reply
+        # () -> (make, recipe): how a background compile process rebuilds this model (``auto`` on CPU,
+        # :mod:`background`); None: shapes compile before their first use, as under ``on``
+        self.source: Any = None
 
     def say(self, text: str) -> None:
         if text not in self._said:
@@ -77,7 +81,9 @@ class Forwards:
             if core is None:
                 core = self._cores[key] = Core(model, self.title or role, compile=compile, rows=key[3], mid_layer=mid_layer,
                                                notify=self.say, progress=self.say)
+                core.compiler.source = self.source
             core.reset()
+            core.compiler.begin()
             core.latency = simulate.latency(role)
             made = kv.CoreRunner(core)
         else:
@@ -85,7 +91,24 @@ class Forwards:
                 self.say(f"the {role} runs on transformers, not the compact core: {supports(model)[1]}")
             made = kv.Runner(model, device, mid_layer=mid_layer)
         self._runners[role, requested] = made
+        self._last[role] = made
         return made
+
+    def path(self, role: str = "target") -> str | None:
+        """Which path the last reply in ``role`` ran: "compiled" (its graphs) or "eager"; None before any."""
+        r = self._last.get(role)
+        if r is None:
+            return None
+        compiler = getattr(getattr(r, "core", None), "compiler", None)
+        return "compiled" if compiler is not None and compiler.compiled else "eager"
+
+    def status(self) -> str | None:
+        """What a background compile of this model is doing ("compiling ... in the background, 40%"), or None."""
+        for core in self._cores.values():
+            said = core.compiler.status()
+            if said:
+                return said
+        return None
 
     def predict(self, compile: str) -> str:
         """The label a runner will have, before one exists (``auto``: "core auto")."""
@@ -101,7 +124,9 @@ class Forwards:
         return r.label if r is not None else self.predict(_effective(compile, role, self.model))
 
     def close(self) -> None:
-        """Stop the ranks that run the model, if it has any (idempotent)."""
+        """Stop the background compiles and the ranks that run the model, if it has any (idempotent)."""
+        for core in self._cores.values():
+            core.compiler.close()
         if self.sharded is not None:
             self.sharded.close()
 

@@ -229,10 +229,8 @@ class CoreRunner:
 
     @property
     def label(self) -> str:
-        """What forwards this runner: "core compiled" while any row shape runs compiled, else "core eager"."""
-        c = self.core.compiler
-        compiled = c.active
-        return tp_label("core compiled" if compiled else "core eager", getattr(self.core, "world", 1))
+        """What forwards this runner: "core compiled" while its reply runs compiled graphs, else "core eager"."""
+        return tp_label("core compiled" if self.core.compiler.compiled else "core eager", getattr(self.core, "world", 1))
 
     def reset(self) -> None:
         self.core.reset()

@@ -111,6 +111,8 @@ class MetricsPanel(Vertical):
         if i.get("forward"):  # which forward runs the models: the compact core (eager/compiled) or transformers
             fwd = i["forward"] if i.get("draft_forward") in (None, i["forward"]) else f"target {i['forward']}, draft {i['draft_forward']}"
             t.add_row("forward", Text(printable(fwd)))
+        if i.get("compiling"):  # "compiling <model> for 3 rows in the background, 40%": replies run eagerly meanwhile
+            t.add_row("compile", Text(printable(i["compiling"].removeprefix("compiling ")), style="dim"))
         if i.get("sampling") is not None:
             t.add_row("sampling", Text(sampling_line(i["sampling"])))
         elif i.get("temperature") is not None:  # a recording made before the sampling line
