@@ -56,11 +56,61 @@ def test_gpu_check_cpu_smoke_runs_every_step(tmp_path, repo_root):
     assert "exit 0" in (out / "summary.txt").read_text()
     # the real decoders on the same (here tiny) shapes: the speculator process ran, greedy SD/SSD = AR
     eng = json.loads((out / "engine.json").read_text())
-    assert set(eng["modes"]) == {"ar", "sd", "ssd"} and not any("failed" in m for m in eng["modes"].values())
+    assert set(eng["modes"]) == {"ar", "sd", "ssd", "two-device/ssd", "tp2/ar", "tp2/sd", "tp2/ssd"}
+    assert not any("failed" in m for m in eng["modes"].values())
     assert eng["modes"]["sd"]["greedy_equal_ar"] and eng["modes"]["ssd"]["greedy_equal_ar"]
     ssd = eng["modes"]["ssd"]["replies"]
     assert all(r["cache_hit_rate"] > 0 and r["speculator_busy_ms"] > 0 for r in ssd)  # served by the speculator
     assert all(r["tokens_per_round"] > 3 for r in ssd + eng["modes"]["sd"]["replies"])  # models built to agree
+    # the multi-device runs, on pinned cores: the speculator on a device of its own, and TP=2
+    assert set(eng["runs"]) == {"shared", "two-device", "tp2"} and eng["skipped"] == []
+    two = eng["modes"]["two-device/ssd"]
+    assert two["speculator"].startswith("speculator on cpu (cores 1)") and "cores 0" in two["target"]
+    assert two["greedy_equal_ar"] and all(r["cache_hit_rate"] > 0 for r in two["replies"])
+    for mode in ("ar", "sd", "ssd"):
+        tp2 = eng["modes"][f"tp2/{mode}"]
+        assert tp2["target"].startswith("tensor-parallel over 2 ranks"), tp2
+        assert mode == "ar" or tp2["greedy_equal_ar"], tp2
+    assert eng["modes"]["tp2/ssd"]["speculator"].startswith("speculator on cpu (cores 1)")
+
+
+@pytest.mark.parametrize("gpus, runs, skipped", [
+    (0, [], ["no CUDA GPU"]),
+    (1, ["shared"], ["two-device (SSD with the speculator on cuda:1): needs 2 GPUs, this machine has 1",
+                     "tp2 (the target over cuda:0,cuda:1, the speculator on cuda:2): needs 3 GPUs, this machine has 1"]),
+    (2, ["shared", "two-device"], ["needs 3 GPUs, this machine has 2"]),
+    (3, ["shared", "two-device", "tp2"], []),
+    (8, ["shared", "two-device", "tp2"], []),
+])
+def test_the_engine_check_plans_the_runs_the_gpus_allow(gpus, runs, skipped):
+    """The paper's setup (the speculator on a GPU of its own) with 2 GPUs, TP=2 with 3; on one GPU the
+    check says what it skipped and why.  Every planned placement is one the engine accepts."""
+    from lab.gpucheck_engine import plan_runs
+    from ssd_chat.engine.load.placement import plan_target
+
+    got, why = plan_runs(gpus)
+    assert [r.name for r in got] == runs
+    assert len(why) == len(skipped) and all(w.endswith(s) for w, s in zip(why, skipped)), why
+    by = {r.name: r for r in got}
+    if "shared" in by:
+        assert (by["shared"].target, by["shared"].draft, by["shared"].modes) == ("cuda:0", "cuda:0", ("ar", "sd", "ssd"))
+    if "two-device" in by:  # SSD alone: compared with the shared run's SD and AR on cuda:0
+        assert (by["two-device"].target, by["two-device"].draft, by["two-device"].modes) == ("cuda:0", "cuda:1", ("ssd",))
+    if "tp2" in by:
+        assert (by["tp2"].target, by["tp2"].draft) == ("cuda:0,cuda:1", "cuda:2")
+    for r in got:
+        tp = plan_target(r.target, r.draft, gpus=gpus)
+        assert tp.world == (2 if r.name == "tp2" else 1) and tp.draft_device == r.draft
+
+
+def test_the_cpu_smoke_plans_every_run_on_pinned_cores_or_says_why_not():
+    from lab.gpucheck_engine import plan_runs
+
+    runs, why = plan_runs(0, smoke=True, cores=2)
+    assert [(r.name, r.target, r.draft) for r in runs] == [("shared", "cpu", "cpu"), ("two-device", "cpu:0", "cpu:1"),
+                                                           ("tp2", "cpu:0,cpu:1", "cpu:1")] and why == []
+    runs, why = plan_runs(0, smoke=True, cores=1)
+    assert [r.name for r in runs] == ["shared"] and why == ["two-device and tp2 (CPU smoke): need 2 cores, this process may use 1"]
 
 
 @pytest.mark.slow

@@ -394,19 +394,18 @@ def test_sd_samples_the_exact_target_distribution(small_pair, params):
 
 
 def _bonus_from_p(draft_ids, q, p, gen):
-    """verify() with a deliberate bug: the bonus after a rejection comes from p, not norm(max(0, p - q))."""
+    """outcome.sampled() with a deliberate bug: the bonus after a rejection comes from p, not norm(max(0, p - q))."""
     k = draft_ids.shape[0]
-    n = k
+    n = torch.tensor(0)
     if k:
         rows = torch.arange(k)
         ok = torch.rand(k, generator=gen) * q[rows, draft_ids] <= p[rows, draft_ids]
-        rejected = (~ok).nonzero()
-        n = int(rejected[0, 0]) if rejected.numel() else k
-    return n, int(sample(p[n], gen))
+        n = ok.long().cumprod(0).sum()
+    return n, sample(p[n], gen)
 
 
 def test_the_distribution_test_catches_a_wrong_residual(small_pair, monkeypatch):
-    monkeypatch.setattr(sd, "verify", _bonus_from_p)
+    monkeypatch.setattr(sd.outcome, "sampled", _bonus_from_p)
     result = _distribution(*small_pair, SamplingParams(temperature=1.0))
     assert result.p_value < P_VALUE_MIN, result
 

@@ -1,8 +1,9 @@
 """Speculative decoding (Leviathan et al. 2023; Chen et al. 2023): the baseline SSD must beat.
 
 Each round the draft proposes k tokens autoregressively, the target scores
-``[last, d1..dk]`` in one forward, and :func:`sampling.verify` accepts a prefix and
-samples the bonus token.  The output is distributed exactly as the target's (greedy:
+``[last, d1..dk]`` in one forward, and :func:`outcome.sampled` (:func:`sampling.verify` on the
+device) accepts a prefix and samples the bonus token.  The drafts stay on the device until the
+round's outcome is read, once (:mod:`host`).  The output is distributed exactly as the target's (greedy:
 identical to :class:`ARDecoder`), because p and q go through the same
 temperature / top-k / top-p transform and verify uses the very q the drafts were drawn from.
 
@@ -28,22 +29,29 @@ from ..load.models import LoadedModel
 from ..params import SamplingParams
 from .decoder import Decoder, Noticing, Reply, context_budget, emit_block
 from .penalties import Penalties
-from .sampling import draw_draft, greedy_outcome, logits_to_probs, make_generator, verify
+from . import outcome
+from .outcome import chain_rows
+from .sampling import draw_draft, logits_to_probs, make_generator
 
 
-def plain_choice(params: SamplingParams, gen: torch.Generator, pen: Penalties | None = None) -> Choose:
+def plain_choice(params: Any, gen: torch.Generator, pen: Penalties | None = None, before: tuple[int, ...] = ()) -> Choose:
     """SD's rule for drawing a draft token: q is the draft's distribution under the target's
     penalties / temperature / top-k / top-p (None under greedy: a point mass on the argmax).  The i-th
-    draft token is penalized for the committed tokens plus the i drawn before it this round."""
-    drawn: list[int] = []
+    draft token is penalized for the committed tokens, the uncommitted ``before`` them (SSD's
+    in-process fallback: the bonus) and the i drawn before it this round.  The token stays on the
+    device: the counts of the drawn ones are kept there too, so a draft step reads nothing."""
+    extra: list[torch.Tensor] = []  # [1, V] counts of ``before`` + the tokens drawn so far
 
-    def choose(logits: torch.Tensor, i: int) -> tuple[int, torch.Tensor | None]:
-        del drawn[i:]
-        if pen is not None:
-            logits = pen.rows(logits[None], drawn, i)[0]
-        drawn_t, q = draw_draft(logits, params.temperature, params.top_k, params.top_p, gen)
-        tok = int(drawn_t)  # one device read per draft token
-        drawn.append(tok)
+    def choose(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if pen is not None and pen.active:
+            if i == 0:
+                extra[:] = [torch.zeros(1, logits.shape[-1], dtype=torch.float32, device=logits.device)]
+                if before:
+                    extra[0][0].index_add_(0, torch.tensor(before, device=logits.device), torch.ones(len(before), device=logits.device))
+            logits = pen.with_extra(logits[None], extra[0])[0]
+        tok, q = draw_draft(logits, params.temperature, params.top_k, params.top_p, gen)
+        if extra:
+            extra[0] = extra[0].index_add(1, tok.reshape(1), torch.ones(1, 1, device=logits.device))
         return tok, q
     return choose
 
@@ -90,22 +98,24 @@ class SDDecoder(Decoder):
             k = max(0, min(self.k, builder.remaining - 1))
             num_seq = len(seq)
 
-            # draft: catch up on the tokens it has not seen, then propose k tokens from q
+            # draft: catch up on the tokens it has not seen, then propose k tokens from q (on the device)
             t_draft = time.perf_counter()
-            drafts, qs = draft.propose(seq, k, choose) if k else ([], [])
+            drafted, qs = draft.propose(seq, k, choose) if k else (torch.zeros(0, dtype=torch.long, device=ddev), [])
             draft_s = time.perf_counter() - t_draft
 
-            # verify: one target forward over [last, d1..dk], then accept a prefix and sample the bonus
+            # verify: one target forward over [last, d1..dk], the acceptance test on the device, one read
             t_verify = time.perf_counter()
-            out = target.append([seq[-1], *drafts], hidden=features)  # logits [k+1, V]
+            d = drafted.to(tdev)
+            out = target.append(torch.cat([torch.tensor([seq[-1]], device=tdev), d]), hidden=features)  # logits [k+1, V]
             # row i follows seq + drafts[:i]: penalized for exactly that prefix, as AR would
-            rows = tpen.rows(out.logits, drafts)
-            if params.temperature == 0.0:  # point masses: one argmax decides (sampling.greedy_outcome)
-                num_accepted, bonus = greedy_outcome(rows, drafts)
+            rows = chain_rows(tpen, out.logits, d)
+            if params.temperature == 0.0:  # point masses: one argmax decides
+                n_t, bonus_t = outcome.greedy(rows, d)
             else:
                 p = logits_to_probs(rows, params.temperature, params.top_k, params.top_p)  # [k+1, V]
                 q = torch.stack(qs).to(tdev) if k else p[:0]  # [k, V]
-                num_accepted, bonus = verify(torch.tensor(drafts, dtype=torch.long, device=tdev), q, p, gen)
+                n_t, bonus_t = outcome.sampled(d, q, p, gen)
+            drafts, num_accepted, bonus = outcome.decided(d, n_t, bonus_t)  # the round's one device read
             # roll back: both keep [.., last, d1..dn]
             target.truncate(num_seq + num_accepted)
             draft.rollback(num_seq + num_accepted, out)

@@ -6,15 +6,15 @@ One round, :meth:`SSDDecoder._round` (spec §2.2):
 
 1. take the drafts ``d_1..d_k`` (and the q' they were drawn from) that the speculator served for
    the last outcome ``(k_prev, bonus)``: from its speculation cache (a hit) or a fallback (a miss);
-2. verify ``[bonus, d_1..d_k]`` with one target forward and :func:`sampling.verify`,
+2. verify ``[bonus, d_1..d_k]`` with one target forward and :func:`outcome.sampled` (one read),
    while the speculator predicts this round's outcomes and drafts k tokens for each;
 3. send the outcome at once, so the next round's drafts are served while this round's
    accepted tokens and bonus are committed; repeat.
 
 The output is exact: greedy SSD equals greedy AR token for token, and at temperature > 0
 it is distributed as the target's, because every proposal comes with the distribution it
-was sampled from (Saguaro-reshaped or a point mass) and verification is the one routine
-in :mod:`sampling`.
+was sampled from (Saguaro-reshaped or a point mass) and verification is SD's routine
+(:mod:`outcome`, on the device: one read per round).
 
 The round asks a :mod:`proposers` object for its drafts and does not know which one it has.
 Around it, on the frame every decoder shares (:mod:`decoder`), :meth:`SSDDecoder._prepare`
@@ -62,7 +62,8 @@ from ..speculate.worker import recipe_for
 from .decoder import Decoder, Noticing, Reply, context_budget, emit_block
 from .detok import ReplyBuilder
 from .penalties import Penalties
-from .sampling import greedy_outcome, logits_to_probs, make_generator, sample_next, verify
+from . import outcome
+from .sampling import logits_to_probs, make_generator, sample_next
 
 LOAD_TIMEOUT_S = 180.0  # the speculator's start (imports + loading the draft)
 
@@ -262,13 +263,14 @@ class SSDDecoder(Decoder):
         logits = st.target.append([st.pending, *drafts]).logits  # [k+1, V]
         # row i follows seq + [pending, d_1..d_i]: penalized for exactly that prefix, as AR would
         rows = st.pen.rows(logits, [st.pending, *drafts], 1)
+        d = torch.tensor(drafts, dtype=torch.long, device=rows.device)
         if st.params.temperature == 0.0 and prop.q is None:
-            n, bonus = greedy_outcome(rows, drafts)
+            n_t, bonus_t = outcome.greedy(rows, d)
         else:
             p = logits_to_probs(rows, st.params.temperature, st.params.top_k, st.params.top_p)
-            d = torch.tensor(drafts, dtype=torch.long, device=p.device)
             q = prop.q.to(p.device) if prop.q is not None else F.one_hot(d, p.shape[-1]).float()  # [k, V]; point masses
-            n, bonus = verify(d, q, p, st.gen)
+            n_t, bonus_t = outcome.sampled(d, q, p, st.gen)
+        _, n, bonus = outcome.decided(d[:0], n_t, bonus_t)  # the round's one device read
         st.verify_s = time.perf_counter() - t_verify
 
         # 3. the outcome goes out first: the speculator serves the next round while this one commits

@@ -6,7 +6,8 @@ A drafter keeps the draft model's view of the sequence being decoded and answers
   run by the target, whose output ``target_out`` a feature draft reads;
 * ``propose(seq, k, choose)``: catch up on the tokens of ``seq`` it has not seen, then draft k
   tokens, each drawn by the caller's ``choose(logits, i) -> (token, q row or None)`` (the
-  caller owns the sampling rule and its generator);
+  caller owns the sampling rule and its generator); the token is a tensor that stays on the
+  device and is fed back as one, so drafting never waits for a device read;
 * ``rollback(keep, target_out)``: the target kept ``seq[:keep]``; ``target_out`` is its
   verification forward, whose first rows a feature draft takes as the true features.
 
@@ -27,7 +28,7 @@ from ..model.forward import Forwards
 from ..speculate.plan import pinned
 from .feature import FeatureDraft, is_feature_draft
 
-Choose = Callable[[torch.Tensor, int], tuple[int, torch.Tensor | None]]
+Choose = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]]  # (token, 0-dim on the device; q or None)
 
 
 def vocab_size(model: torch.nn.Module) -> int:
@@ -54,18 +55,19 @@ def fit_vocab(logits: torch.Tensor, size: int | None) -> torch.Tensor:
 
 
 def draft_k(logits: torch.Tensor, k: int, choose: Choose, vocab: int | None,
-            step: Callable[[int], torch.Tensor]) -> tuple[list[int], list[torch.Tensor | None]]:
+            step: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Draw k tokens: ``logits`` are the draft's for the first; ``step(token)`` feeds a drawn token
-    and gives the logits for the next (not called after the last, which the draft never sees)."""
-    tokens: list[int] = []
+    ([1], on the device) and gives the logits for the next (not called after the last, which the
+    draft never sees).  Returns the tokens [k] (long, on the device) and their q rows."""
+    tokens: list[torch.Tensor] = []
     qs: list[torch.Tensor | None] = []
     for i in range(k):
         tok, q = choose(fit_vocab(logits, vocab), i)
-        tokens.append(tok)
+        tokens.append(tok.reshape(1))
         qs.append(q)
         if i < k - 1:
-            logits = step(tok)
-    return tokens, qs
+            logits = step(tokens[-1])
+    return (torch.cat(tokens).long() if tokens else torch.zeros(0, dtype=torch.long, device=logits.device)), qs
 
 
 class ModelDrafter:
@@ -88,10 +90,10 @@ class ModelDrafter:
             with pinned(None, 1 if self.solo else None):
                 self.runner.append(ids, logits="none")
 
-    def propose(self, seq: list[int], k: int, choose: Choose) -> tuple[list[int], list[torch.Tensor | None]]:
+    def propose(self, seq: list[int], k: int, choose: Choose) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         with pinned(None, 1 if self.solo else None):
             logits = self.runner.append(seq[self.runner.length:], logits="last").logits[-1]
-            return draft_k(logits, k, choose, self.vocab, lambda tok: self.runner.append([tok]).logits[-1])
+            return draft_k(logits, k, choose, self.vocab, lambda tok: self.runner.append(tok).logits[-1])
 
     def rollback(self, keep: int, target_out: Any = None) -> None:
         # the draft never saw the last drafted token, so it may hold less than `keep`
@@ -138,7 +140,7 @@ class FeatureDrafter:
             raise RuntimeError(f"feature draft: features for positions {start}..{start + n - 1} are not known")
         return f
 
-    def forward(self, ids: list[int], feats: torch.Tensor | None = None, last_only: bool = False) -> kv.Out:
+    def forward(self, ids: list[int] | torch.Tensor, feats: torch.Tensor | None = None, last_only: bool = False) -> kv.Out:
         """Append ``ids`` fed ``feats`` (default: their true features); logits and the draft's hidden states."""
         f = self._feat_in(self.runner.length, len(ids)) if feats is None else feats
         return self.runner.append(ids, logits="last" if last_only else "all", hidden=True, features=f)
@@ -150,13 +152,13 @@ class FeatureDrafter:
         self.valid = len(seq)
         return out
 
-    def propose(self, seq: list[int], k: int, choose: Choose) -> tuple[list[int], list[torch.Tensor | None]]:
+    def propose(self, seq: list[int], k: int, choose: Choose) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         out = self.catch_up(seq)
         hidden = out.hidden[-1:]
 
-        def step(tok: int) -> torch.Tensor:  # a drafted position's feature is the draft's own hidden state
+        def step(tok: torch.Tensor) -> torch.Tensor:  # a drafted position's feature is the draft's own hidden state
             nonlocal hidden
-            nxt = self.forward([tok], feats=hidden)
+            nxt = self.forward(tok, feats=hidden)
             hidden = nxt.hidden[-1:]
             return nxt.logits[-1]
 

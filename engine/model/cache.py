@@ -103,13 +103,14 @@ class StaticKV:
     def adopt(self, keep: int, src: torch.Tensor | list[int]) -> None:
         """Make slots ``src`` (e.g. an SSD branch in the scratch region) the committed slots
         ``[keep, keep + len(src))``, one gather per K/V tensor; length becomes keep + len(src)."""
-        idx = torch.as_tensor(src, dtype=torch.long, device=self.device)
-        n = int(idx.numel())
+        n = len(src)
         if keep < 0 or keep > self.length or keep + n > self.capacity:
             raise ValueError(f"cannot adopt {n} slots at {keep} (length {self.length}, capacity {self.capacity})")
         if n:
-            if int(idx.min()) < 0 or int(idx.max()) >= self.capacity:
+            lo, hi = (min(src), max(src)) if isinstance(src, list) else (int(src.min()), int(src.max()))  # a list: no device read
+            if lo < 0 or hi >= self.capacity:
                 raise ValueError(f"adopt: source slots must lie in [0, {self.capacity})")
+            idx = torch.as_tensor(src, dtype=torch.long, device=self.device)
             for t in self.k + self.v:
                 t[:, keep:keep + n] = t.index_select(1, idx)
         self.length = keep + n

@@ -28,7 +28,9 @@ import torch
 
 from .. import workers
 from ..decode.penalties import Penalties
-from ..decode.sampling import draw_draft, make_generator
+from ..decode.host import read
+from ..decode.sampling import make_generator
+from ..decode.sd import plain_choice
 from ..drafts.drafter import ModelDrafter
 from ..model.forward import Forwards
 from ..errors import SpeculatorError
@@ -174,22 +176,12 @@ class LocalProposer:
             self.ctx += [self.pending, *self.last[:k_prev]]  # type: ignore[list-item]
             self.pen.add([self.pending, *self.last[:k_prev]])  # type: ignore[list-item]
         self.pending = bonus
-        self._drawn = [bonus]  # this round's uncommitted tokens, for the penalties
         self.drafter.rollback(len(self.ctx))
-        tokens, qs = self.drafter.propose(self.ctx + [bonus], self.k, self._choose)
-        self.last = tuple(tokens)
+        drafted, qs = self.drafter.propose(self.ctx + [bonus], self.k, plain_choice(self.settings, self.gen, self.pen, (bonus,)))
+        self.last = tuple(read(drafted, "local drafts"))  # the round's drafts, read once
         q = None if qs[0] is None else torch.stack(qs)  # type: ignore[arg-type]
         draft_s = time.perf_counter() - t0
         return Proposal(self.last, q, draft_s, draft_s)
-
-    def _choose(self, logits: torch.Tensor, i: int) -> tuple[int, torch.Tensor | None]:
-        s = self.settings
-        del self._drawn[1 + i:]
-        logits = self.pen.rows(logits[None], self._drawn, 1 + i)[0]
-        drawn_t, q = draw_draft(logits, s.temperature, s.top_k, s.top_p, self.gen)
-        tok = int(drawn_t)  # one device read per draft token
-        self._drawn.append(tok)
-        return tok, q
 
 
 class NoProposer:

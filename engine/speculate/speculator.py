@@ -39,16 +39,16 @@ from typing import Callable
 
 import torch
 
+from ..decode.host import read
 from ..decode.penalties import Penalties
 from ..decode.sampling import draw_draft, make_generator
 from ..drafts.drafter import fit_vocab
 from ..model.forward import Forwards
 from .channel import Reply, Settings
 from .fanout import FanOut
+from .ngram import NGRAM_WINDOW, common_prefix as _common_prefix, ngram_next as _ngram_next
 
 Entry = tuple[tuple[int, ...], torch.Tensor | None]  # (k tokens, q' rows [k, V] or None for point masses)
-NGRAM_MAX = 3
-NGRAM_WINDOW = 1024
 
 
 @dataclass
@@ -103,7 +103,7 @@ class Speculator:
         self.spec_hit = False
         self.spec_fallback: str | None = None
         self.tree: dict[tuple[int, int], Entry] = {}
-        self.building: frozenset[tuple[int, int]] = frozenset()  # the outcomes the tree being built answers
+        self._cands: tuple[list[int], torch.Tensor | None, list[int] | None] = ([], None, [])  # the tree's js, candidates, read
         self.predicted: tuple[tuple[int, tuple[int, ...]], ...] = ()
         self.build_s = 0.0
         self._glue_logits: list[torch.Tensor] | None = None  # g_0..g_{k-1} left by a neural fallback or a hit
@@ -194,25 +194,32 @@ class Speculator:
         return "neural" if rate_n >= rate_f else "fast"
 
     def _neural(self) -> Entry:
-        """k draft steps from ``ctx + [pending]`` (what SD does; spec §2.6 JIT backup)."""
+        """k draft steps from ``ctx + [pending]`` (what SD does; spec §2.6 JIT backup): each drawn token
+        is fed back on the device, and the k tokens are read once, at the end."""
         hit_list, miss_list = self._lists()
         ids = self.ctx + [self.pending]  # type: ignore[list-item]
         g = [self._extend(ids, logits_from=len(ids) - 1)[-1]]
-        tokens: list[int] = []
+        drawn: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
+        extra: torch.Tensor | None = None  # [1, V] the uncommitted tokens each step is penalized for
+        if self.pen.active:
+            extra = self.pen.extra_for([[self.pending]], g[0])  # type: ignore[list-item]
+        t0 = time.perf_counter()
         for i in range(self.k):
-            logits = self.pen.rows(g[-1][None], [self.pending, *tokens], 1 + i)  # type: ignore[list-item]
-            drawn, q = self._draw(logits, miss_list[i] if miss_list else 0)  # [1], [1, V]
-            tok = int(drawn[0])
-            tokens.append(tok)
+            logits = g[-1][None] if extra is None else self.pen.with_extra(g[-1][None], extra)
+            x, q = self._draw(logits, miss_list[i] if miss_list else 0)  # [1], [1, V]
+            drawn.append(x)
+            if extra is not None:
+                extra = extra.index_add(1, x, torch.ones(1, 1, device=extra.device))
             if q is not None:
                 qs.append(q[0])
             if i < self.k - 1:
-                t0 = time.perf_counter()
-                g.append(self._forward([tok])[-1])
-                self.step_times.append(time.perf_counter() - t0)
+                g.append(fit_vocab(self.runner.append(x).logits, self.vocab)[-1])
+        tokens = tuple(read(torch.cat(drawn), "neural drafts"))  # the request's one read
+        self.step_times.append((time.perf_counter() - t0) / self.k)  # a step and its draw, synced by the read
+        self.kv_ids.extend(tokens[:-1])
         self._glue_logits = g  # valid while kv_ids == ctx + [pending] + tokens[:-1]
-        return tuple(tokens), (torch.stack(qs) if qs else None)
+        return tokens, (torch.stack(qs) if qs else None)
 
     def _fast(self) -> Entry:
         """k tokens by n-gram lookup in the context (prompt lookup decoding): no draft forward.
@@ -247,28 +254,45 @@ class Speculator:
         rows = self.pen.rows(g.float(), [self.pending, *spec], 1).clone()  # type: ignore[list-item]  # row j: after [bonus, d_1..d_j]
         V = rows.shape[-1]
         rows[torch.arange(k), torch.tensor(spec, device=rows.device)] = float("-inf")
-        top = torch.topk(rows, min(max(fan), V)).indices.tolist()  # one top-F over every row, sliced per j
-        predicted = [(j, tuple(top[j][: min(fan[j], V - (j < k))])) for j in range(k + 1) if fan[j] > 0]
-        branches = [(j, c) for j, cs in predicted for c in cs]
-        self.building = frozenset(branches)
+        top = torch.topk(rows, min(max(fan), V)).indices  # [k+1, F]: one top-F over every row, sliced per j
+        # how many candidates each j gets is known here; which tokens they are stays on the device
+        per_j = [(j, min(fan[j], V - (j < k))) for j in range(k + 1) if fan[j] > 0]
+        js = [j for j, f in per_j for _ in range(f)]
+        cols = [i for _, f in per_j for i in range(f)]
+        cands = top[torch.tensor(js, dtype=torch.long, device=top.device), torch.tensor(cols, dtype=torch.long, device=top.device)]
+        self._cands = (js, cands, None)
+        drafted = self._tree(L, js, cands, hit_list, abort) if js else None
         tree: dict[tuple[int, int], Entry] = {}
-        if branches:
-            drafted = self._tree(L, [j for j, _ in branches], [c for _, c in branches], hit_list, abort)
-            if drafted is not None:
-                toks, qs = drafted
-                for b, (key, row) in enumerate(zip(branches, toks.tolist())):
-                    tree[key] = (tuple(row), None if qs is None else qs[b])
-        self.tree, self.predicted = tree, tuple(predicted)
+        if drafted is not None:  # the tree's one read: every branch's candidate and its k tokens
+            toks, qs = drafted
+            got = read(torch.cat([cands[:, None], toks], dim=1), "tree")
+            self._cands = (js, cands, [r[0] for r in got])
+            tree = {(j, r[0]): (tuple(r[1:]), None if qs is None else qs[b]) for b, (j, r) in enumerate(zip(js, got))}
+            self._scratch.index = {key: b for b, key in enumerate(tree)}  # type: ignore[union-attr]
+        self.tree, self.predicted = tree, _predicted(self._branches())
         self.build_s = time.perf_counter() - t0
         if self.fallback == "auto":  # what the fast backup would have proposed this round
             self.fb_stats.proposal = self._fast()[0]
 
-    def _tree(self, L: int, js: list[int], cands: list[int], hit_list: list[int], abort: Callable[[], bool]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Draft k tokens for B branches at once; branch b is ``ctx + [bonus, d_1..d_{j_b}, c_b]``.
+    @property
+    def building(self) -> frozenset[tuple[int, int]]:
+        """The outcomes the tree being built answers: read (once) only when a request arrives mid-tree."""
+        return frozenset(self._branches())
+
+    def _branches(self) -> list[tuple[int, int]]:
+        js, cands, got = self._cands
+        if got is None and js:
+            got = read(cands, "tree candidates")
+            self._cands = (js, cands, got)
+        return list(zip(js, got or []))
+
+    def _tree(self, L: int, js: list[int], cands: torch.Tensor, hit_list: list[int], abort: Callable[[], bool]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Draft k tokens for B branches at once; branch b is ``ctx + [bonus, d_1..d_{j_b}, c_b]``
+        (``cands`` [B] on the device: nothing here reads it back).
         Returns tokens [B, k] and q' [B, k, V] (None under greedy), or None if aborted."""
         k, dev, B = self.k, self.device, len(js)
         base = self.runner.length  # L + k + 1: prefix + glue
-        x = torch.tensor(cands, device=dev)
+        x = cands.to(dev)
         # the tree's whole visibility, one bool matrix kept across the depths (built once, on the device;
         # each depth adds one slot per row): the prefix, the glue up to the row's own accepted length,
         # L..L+j_b, then the branch's tree rows so far
@@ -279,7 +303,7 @@ class Speculator:
         qs: list[torch.Tensor] = []
         depth_logits: list[torch.Tensor] = []
         # each branch is penalized for its own prefix: [bonus, d_1..d_j, c] and its tree tokens so far
-        prefixes = [[self.pending, *self.spec[:j], c] for j, c in zip(js, cands)]  # type: ignore[index]
+        prefixes = [[self.pending, *self.spec[:j]] for j in js]  # type: ignore[index]  # + c_b, added on the device
         extra: torch.Tensor | None = None
         for d in range(k):
             if abort():
@@ -290,7 +314,9 @@ class Speculator:
             logits = fit_vocab(self.runner.step(x, positions, list(range(lo, lo + B)), mask[:, : lo + B]).logits, self.vocab)  # [B, V]
             depth_logits.append(logits)
             if self.pen.active:
-                extra = self.pen.extra_for(prefixes, logits) if extra is None else extra
+                if extra is None:
+                    extra = self.pen.extra_for(prefixes, logits)
+                    extra.scatter_add_(1, x[:, None], torch.ones(B, 1, device=extra.device))
                 logits = self.pen.with_extra(logits, extra)
             x, q = self._draw(logits, hit_list[d] if hit_list else 0)
             if extra is not None:
@@ -299,7 +325,7 @@ class Speculator:
             if q is not None:
                 qs.append(q)
         # keep the scratch region: on a hit the winning branch's KV and logits replace the glue forward
-        self._scratch = _Scratch(base, B, {(j, c): b for b, (j, c) in enumerate(zip(js, cands))}, depth_logits)
+        self._scratch = _Scratch(base, B, {}, depth_logits)  # its index once the candidates are read
         return toks, (torch.stack(qs, dim=1) if qs else None)
 
     def _settle(self) -> None:
@@ -359,20 +385,9 @@ class Speculator:
         return self._forward(ids[n:])[logits_from - n:]
 
 
-def _common_prefix(a: tuple[int, ...] | list[int], b: list[int]) -> int:
-    n = 0
-    while n < len(a) and n < len(b) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def _ngram_next(hist: list[int]) -> int:
-    """The token that followed the most recent earlier occurrence of the longest suffix
-    (n <= NGRAM_MAX) of ``hist``; the last token when nothing matches."""
-    h = len(hist)
-    for n in range(min(NGRAM_MAX, h - 1), 0, -1):
-        suffix = hist[h - n:]
-        for i in range(h - n - 1, -1, -1):
-            if hist[i:i + n] == suffix:
-                return hist[i + n]
-    return hist[-1]
+def _predicted(branches: list[tuple[int, int]]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The branches (j, candidate), in order, grouped per j: ((j, candidates), ...)."""
+    out: dict[int, list[int]] = {}
+    for j, c in branches:
+        out.setdefault(j, []).append(c)
+    return tuple((j, tuple(cs)) for j, cs in out.items())

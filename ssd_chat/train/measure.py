@@ -17,8 +17,8 @@ from ..engine.load.models import LoadedModel
 from .prompts import prompt_ids
 
 
-def _greedy(logits: torch.Tensor, i: int) -> tuple[int, None]:
-    return int(logits.argmax()), None
+def _greedy(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, None]:
+    return logits.argmax(), None
 
 
 @torch.inference_mode()
@@ -44,7 +44,7 @@ def measure(target: LoadedModel, draft: LoadedModel, prompts: list[str] | list[l
             a = time.perf_counter()
             out = t.append(seq[-1:], hidden=features)  # the target's next token after seq
             b = time.perf_counter()
-            guess = d.propose(seq, 1, _greedy)[0][0]  # the draft's, from what it has seen of seq
+            guess = int(d.propose(seq, 1, _greedy)[0][0])  # the draft's, from what it has seen of seq
             c = time.perf_counter()
             d.rollback(len(seq), out)
             t_target, t_draft, steps = t_target + b - a, t_draft + c - b, steps + 1
