@@ -15,7 +15,7 @@ from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.events import Done, Notice, Round
 from ssd_chat.engine.params import SamplingParams
-from ssd_chat.engine.decode.penalties import Penalties, chain_counts
+from ssd_chat.engine.decode.penalties import Penalties
 from ssd_chat.engine.decode.sampling import apply_penalties
 from ssd_chat.engine.decode.sd import SDDecoder
 from ssd_chat.engine.decode.ssd import SSDDecoder
@@ -48,9 +48,8 @@ def test_rows_penalize_each_row_for_its_own_prefix():
     logits = torch.randn(3, 8)
     got = pen.rows(logits, chain, start=1)
     for r in range(3):
-        ref = Penalties(1.3, 0.7, 0.2, prompt, reply + chain[: 1 + r]).with_extra(logits[r], None)
+        ref = Penalties(1.3, 0.7, 0.2, prompt, reply + chain[: 1 + r]).apply(logits[r])
         assert torch.equal(got[r], ref), r
-    assert chain_counts([2, 2, 7], 4, torch.device("cpu")).tolist() == [[0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 2, 0]]
     assert Penalties().rows(logits, chain) is logits  # off: untouched (greedy stays bit-identical)
 
 
@@ -134,7 +133,7 @@ def test_speculator_tree_branches_are_penalized_for_their_own_prefix(pair):
         for _ in range(k):
             logits = draft.model(input_ids=torch.tensor([seq])).logits[0, -1]
             pen = Penalties(1.4, 0.6, 0.4, prompt, seq[len(prompt):])
-            t = int(pen.with_extra(logits, None).argmax())
+            t = int(pen.apply(logits).argmax())
             want.append(t)
             seq.append(t)
         assert list(toks) == want, (j, c)

@@ -280,7 +280,6 @@ class Speculator:
         depth_logits: list[torch.Tensor] = []
         # each branch is penalized for its own prefix: [bonus, d_1..d_j, c] and its tree tokens so far
         prefixes = [[self.pending, *self.spec[:j], c] for j, c in zip(js, cands)]  # type: ignore[index]
-        extra: torch.Tensor | None = None
         for d in range(k):
             if abort():
                 return None
@@ -289,12 +288,8 @@ class Speculator:
             positions = [L + 1 + d + j for j in js]  # RoPE positions of the hypothesised sequences
             logits = fit_vocab(self.runner.step(x, positions, list(range(lo, lo + B)), mask[:, : lo + B]).logits, self.vocab)  # [B, V]
             depth_logits.append(logits)
-            if self.pen.active:
-                extra = self.pen.extra_for(prefixes, logits) if extra is None else extra
-                logits = self.pen.with_extra(logits, extra)
+            logits = self.pen.apply(logits, prefixes, toks[:, :d])
             x, q = self._draw(logits, hit_list[d] if hit_list else 0)
-            if extra is not None:
-                extra.scatter_add_(1, x[:, None], torch.ones(B, 1, device=extra.device))
             toks[:, d] = x
             if q is not None:
                 qs.append(q)
