@@ -97,10 +97,12 @@ def test_the_fast_sampler_gives_the_reference_distribution():
 def _temperature_tie(t: float) -> tuple[float, float]:
     """Two float32 logits a > b with a / t == b / t in float32."""
     a = torch.tensor(3.0)
-    b = torch.nextafter(a, torch.tensor(0.0))
-    while not bool(a / t == b / t):
+    for _ in range(1000):  # neighbours collide where the quotient's spacing is coarser than the logits'
+        b = torch.nextafter(a, torch.tensor(0.0))
+        if bool(a / t == b / t):
+            return float(a), float(b)
         a = torch.nextafter(a, torch.tensor(9.0))
-    return float(a), float(b)
+    raise AssertionError("no pair found")
 
 
 def test_ties_at_the_kth_place_keep_every_tied_token():
