@@ -4,7 +4,8 @@ Two halves:
 
 * :func:`exact_distribution` enumerates every possible start of a reply on a tiny,
   small-vocabulary target and returns the exact probability of each, under the same
-  temperature / top-k / top-p transform the decoders use (``sampling.logits_to_probs``).
+  temperature / top-k / top-p transform written out plainly (:mod:`reference_sampling`), not the
+  engine's code.
 * :func:`sample_outcomes` runs a decoder many times with seeds ``seed0, seed0+1, ...``
   and counts the replies it produced; :func:`compare` turns counts plus the exact
   distribution into a chi-square p-value and the total-variation distance.
@@ -32,7 +33,7 @@ import torch
 from ssd_chat.engine.events import Done, Error, Event
 from ssd_chat.engine.load.models import LoadedModel
 from ssd_chat.engine.params import SamplingParams
-from ssd_chat.engine.decode.sampling import logits_to_probs
+from reference_sampling import probs as reference_probs
 
 Outcome = tuple[int, ...]
 StreamFn = Callable[[list[int], SamplingParams], Iterable[Event]]
@@ -54,7 +55,7 @@ def exact_distribution(target: LoadedModel, prompt_ids: list[int], n: int, param
         ids = torch.tensor([list(prompt_ids) + list(pre) for pre in prefixes], device=dev)  # [B, L + depth]
         logits = model(input_ids=ids).logits[:, -1].double()  # [B, V]
         logits = torch.stack([_penalized(row, prompt_ids, pre, params) for row, pre in zip(logits, prefixes)])
-        probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p).double()  # [B, V]
+        probs = torch.stack([reference_probs(row, params.temperature, params.top_k, params.top_p)[0] for row in logits])  # [B, V]
         nxt: dict[Outcome, float] = {}
         for pre, row in zip(prefixes, probs):
             for tok in row.nonzero().flatten().tolist():

@@ -76,13 +76,36 @@ def per_round(stream, raw: Raw) -> list[tuple[Counter, int]]:
     return out[1:]
 
 
+def split(c: Counter) -> tuple[Counter, int]:
+    """(the device reads by purpose, the count of :func:`host.on_host` reads of CPU tensors)."""
+    return Counter({k: v for k, v in c.items() if not k.startswith("cpu: ")}), sum(v for k, v in c.items() if k.startswith("cpu: "))
+
+
 @pytest.mark.parametrize("params", SAMPLINGS, ids=["greedy", "sampled", "penalized"])
 def test_an_sd_round_reads_the_device_once(pair, raw, params):
     """The draft loop keeps its tokens on the device, the acceptance test runs there, and the round
-    reads the drafts, the accepted length and the bonus in one go."""
+    reads the drafts, the accepted length and the bonus in one go.  On the CPU the top-k sampler also
+    reads its tie check (a CPU tensor: no sync); nothing else is read."""
     dec = SDDecoder(Engine(EngineConfig(mode="sd", k=4), *pair))
     for helper, total in per_round(dec.stream(PROMPT, SamplingParams(max_new_tokens=40, **params)), raw):
+        device, on_cpu = split(helper)
+        assert device == Counter(round=1) and total == 1 + on_cpu, (helper, total)
+        assert on_cpu == 0 or set(helper) == {"round", "cpu: tie check"}
+
+
+def test_an_sd_round_on_the_dense_sampler_reads_once_in_all(pair, raw, monkeypatch):
+    """Off the CPU the sampler takes the dense path (no tie check): the round's one read is all."""
+    from ssd_chat.engine.decode import sampling
+
+    monkeypatch.setattr(sampling, "top_support", lambda *a, **kw: None)
+    dec = SDDecoder(Engine(EngineConfig(mode="sd", k=4), *pair))
+    for helper, total in per_round(dec.stream(PROMPT, SamplingParams(max_new_tokens=40, **SAMPLINGS[2])), raw):
         assert helper == Counter(round=1) and total == 1, (helper, total)
+
+
+def test_on_host_refuses_a_tensor_off_the_cpu():
+    with pytest.raises(ValueError, match="use read"):
+        host.on_host(torch.zeros(1, device="meta"), "x")
 
 
 def test_an_ssd_round_reads_the_device_once(pair, raw):
@@ -111,11 +134,13 @@ def test_the_speculator_reads_once_per_request_and_once_per_tree(pair, raw, para
         with host.counting() as c:
             raw.n = 0
             reply, _ = sp.serve(req, k_prev, bonus)
-            assert raw.n == sum(c.values()) <= 1 and c["neural drafts"] == (not reply.hit), (reply, c, raw.n)
+            device, _ = split(c)
+            assert raw.n == sum(c.values()) and sum(device.values()) <= 1 and c["neural drafts"] == (not reply.hit), (reply, c, raw.n)
         with host.counting() as c:
             raw.n = 0
             sp.build()
-            assert raw.n == 1 and c == Counter(tree=1), (c, raw.n)
+            device, on_cpu = split(c)
+            assert raw.n == 1 + on_cpu and device == Counter(tree=1), (c, raw.n)
         seen["hit" if reply.hit else "miss"] += 1
         # the next request: a hit on an even turn (a branch of the tree), a miss on an odd one
         hit = req % 2 == 0

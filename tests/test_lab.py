@@ -23,7 +23,7 @@ def lab(repo_root, *args: str, env: dict[str, str] | None = None, timeout: float
                           env={**os.environ, **(env or {})})
 
 
-@pytest.mark.parametrize("script", ["cpu_perf", "core_bench", "tp_bench", "gpucheck", "gpucheck_engine", "quant_bench"])
+@pytest.mark.parametrize("script", ["cpu_perf", "core_bench", "tp_bench", "gpucheck", "gpucheck_engine", "quant_bench", "sampling_cost"])
 def test_each_script_runs_from_the_repository_root(repo_root, script):
     """Its imports resolve (the product as ``ssd_chat``, its lab siblings relatively) and its usage names the command."""
     r = lab(repo_root, f"lab.{script}", "--help", timeout=120)

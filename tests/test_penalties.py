@@ -15,7 +15,7 @@ from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.events import Done, Notice, Round
 from ssd_chat.engine.params import SamplingParams
-from ssd_chat.engine.decode.penalties import Penalties, chain_counts
+from ssd_chat.engine.decode.penalties import Penalties
 from ssd_chat.engine.decode.sampling import apply_penalties
 from ssd_chat.engine.decode.sd import SDDecoder
 from ssd_chat.engine.decode.ssd import SSDDecoder
@@ -48,9 +48,8 @@ def test_rows_penalize_each_row_for_its_own_prefix():
     logits = torch.randn(3, 8)
     got = pen.rows(logits, chain, start=1)
     for r in range(3):
-        ref = Penalties(1.3, 0.7, 0.2, prompt, reply + chain[: 1 + r]).with_extra(logits[r], None)
+        ref = Penalties(1.3, 0.7, 0.2, prompt, reply + chain[: 1 + r]).apply(logits[r])
         assert torch.equal(got[r], ref), r
-    assert chain_counts([2, 2, 7], 4, torch.device("cpu")).tolist() == [[0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 2, 0]]
     assert Penalties().rows(logits, chain) is logits  # off: untouched (greedy stays bit-identical)
 
 
@@ -134,7 +133,7 @@ def test_speculator_tree_branches_are_penalized_for_their_own_prefix(pair):
         for _ in range(k):
             logits = draft.model(input_ids=torch.tensor([seq])).logits[0, -1]
             pen = Penalties(1.4, 0.6, 0.4, prompt, seq[len(prompt):])
-            t = int(pen.with_extra(logits, None).argmax())
+            t = int(pen.apply(logits).argmax())
             want.append(t)
             seq.append(t)
         assert list(toks) == want, (j, c)
@@ -224,9 +223,27 @@ def _off_by_one(self, logits, chain=(), start=0):
     return REAL_ROWS(self, logits, list(chain) + [0], start + 1)
 
 
-@pytest.mark.parametrize("bug", [_same_prefix, _off_by_one], ids=["same-prefix", "off-by-one"])
-def test_sd_distribution_test_catches_rows_penalized_for_the_wrong_prefix(small_pair, monkeypatch, bug):
+def _chain_same_prefix(pen, logits, chain):
+    """The same bug on SD's device-side rows (engine/decode/outcome.py ``chain_rows``)."""
+    return pen.apply(logits) if pen.active else logits
+
+
+def _chain_off_by_one(pen, logits, chain):
+    if not pen.active:
+        return logits
+    k = chain.shape[0]
+    toks = torch.cat([chain.long(), chain.new_zeros(1).long()])[None].expand(k + 1, k + 1)
+    valid = torch.arange(k + 1)[None] <= torch.arange(k + 1)[:, None]  # row r counts chain[:r + 1]
+    return pen.apply(logits, None, toks, valid)
+
+
+@pytest.mark.parametrize("bug,chain_bug", [(_same_prefix, _chain_same_prefix), (_off_by_one, _chain_off_by_one)],
+                         ids=["same-prefix", "off-by-one"])
+def test_sd_distribution_test_catches_rows_penalized_for_the_wrong_prefix(small_pair, monkeypatch, bug, chain_bug):
+    from ssd_chat.engine.decode import sd as sd_mod
+
     monkeypatch.setattr(Penalties, "rows", bug)
+    monkeypatch.setattr(sd_mod, "chain_rows", chain_bug)  # SD's verify penalizes its rows on the device
     res = decoder_distribution_test(_sd(*small_pair).stream, small_pair[0], SPROMPT, SamplingParams(**STRONG), n=3, num_samples=1200)
     assert res.p_value < P_MIN, res
 

@@ -37,7 +37,7 @@ class ARDecoder(Decoder):
         r.metrics.prefill_s = time.perf_counter() - r.t0
         while (yield from r.go_on()):
             # sample one token, then feed it back
-            tok = sample_next(pen.with_extra(logits, None), params.temperature, params.top_k, params.top_p, gen)
+            tok = sample_next(pen.apply(logits), params.temperature, params.top_k, params.top_p, gen)
             pen.add([tok])
             delta = builder.push(tok)
             if builder.reason != "eos":

@@ -53,7 +53,7 @@ def chain_rows(pen: Penalties, logits: Tensor, chain: Tensor) -> Tensor:
     for the committed tokens + ``chain[:r]`` (chain [k], tokens below V)."""
     if not pen.active:
         return logits
-    v = logits.shape[-1]
-    onehot = torch.zeros(chain.shape[0], v, dtype=torch.float32, device=logits.device)
-    onehot.scatter_(1, chain.to(logits.device)[:, None], 1.0)
-    return pen.with_extra(logits, torch.cat([onehot.new_zeros(1, v), onehot.cumsum(0)]))
+    k = chain.shape[0]
+    toks = chain.to(logits.device, torch.long)[None].expand(k + 1, k)
+    valid = torch.arange(k, device=logits.device)[None] < torch.arange(k + 1, device=logits.device)[:, None]
+    return pen.apply(logits, None, toks, valid)

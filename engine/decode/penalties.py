@@ -1,13 +1,13 @@
 """One reply's token history as the penalties read it (repetition / frequency / presence).
 
-:class:`Penalties` keeps two tensors per reply, updated incrementally as tokens are committed:
-``prompt_seen`` [V] (which tokens the prompt holds) and ``counts`` [V] (how often each token
-occurs in the reply).  A speculative round needs logits penalized for *several* prefixes at once:
-row i of the target's k+1 verification rows follows ``committed + chain[:i]``, a tree branch its
-own hypothesised prefix.  :meth:`rows` and :meth:`with_extra` add those per-row tokens on top of
-the committed counts, so every row is penalized exactly as AR would penalize it at that prefix.
-The verifier's rows must be exact (they are the target distribution); the draft's rows only
-change the acceptance rate.
+:class:`Penalties` keeps, per reply, which tokens occur (``seen`` [V]: prompt or reply), how often each
+occurs in the reply (``counts`` [V]) and the distinct ids seen so far (``ids``), all updated as tokens
+are committed, so a step touches only those ids: a gather, the formulas, a scatter, never a pass
+over the vocabulary or the history.  A speculative round needs logits penalized for *several*
+prefixes at once: row i of the target's k+1 verification rows follows ``committed + chain[:i]``, a
+tree branch its own hypothesised prefix.  :meth:`apply` takes each row's uncommitted tokens and
+penalizes the row exactly as AR would at that prefix.  The verifier's rows must be exact (they are
+the target distribution); the draft's rows only change the acceptance rate.
 """
 
 from __future__ import annotations
@@ -31,8 +31,11 @@ class Penalties:
         self.active = repetition != 1.0 or frequency != 0.0 or presence != 0.0
         self._prompt = list(prompt)
         self._reply = list(reply)  # committed before the tensors exist
-        self.prompt_seen: Tensor | None = None
-        self.counts: Tensor | None = None
+        self.seen: Tensor | None = None  # [V] bool: in the prompt or the reply
+        self.counts: Tensor | None = None  # [V] float32: occurrences in the reply
+        self._ids: Tensor | None = None  # the distinct seen ids, in order of appearance: _ids[:_n]
+        self._n = 0
+        self._known: set[int] = set()
 
     @classmethod
     def of(cls, params, prompt: Sequence[int] = (), reply: Sequence[int] = ()) -> "Penalties":
@@ -40,17 +43,35 @@ class Penalties:
         return cls(params.repetition_penalty, params.frequency_penalty, params.presence_penalty, prompt, reply)
 
     @torch.inference_mode()  # one mode for the counts, whichever mode the caller is in (the speculator's build is in it)
-    def _tensors(self, like: Tensor) -> tuple[Tensor, Tensor]:
+    def _tensors(self, like: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if self.counts is None:
             v, dev = like.shape[-1], like.device
-            self.prompt_seen = torch.zeros(v, dtype=torch.bool, device=dev)
-            ids = torch.tensor([t for t in self._prompt if 0 <= t < v], dtype=torch.long, device=dev)
-            self.prompt_seen[ids] = True
+            self.seen = torch.zeros(v, dtype=torch.bool, device=dev)
             self.counts = torch.zeros(v, dtype=torch.float32, device=dev)
+            self._ids = torch.empty(64, dtype=torch.long, device=dev)
+            self._see(self._prompt)
             self._prompt = []
             self.add(self._reply)
-        assert self.prompt_seen is not None
-        return self.prompt_seen, self.counts
+        assert self.seen is not None and self._ids is not None
+        return self.seen, self.counts, self._ids[: self._n]
+
+    def _see(self, tokens: Sequence[int]) -> list[int]:
+        """Mark ``tokens`` seen; returns those in the vocabulary."""
+        assert self.seen is not None and self._ids is not None
+        v = self.seen.shape[0]
+        valid = [t for t in tokens if 0 <= t < v]
+        new = [t for t in dict.fromkeys(valid) if t not in self._known]
+        if new:
+            self._known.update(new)
+            if self._n + len(new) > self._ids.shape[0]:
+                grown = torch.empty(2 * (self._n + len(new)), dtype=torch.long, device=self._ids.device)
+                grown[: self._n] = self._ids[: self._n]
+                self._ids = grown
+            fresh = torch.tensor(new, dtype=torch.long, device=self.seen.device)
+            self._ids[self._n: self._n + len(new)] = fresh
+            self._n += len(new)
+            self.seen[fresh] = True
+        return valid
 
     @torch.inference_mode()
     def add(self, tokens: Sequence[int]) -> None:
@@ -60,44 +81,58 @@ class Penalties:
         if self.counts is None:
             self._reply.extend(tokens)
             return
-        v = self.counts.shape[0]
-        ids = torch.tensor([t for t in tokens if 0 <= t < v], dtype=torch.long, device=self.counts.device)
-        self.counts.index_add_(0, ids, torch.ones(ids.shape[0], device=self.counts.device))
+        valid = self._see(tokens)
+        if valid:
+            ids = torch.tensor(valid, dtype=torch.long, device=self.counts.device)
+            self.counts.index_add_(0, ids, torch.ones(len(valid), device=self.counts.device))
 
-    def with_extra(self, logits: Tensor, extra: Tensor | None) -> Tensor:
-        """Penalized ``logits`` [R, V] (or [V]); row r also counts ``extra[r]`` [R, V] reply tokens
-        beyond the committed ones.  Returns ``logits`` itself when no penalty is set."""
+    @torch.no_grad()  # the committed state is made in inference mode; a caller's logits may track gradients
+    def apply(self, logits: Tensor, prefixes: Sequence[Sequence[int]] | None = None, drawn: Tensor | None = None,
+              drawn_valid: Tensor | None = None) -> Tensor:
+        """Penalized ``logits`` [R, V] (or [V]), float32, a new tensor; row r also counts its own
+        uncommitted tokens ``prefixes[r]`` and ``drawn[r]`` ([R, d] ids on the device: a tree's draws so
+        far; ``drawn_valid`` [R, d] bool, if given, says which of them count) beyond the committed ones.
+        Returns ``logits`` itself when no penalty is set."""
         if not self.active:
             return logits
-        seen, counts = self._tensors(logits)
-        c = counts if extra is None else counts + extra
-        return apply_penalties(logits, seen | (c > 0), c, self.repetition, self.frequency, self.presence)
+        seen, counts, ids = self._tensors(logits)
+        x = logits.float()
+        flat = x.reshape(-1, x.shape[-1])
+        out = flat.clone()
+        fix = lambda raw, s, c: apply_penalties(raw, s, c, self.repetition, self.frequency, self.presence)  # noqa: E731
+        if ids.numel():  # every committed id: seen, with its reply count
+            out[:, ids] = fix(flat[:, ids], torch.ones_like(ids, dtype=torch.bool), counts[ids])
+        extra = _extra(prefixes, drawn, drawn_valid, flat.shape[0], flat.shape[-1], flat.device)
+        if extra is not None:  # recomputed from the raw logits with the row's own count on top, so never twice
+            toks, valid = extra
+            own = ((toks[:, :, None] == toks[:, None, :]) & valid[:, None, :]).sum(-1).float()  # [R, m]
+            c = counts[toks] + own
+            out.scatter_(1, toks, fix(flat.gather(1, toks), seen[toks] | (c > 0), c))
+        return out.reshape(x.shape)
 
     def rows(self, logits: Tensor, chain: Sequence[int] = (), start: int = 0) -> Tensor:
         """Penalized ``logits`` [R, V] where row r follows the committed tokens + ``chain[:start + r]``
         (a verification: chain = the fed tokens; one draft step: R = 1, start = tokens drawn so far)."""
         if not self.active:
             return logits
-        n = start + logits.shape[0] - 1  # the last row follows chain[:n]
-        if n <= 0:
-            return self.with_extra(logits, None)
-        return self.with_extra(logits, chain_counts(chain[:n], logits.shape[-1], logits.device)[start:])
-
-    def extra_for(self, prefixes: Sequence[Sequence[int]], like: Tensor) -> Tensor:
-        """Counts [B, V] of each row's own uncommitted tokens (a tree's branches)."""
-        v = like.shape[-1]
-        out = torch.zeros(len(prefixes), v, dtype=torch.float32, device=like.device)
-        for b, toks in enumerate(prefixes):
-            ids = torch.tensor([t for t in toks if 0 <= t < v], dtype=torch.long, device=like.device)
-            out[b].index_add_(0, ids, torch.ones(ids.shape[0], device=like.device))
-        return out
+        return self.apply(logits, [chain[: start + r] for r in range(logits.shape[0])])
 
 
-def chain_counts(chain: Sequence[int], vocab: int, device: torch.device) -> Tensor:
-    """[len(chain) + 1, V]: row i counts ``chain[:i]``."""
-    out = torch.zeros(len(chain) + 1, vocab, dtype=torch.float32, device=device)
-    if chain:
-        ids = torch.tensor([t if 0 <= t < vocab else 0 for t in chain], dtype=torch.long, device=device)
-        ok = torch.tensor([1.0 if 0 <= t < vocab else 0.0 for t in chain], device=device)
-        out[1:] = torch.zeros(len(chain), vocab, device=device).scatter_(1, ids[:, None], ok[:, None]).cumsum(0)
-    return out
+def _extra(prefixes: Sequence[Sequence[int]] | None, drawn: Tensor | None, drawn_valid: Tensor | None, rows: int,
+           vocab: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """Each row's uncommitted tokens as ids [R, m] and a mask [R, m] of the real ones.  A padding or
+    out-of-vocabulary slot repeats another id of its row (or 0) unmasked: it rewrites that id with
+    the same value, which counts only the masked-in tokens."""
+    lists = [[t for t in p if 0 <= t < vocab] for p in prefixes] if prefixes is not None else [[] for _ in range(rows)]
+    width = max((len(p) for p in lists), default=0)
+    parts: list[tuple[Tensor, Tensor]] = []
+    if width:
+        pad = [p + [p[0] if p else 0] * (width - len(p)) for p in lists]
+        mask = [[True] * len(p) + [False] * (width - len(p)) for p in lists]
+        parts.append((torch.tensor(pad, dtype=torch.long, device=device), torch.tensor(mask, device=device)))
+    if drawn is not None and drawn.shape[-1]:
+        valid = torch.ones(drawn.shape, dtype=torch.bool, device=device) if drawn_valid is None else drawn_valid.to(device)
+        parts.append((drawn.to(device=device, dtype=torch.long), valid))
+    if not parts:
+        return None
+    return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)

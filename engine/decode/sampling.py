@@ -11,12 +11,17 @@ rejection sample the bonus token from ``norm(max(0, p_i - q_i))``; if all k are
 accepted sample it from ``p_{k+1}``.  The output is distributed exactly as ``p``
 for *any* proposal ``q`` the drafts were really drawn from, which is what lets
 SSD's Saguaro sampling reshape ``q`` freely.
+
+On the CPU the distributions are computed on their top-k support (:mod:`support`); the dense
+functions here (:func:`apply_top_k_top_p`) define them and take over where that does not apply.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from .support import Support, draw, top_support
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -30,17 +35,20 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 def apply_top_k_top_p(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """Mask logits outside the top-k tokens and outside the top-p nucleus with -inf.
+    """Mask logits outside the top-k tokens and outside the top-p nucleus with -inf: the dense
+    reference that :func:`support.top_support` computes on the top-k alone.
 
-    logits: [..., V].  Order as in transformers: top-k first, then top-p.  The most
-    likely token always survives.
+    logits: [..., V].  Order as in transformers: top-k first, then top-p.  Top-k keeps every token
+    equal to the k-th largest logit; top-p takes the tokens by descending logit, equal ones by
+    ascending id, and drops a token once the mass before it reaches top_p.  The most likely token
+    always survives.
     """
     vocab = logits.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True, stable=True)
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
         # drop a token when the mass *before* it already reaches top_p
         drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
@@ -68,23 +76,32 @@ def apply_penalties(logits: Tensor, seen: Tensor, counts: Tensor, repetition: fl
     return logits
 
 
+def _support(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Support | None:
+    """On the CPU, the distributions on their top-k support (None where the dense path is needed:
+    top-k off, a tie across the k-th place, or another device, where the dense path never waits for it)."""
+    logits = logits.float()
+    return top_support(logits, temperature, top_k, top_p) if logits.device.type == "cpu" else None
+
+
+def _dense(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    return torch.softmax(apply_top_k_top_p(logits.float() / temperature, top_k, top_p), dim=-1)
+
+
 def logits_to_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """Next-token distributions [..., V] (float32) under the sampling settings.
 
     temperature 0 gives a one-hot distribution on the argmax (greedy).
     """
-    logits = logits.float()
     if temperature == 0.0:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-    logits = apply_top_k_top_p(logits / temperature, top_k, top_p)
-    return torch.softmax(logits, dim=-1)
+    sup = _support(logits, temperature, top_k, top_p)
+    return sup.dense() if sup is not None else _dense(logits, temperature, top_k, top_p)
 
 
 def sample(probs: Tensor, gen: torch.Generator) -> Tensor:
-    """One token id per row of ``probs`` [..., V] (returns [...] int64)."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    ids = torch.multinomial(flat, 1, generator=gen).squeeze(-1)
-    return ids.reshape(probs.shape[:-1])
+    """One token id per row of ``probs`` [..., V] (returns [...] int64), by inverse CDF (:func:`support.draw`:
+    a multinomial over the vocabulary costs a millisecond on a CPU)."""
+    return draw(probs, gen)
 
 
 def draw_draft(logits: Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator,
@@ -95,7 +112,12 @@ def draw_draft(logits: Tensor, temperature: float, top_k: int, top_p: float, gen
     drafts, the speculator's and the in-process fallback's; the tokens stay on the device."""
     if temperature == 0.0:
         return logits.argmax(dim=-1), None
-    q = logits_to_probs(logits, temperature, top_k, top_p)
+    sup = _support(logits, temperature, top_k, top_p)
+    if sup is not None:
+        if saguaro_c < 1.0 and num_top > 0:
+            sup = sup.saguaro(saguaro_c, num_top)
+        return sup.sample(gen), sup.dense()
+    q = _dense(logits, temperature, top_k, top_p)
     if saguaro_c < 1.0 and num_top > 0:
         q = saguaro_reshape(q, saguaro_c, num_top)
     return sample(q, gen), q
@@ -105,7 +127,8 @@ def sample_next(logits: Tensor, temperature: float, top_k: int, top_p: float, ge
     """AR step: the next token id from one row of logits [V]."""
     if temperature == 0.0:
         return int(logits.argmax(dim=-1))
-    return int(sample(logits_to_probs(logits, temperature, top_k, top_p), gen))
+    sup = _support(logits, temperature, top_k, top_p)
+    return int(sup.sample(gen) if sup is not None else sample(_dense(logits, temperature, top_k, top_p), gen))
 
 
 def residual(p: Tensor, q: Tensor) -> Tensor:

@@ -40,18 +40,18 @@ def plain_choice(params: Any, gen: torch.Generator, pen: Penalties | None = None
     draft token is penalized for the committed tokens, the uncommitted ``before`` them (SSD's
     in-process fallback: the bonus) and the i drawn before it this round.  The token stays on the
     device: the counts of the drawn ones are kept there too, so a draft step reads nothing."""
-    extra: list[torch.Tensor] = []  # [1, V] counts of ``before`` + the tokens drawn so far
+    drawn: list[torch.Tensor] = []  # the tokens drawn so far this round, on the device
 
     def choose(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if pen is not None and pen.active:
+        penalized = pen is not None and pen.active
+        if penalized:
             if i == 0:
-                extra[:] = [torch.zeros(1, logits.shape[-1], dtype=torch.float32, device=logits.device)]
-                if before:
-                    extra[0][0].index_add_(0, torch.tensor(before, device=logits.device), torch.ones(len(before), device=logits.device))
-            logits = pen.with_extra(logits[None], extra[0])[0]
+                drawn.clear()
+            so_far = torch.cat(drawn).reshape(1, -1) if drawn else None
+            logits = pen.apply(logits[None], [list(before)], so_far)[0]  # type: ignore[union-attr]
         tok, q = draw_draft(logits, params.temperature, params.top_k, params.top_p, gen)
-        if extra:
-            extra[0] = extra[0].index_add(1, tok.reshape(1), torch.ones(1, 1, device=logits.device))
+        if penalized:
+            drawn.append(tok.reshape(1))
         return tok, q
     return choose
 

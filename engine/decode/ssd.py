@@ -239,7 +239,7 @@ class SSDDecoder(Decoder):
         logits = forward.prefill(runner, prompt_ids)
         metrics.prefill_s = time.perf_counter() - r.t0
         pen = Penalties.of(params, prompt_ids)
-        pending = sample_next(pen.with_extra(logits, None), params.temperature, params.top_k, params.top_p, gen)
+        pending = sample_next(pen.apply(logits), params.temperature, params.top_k, params.top_p, gen)
         delta = builder.push(pending)
         if builder.reason != "eos":
             ev = Token(pending, delta, "target", time.perf_counter() - r.t0)

@@ -201,16 +201,13 @@ class Speculator:
         g = [self._extend(ids, logits_from=len(ids) - 1)[-1]]
         drawn: list[torch.Tensor] = []
         qs: list[torch.Tensor] = []
-        extra: torch.Tensor | None = None  # [1, V] the uncommitted tokens each step is penalized for
-        if self.pen.active:
-            extra = self.pen.extra_for([[self.pending]], g[0])  # type: ignore[list-item]
         t0 = time.perf_counter()
         for i in range(self.k):
-            logits = g[-1][None] if extra is None else self.pen.with_extra(g[-1][None], extra)
+            logits = g[-1][None]
+            if self.pen.active:  # penalized for the bonus and this request's draws so far
+                logits = self.pen.apply(logits, [[self.pending]], torch.cat(drawn).reshape(1, -1) if drawn else None)  # type: ignore[list-item]
             x, q = self._draw(logits, miss_list[i] if miss_list else 0)  # [1], [1, V]
             drawn.append(x)
-            if extra is not None:
-                extra = extra.index_add(1, x, torch.ones(1, 1, device=extra.device))
             if q is not None:
                 qs.append(q[0])
             if i < self.k - 1:
@@ -303,8 +300,8 @@ class Speculator:
         qs: list[torch.Tensor] = []
         depth_logits: list[torch.Tensor] = []
         # each branch is penalized for its own prefix: [bonus, d_1..d_j, c] and its tree tokens so far
-        prefixes = [[self.pending, *self.spec[:j]] for j in js]  # type: ignore[index]  # + c_b, added on the device
-        extra: torch.Tensor | None = None
+        prefixes = [[self.pending, *self.spec[:j]] for j in js]  # type: ignore[index]  # + c_b, on the device
+        first = x[:, None]  # the candidates c_b
         for d in range(k):
             if abort():
                 return None
@@ -314,13 +311,8 @@ class Speculator:
             logits = fit_vocab(self.runner.step(x, positions, list(range(lo, lo + B)), mask[:, : lo + B]).logits, self.vocab)  # [B, V]
             depth_logits.append(logits)
             if self.pen.active:
-                if extra is None:
-                    extra = self.pen.extra_for(prefixes, logits)
-                    extra.scatter_add_(1, x[:, None], torch.ones(B, 1, device=extra.device))
-                logits = self.pen.with_extra(logits, extra)
+                logits = self.pen.apply(logits, prefixes, torch.cat([first, toks[:, :d]], dim=1))
             x, q = self._draw(logits, hit_list[d] if hit_list else 0)
-            if extra is not None:
-                extra.scatter_add_(1, x[:, None], torch.ones(B, 1, device=extra.device))
             toks[:, d] = x
             if q is not None:
                 qs.append(q)
