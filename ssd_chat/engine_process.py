@@ -122,8 +122,8 @@ class ProcessBackend(Backend):
     def _watch(self, proc: Any, gen: int) -> None:
         """Waits for the process to end; a crash between replies is a warning, and a restart."""
         wait([proc.sentinel])
-        if self._closing or gen != self._gen or not self._ready.is_set():
-            return  # closing, an old process, or one still loading (load() reports that one)
+        if self._closing or gen != self._gen or not self._ready.is_set() or self._broken:
+            return  # closing, an old process, one still loading (load() reports that one), or one that could not load
         if not self._streaming:
             from .engine import workers
 
@@ -161,6 +161,8 @@ class ProcessBackend(Backend):
         except Exception as e:  # noqa: BLE001 - every later reply says why
             self._broken = f"the engine could not restart: {readable(e)}"
         finally:
+            if self._closing:  # the app closed while this one started
+                _shutdown(self.proc, self._conn)
             self._ready.set()
 
     def _wait_ready(self, stop: threading.Event | None = None) -> None:
