@@ -5,6 +5,7 @@ Kept apart from ``cli.py`` so the CLI imports Textual and torch only when the ap
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -29,6 +30,7 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
     from .loading import quiet_libraries
     from .recorder import Recorder, RecordingError
     from .backend import EngineBackend
+    from .engine_process import ProcessBackend
 
     threads.coordinator()  # before anything computes here: this thread becomes the UI's
     quiet_libraries()
@@ -54,8 +56,11 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
 
     workers.prepare()  # before Textual swaps out stderr: the speculator's spawn needs a real fd
 
+    owned = backend is None
+    if backend is None:  # the engine decodes in a process of its own, unless asked not to (measuring the difference)
+        backend = EngineBackend(values) if os.environ.get("SSD_CHAT_IN_PROCESS") else ProcessBackend(values)
     app = ChatApp(
-        backend if backend is not None else EngineBackend(values),
+        backend,
         settings=values,
         history=open_history(values),
         recorder=recorder,
@@ -67,6 +72,8 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
     try:
         app.run()
     finally:
+        if owned:
+            backend.close()  # already closed on quit; here for a crash of the app (idempotent)
         if recorder is not None:
             recorder.close()
     if app.history.warning:
