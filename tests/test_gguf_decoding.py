@@ -92,7 +92,8 @@ def test_greedy_ssd_equals_ar(target, draft_name):
         for prompt in PROMPTS:
             evs, done = run(dec, prompt, max_new_tokens=40)
             assert done.token_ids == run(ARDecoder(target), prompt, max_new_tokens=40)[1].token_ids, (draft_name, prompt)
-            assert not [e for e in evs if isinstance(e, Notice)]  # the speculator ran (no fallback to SD)
+            # the speculator ran (no fallback to SD); the background compile's progress notice is not about it
+            assert not [e for e in evs if isinstance(e, Notice) and "in the background" not in e.message]
             rs = [e for e in evs if isinstance(e, Round)]
             hits, rounds = hits + sum(r.cache_hit for r in rs), rounds + len(rs)
             accepted += sum(r.accepted for r in rs)
