@@ -132,6 +132,8 @@ def die_with_parent() -> None:
 
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        role = multiprocessing.current_process().name.encode()[:15]  # ssd-speculator, ssd-engine, ssd-compile
+        libc.prctl(15, ctypes.c_char_p(role), 0, 0, 0)  # PR_SET_NAME: ps and top show the worker's role
     except (OSError, AttributeError):
         pass
 

@@ -33,7 +33,9 @@ def test_ask_json_and_stdin():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out) >= {"text", "token_ids", "mode", "target", "draft", "stats"}
-    assert set(out["stats"]) == {"new_tokens", "rounds", "tok_per_s", "ttft_s", "acceptance_rate", "mean_accepted_length", "cache_hit_rate"}
+    assert set(out["stats"]) == {"new_tokens", "rounds", "tok_per_s", "ttft_s", "acceptance_rate", "mean_accepted_length", "cache_hit_rate",
+                                 "path"}
+    assert out["stats"]["path"] in ("eager", "compiled")
     assert out["mode"] == "ar" and out["draft"] is None and out["stats"]["acceptance_rate"] is None
     assert out["stats"]["new_tokens"] == len(out["token_ids"]) <= 12 and "Paris" in out["text"]
 

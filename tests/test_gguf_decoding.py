@@ -133,8 +133,10 @@ def test_sampling_keeps_the_gguf_targets_distribution(small, mode):
     try:
         res = decoder_distribution_test(dec.stream, small, [1, 4, 2], SamplingParams(temperature=1.0), n=3, num_samples=1000)
         assert res.p_value > 1e-3, res
-        # the default forward for a Q4 GGUF target: a compiled graph with torch's int4 products
-        assert small.forwards.label("target", cfg.compile) == "core compiled"
+        # the default forward for a Q4 GGUF target: a compiled graph with torch's int4 products, built in the
+        # background on the first use of a shape (replies run eager, and say so, until it is loaded)
+        label = small.forwards.label("target", cfg.compile)
+        assert label == "core compiled" or (label == "core eager" and "in the background" in (small.forwards.status() or "")), label
         assert any(getattr(m, "int4", None) is not None for m in small.model.modules())
     finally:
         getattr(dec, "close", lambda: None)()

@@ -79,7 +79,7 @@ def start(tmp_path, cache, prompt: str | None, timeout: float = 420):
                 child.send("\r")
             if mode is not None:
                 procs = speculators(child.pid)
-                seen.update(p.pid for p in procs)
+                seen.update(p.pid for p in procs if role(p) == "ssd-speculator")  # not the engine process nor a compile
                 helpers = list({p.pid: p for p in helpers + procs}.values())
                 saved = turns(db)
                 if saved and all(s in ("done", "stopped") for s, _ in saved):
@@ -101,6 +101,14 @@ def start(tmp_path, cache, prompt: str | None, timeout: float = 420):
     screen = screen_text("".join(out))
     assert mode is not None, screen[-3000:]
     return screen, mode, turns(db), seen
+
+
+def role(p: psutil.Process) -> str:
+    """A worker's role as it names itself (engine/workers.py: its process name)."""
+    try:
+        return p.name()
+    except psutil.Error:
+        return ""
 
 
 def measurers(pid: int) -> list[psutil.Process]:
