@@ -378,3 +378,28 @@ def test_without_a_writable_cache_dir_torchs_products_serve(tmp_path, monkeypatc
     x = torch.randn(2, 8)
     with torch.inference_mode():
         torch.testing.assert_close(m(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", sorted(fastlinear.KERNEL_BLOCK))
+def test_an_exported_graph_takes_torchs_product_where_the_row_kernels_were_chosen(path, method: str) -> None:
+    """An AOTInductor package (the CPU graphs, engine/model/aoti.py) cannot call a Python custom op:
+    under ``torch.export`` the chosen row kernels give way to the static rule; a compiled or eager call
+    keeps them."""
+    if not rowkernels.available():
+        pytest.skip("numba is not installed")
+    ref = _linear(32, 96, True)
+    m = _wrap(path, copy.deepcopy(ref))
+    path.choices.update({_key(96, 32, r): method for r in range(1, fastlinear.MAX_FAST_ROWS + 1)})
+    call = path.traceable(m, 2)
+
+    class Graph(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return call(x)
+
+    x = torch.randn(2, 32)
+    with torch.inference_mode():
+        ep = torch.export.export(Graph(), (x,), strict=False)
+        targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+        assert not any("row_matmul" in t for t in targets), targets
+        torch.testing.assert_close(ep.module()(x), ref(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(call(x), ref(x), rtol=1e-5, atol=1e-5)  # outside an export: the kernels

@@ -224,9 +224,22 @@ class FastPath:
         method = self.choice(out_f, in_f, rows)
         if method in KERNEL_BLOCK and _runnable(method, w) and rows <= MAX_FAST_ROWS:
             op, block = row_op(), KERNEL_BLOCK[method]
-            return (lambda x: op(x, w, block)) if b is None else (lambda x: op(x, w, block) + b)
+            # an AOTInductor package cannot call a Python custom op: an export takes the static rule
+            plain = self._plain(m, static_choice(out_f, in_f, rows))
+
+            def kernels(x: torch.Tensor) -> torch.Tensor:
+                if torch.compiler.is_exporting():
+                    return plain(x)
+                return op(x, w, block) if b is None else op(x, w, block) + b
+            return kernels
         if method not in ("linear", "wxt", "xwt"):
             method = static_choice(out_f, in_f, rows)
+        return self._plain(m, method)
+
+    @staticmethod
+    def _plain(m: FastLinear, method: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``m`` by one of torch's own products (``linear``, ``wxt``, ``xwt``)."""
+        w, b = m.weight, m.bias
         wt = m.transposed() if method == "xwt" else None
         if wt is not None:
             return (lambda x: torch.mm(x, wt)) if b is None else (lambda x: torch.mm(x, wt) + b)

@@ -21,7 +21,7 @@ import torch
 from ..config import cache_dir, cpu_name
 from .cache import StaticKV
 
-VERSION = "v1"  # bump when the graph's code changes in a way the key does not see
+VERSION = "v2"  # bump when the graph's code changes in a way the key does not see
 
 
 class Trunk(Protocol):
