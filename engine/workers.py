@@ -153,6 +153,32 @@ def child_start(parent_pid: int) -> bool:
     return True
 
 
+def stop(proc: Any, conn: Any, goodbye: Any, timeout_s: float) -> None:
+    """Send a worker ``goodbye`` over ``conn``; terminate, then kill it if it does not exit.  Idempotent."""
+    with contextlib.suppress(Exception):
+        conn.send(goodbye)
+    proc.join(timeout_s)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(timeout_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout_s)
+    with contextlib.suppress(Exception):
+        conn.close()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def exit_words(proc: Any) -> str:
     """How a worker process ended, for an error line: "exited with status 3", "was killed by SIGKILL"."""
     code = proc.exitcode

@@ -269,15 +269,6 @@ class ProcessBackend(Backend):
 
 def _shutdown(proc: Any, conn: Any) -> None:
     """Ask the engine process to exit (it closes its speculator); terminate, then kill it if it does not.  Idempotent."""
-    with contextlib.suppress(Exception):
-        conn.send(("close",))
-    proc.join(CLOSE_TIMEOUT_S)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(CLOSE_TIMEOUT_S)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(CLOSE_TIMEOUT_S)
-    with contextlib.suppress(Exception):
-        conn.close()
+    from .engine import workers
 
+    workers.stop(proc, conn, ("close",), CLOSE_TIMEOUT_S)

@@ -29,6 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from .engine import workers  # process helpers, without importing torch
 from .engine.config import EngineConfig  # the engine's settings, without importing torch
 
 KEY_ENV = "SSD_CHAT_API_KEY"
@@ -65,15 +66,6 @@ def remove_state(path: Path | None) -> None:
             path.unlink()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def local_servers() -> list[dict[str, Any]]:
     """State files of servers whose process still exists, newest first (stale ones are removed)."""
@@ -85,7 +77,7 @@ def local_servers() -> list[dict[str, Any]]:
             pid, url = int(state["pid"]), str(state["url"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if not _pid_alive(pid):
+        if not workers.pid_alive(pid):
             remove_state(path)
             continue
         out.append({**state, "pid": pid, "url": url})

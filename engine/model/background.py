@@ -143,22 +143,13 @@ def _sweep(path: Path, pid: int | None = None) -> None:
         owner = tmp.name[len(path.stem) + 1:].split(".", 1)[0]
         if not owner.isdigit() or (pid is not None and int(owner) != pid):
             continue
-        if pid is None and _alive(int(owner)):
+        if pid is None and workers.pid_alive(int(owner)):
             continue
         try:
             tmp.unlink()
         except OSError:
             pass
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def child_main(conn: Any, source: tuple[Callable, Any], core_cls: type, name: str, mid_layer: int | None, width: int,

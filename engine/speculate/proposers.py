@@ -16,7 +16,6 @@ in-process draft (:class:`LocalProposer`), or, without one, as AR (:class:`NoPro
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -136,17 +135,7 @@ class RemoteProposer:
 
 def _shutdown(proc: Any, conn: Any) -> None:
     """Ask the speculator to exit; terminate, then kill it if it does not.  Idempotent."""
-    with contextlib.suppress(Exception):
-        conn.send(Close())
-    proc.join(CLOSE_TIMEOUT_S)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(CLOSE_TIMEOUT_S)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(CLOSE_TIMEOUT_S)
-    with contextlib.suppress(Exception):
-        conn.close()
+    workers.stop(proc, conn, Close(), CLOSE_TIMEOUT_S)
 
 
 class LocalProposer:
