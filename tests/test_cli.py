@@ -143,8 +143,9 @@ def test_ctrl_c_mid_reply_exits_130_without_traceback():
             p.kill()
     assert p.returncode == 130, err
     assert "Traceback" not in err and len(first + out) > 1
-    # inside a compiled graph's call (most of a step) it must not read as a compiler failure
-    assert "Error" not in err and "uncompiled" not in err, err
+    # inside a compiled graph's call (most of a step) it must not read as a compiler failure; a fresh
+    # cache's "compiling ... in the background" notice is no failure
+    assert "Error" not in err and "failed" not in err and "it runs uncompiled" not in err, err
 
 
 # --- the note when a reply stops at --max-new-tokens ---------------------------------------------------

@@ -52,7 +52,8 @@ def test_the_model_is_loaded_in_a_child_process_and_its_reply_is_the_engines(bac
     finally:
         engine.close()
     assert events[-1].text == direct.text
-    assert backend.token_text(events[0].id) == engine.tokenizer.decode([events[0].id])
+    first = next(e for e in events if isinstance(e, Token))  # a fresh cache's compile notice may come first
+    assert backend.token_text(first.id) == engine.tokenizer.decode([first.id])
 
 
 def test_stop_ends_the_reply_and_keeps_what_streamed(backend):
