@@ -112,26 +112,17 @@ def _one_gguf_parse() -> Iterator[None]:
     the same bytes."""
     try:
         import gguf as gguf_pkg
-        import numpy as np
     except ImportError:  # pragma: no cover - transformers' GGUF support needs gguf; it reports that itself
         yield
         return
-
-    class Reader(gguf_pkg.GGUFReader):
-        @property
-        def data(self) -> Any:
-            return self._data
-
-        @data.setter
-        def data(self, value: Any) -> None:  # a plain view: slicing it skips memmap's Python hooks
-            self._data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+    from .gguf_header import reader as fast_reader
 
     readers: dict[tuple[str, str], Any] = {}
 
     def reader(path: Any, mode: str = "r") -> Any:
         key = (str(path), mode)
         if key not in readers:
-            readers[key] = Reader(path, mode)
+            readers[key] = fast_reader(path, mode)
         return readers[key]
 
     with _patch_lock:
