@@ -55,6 +55,7 @@ class Engine:
         self._decoder_key: tuple | None = None
         self.measurer: Any = None  # auto's background measurer process (engine/decode/probe.py), while it runs
         self.measure_later: tuple[EngineConfig, int] | None = None  # what it is to measure, and the key's lock, until loaded
+        self.measure = "no"  # how auto gets a measurement it lacks (Engine.load's ``measure``), for /mode auto later
         if target.forwards.sharded is None and target.device.type == "cpu":  # auto builds its CPU graphs in the background
             target.forwards.source = lambda: _rebuild(target)
 
@@ -102,6 +103,7 @@ class Engine:
             target.forwards.close()  # no rank outlives a load that failed
             raise
         engine = cls(config, target, draft, pre.reason if pre.auto else None)
+        engine.measure = measure
         if pre.probe:  # auto with a draft: the mode that measured fastest here (engine/decode/probe.py)
             from .decode.probe import settle
 
@@ -111,11 +113,14 @@ class Engine:
                 engine.close()
                 raise
         engine.warm(progress)
-        if engine.measure_later is not None:  # after warm: the measurer does not compile AR's graph beside it
+        engine._start_measurer()  # after warm: the measurer does not compile AR's graph beside it
+        return engine
+
+    def _start_measurer(self) -> None:
+        if self.measure_later is not None and self.measurer is None:
             from .decode.probe import start_measurer
 
-            engine.measurer, engine.measure_later = start_measurer(engine.measure_later), None
-        return engine
+            self.measurer, self.measure_later = start_measurer(self.measure_later), None
 
     def settle(self, mode: str, reason: str, decoder: Any = None) -> None:
         """Take ``auto``'s measured choice: ``mode``, why, and the probe's decoder for it (a started speculator)."""
@@ -230,12 +235,15 @@ class Engine:
         if self.auto_choice is None:
             from .load.preflight import check
 
-            pre = check(replace(self.config, **others, mode="auto"))
+            asked = replace(self.config, **others, mode="auto")
+            pre = check(asked)
             if pre.probe:
                 from .decode.probe import settle
 
                 self._switch(**others, mode=pre.config.mode)  # its draft (derived now if none is loaded)
-                settle(self, pre.draft, pre.probe, models._no_progress)  # sets auto_choice
+                # sets auto_choice; the app and serve measure a setup with no record in the background
+                settle(self, pre.draft, pre.probe, models._no_progress, self.measure, source=asked)
+                self._start_measurer()
                 return
             self.auto_choice = (pre.config.mode, pre.reason)
         mode, reason = self.auto_choice
