@@ -79,7 +79,8 @@ class ChatActions:
                 return False
             self.pending_settings.update(changes)
             desc = ", ".join(f"{k.replace('_', '-')} {v if v is not None else 'default'}" for k, v in changes.items())
-            await self.chat.add_notice(f"the model is still loading; {desc} will apply once it is ready")
+            # a toast: the chat gets the lasting notice when the setting applies (apply_pending)
+            self.notify(f"the model is still loading; {desc} will apply once it is ready")
             return True
         if self.current is not None and not self.current.finished:
             await self.chat.add_notice("settings change between replies: stop this one first (Esc)", "warning")
