@@ -244,3 +244,49 @@ def test_placement_splits_a_target_too_big_for_half_a_gpu_over_a_power_of_two():
     assert pair.placement(65.6, 80) == (3, "--target-device cuda:0-1 --draft-device cuda:2")
     assert pair.placement(16, 80) == (2, "--target-device cuda:0 --draft-device cuda:1")
     assert pair.placement(141.2, 143) == (3, "--target-device cuda:0-1 --draft-device cuda:2")
+
+
+# -- pull through huggingface_hub's own client, from a local stand-in for the hub -----------------------------------
+
+
+def _pull_via(hub_url: str, env_extra: dict, *names: str):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_ENDPOINT": hub_url, "HF_HUB_DISABLE_XET": "1", **env_extra}
+    env.pop("HF_HUB_OFFLINE", None)
+    return subprocess.run([sys.executable, "-m", "ssd_chat", "models", "pull", *names], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_pull_downloads_from_a_local_hub_and_list_then_shows_it(tmp_path):
+    from tests.hub_server import Hub
+
+    files = {"config.json": b"{\"a\": 1}", "tokenizer.json": b"{}", "model.safetensors": b"w" * 300_000, "original/x.pth": b"p" * 10}
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "SSD_CHAT_CACHE_DIR": str(tmp_path / "ssd"), "HF_TOKEN": "hf_test"}
+    with Hub({"Qwen/Qwen3-0.6B": files}) as hub:
+        r = _pull_via(hub.url, env, "qwen3-0.6b")
+        assert r.returncode == 0, r.stderr
+        assert sorted(hub.gets) == ["config.json", "model.safetensors", "tokenizer.json"]  # not original/
+    snap = tmp_path / "hub" / "models--Qwen--Qwen3-0.6B" / "snapshots" / ("c" * 40)
+    assert (snap / "model.safetensors").read_bytes() == files["model.safetensors"]
+    assert "qwen3-0.6b: ready in" in r.stdout
+    import subprocess
+    import sys
+
+    listed = subprocess.run([sys.executable, "-m", "ssd_chat", "models", "list", "--json"], capture_output=True, text=True,
+                            env={**os.environ, **env}, timeout=60)
+    row = next(m for m in json.loads(listed.stdout) if m["name"] == "Qwen/Qwen3-0.6B")
+    assert row["aliases"] == ["qwen3-0.6b"] and row["size"] >= 300_000
+
+
+def test_pull_of_a_gated_repo_from_a_local_hub_names_the_licence_page(tmp_path):
+    from tests.hub_server import Hub
+
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_TOKEN": "hf_test"}
+    with Hub({"meta-llama/Llama-3.2-1B-Instruct": {"config.json": b"{}"}}, gated={"meta-llama/Llama-3.2-1B-Instruct"}) as hub:
+        r = _pull_via(hub.url, env, "llama-3-1b")
+        assert hub.gets == []
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "accept its licence at https://huggingface.co/meta-llama/Llama-3.2-1B-Instruct" in r.stderr
+    assert "with the token it was given" in r.stderr and len(r.stderr.strip().splitlines()) == 1
