@@ -83,10 +83,14 @@ def pull(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Ali
     from .engine.load import pull as puller
     from .engine.load.store import human
 
+    import time
+
+    current, started = None, time.time()
     try:
         plans = [puller.plan(n) for n in names]
         puller.check_space(plans)
         for name, plan in zip(names, plans):
+            current, started = plan, time.time()
             typer.echo(f"pulling {plan.repo_id}: {human(plan.total)}"
                        + (f" ({human(plan.have)} already here)" if plan.have else "") + f" into {plan.cache}", err=True)
             folder = puller.download(plan)
@@ -94,9 +98,17 @@ def pull(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Ali
     except ModelError as e:
         raise _model_error(e) from None
     except KeyboardInterrupt:
+        import os
+        import sys
+
+        if current is not None:
+            puller.drop_partial(current, started)
         again = " ".join(names)
-        typer.echo(f"\nssd-chat: pull stopped; run `ssd-chat models pull {again}` again to resume", err=True)
-        raise typer.Exit(130) from None
+        typer.echo(f"\nssd-chat: pull stopped; `ssd-chat models pull {again}` fetches the files not yet here", err=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # now: the hub client's download threads would otherwise finish their files first (hours for a 70B model)
+        os._exit(130)
 
 
 def _confirm(question: str, yes: bool) -> bool:

@@ -19,6 +19,7 @@ class Hub:
     def __init__(self, repos: dict[str, dict[str, bytes]], gated: set[str] = frozenset(), delay: float = 0.0):
         self.repos, self.gated, self.delay = repos, set(gated), delay
         self.gets: list[str] = []
+        self.ranges: list[tuple[str, int]] = []  # (file, first byte sent): a resumed GET starts past 0
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -79,14 +80,23 @@ class Hub:
         if name not in files:
             return self._refuse(h, 404, "EntryNotFound", "Entry not found")
         body = files[name]
-        h.send_response(200)
+        etag = hashlib.sha1(body).hexdigest()
+        start = 0
+        ranged = h.headers.get("Range", "")
+        if not head and ranged.startswith("bytes=") and ranged.endswith("-"):
+            start = int(ranged[len("bytes="):-1])
+        h.send_response(206 if start else 200)
         h.send_header("X-Repo-Commit", COMMIT)
-        h.send_header("ETag", f'"{hashlib.sha1(body).hexdigest()}"')
-        h.send_header("Content-Length", str(len(body)))
+        h.send_header("ETag", f'"{etag}"')
+        h.send_header("Content-Length", str(len(body) - start))
+        if start:
+            h.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
         h.end_headers()
         if head:
             return
         self.gets.append(name)
+        self.ranges.append((name, start))
+        body = body[start:]
         for i in range(0, len(body), 1 << 16):
             if self.delay:
                 time.sleep(self.delay)

@@ -198,18 +198,6 @@ def test_pull_offline_says_so_in_one_line_without_asking_the_hub(caches, monkeyp
     assert r.exit_code == 1 and "HF_HUB_OFFLINE is set" in r.stderr and len(r.stderr.splitlines()) == 1
 
 
-def test_pull_stopped_with_ctrl_c_exits_130_with_one_line(caches, hub_api, monkeypatch):
-    def interrupted(*a, **k):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr("huggingface_hub.snapshot_download", interrupted)
-    r = run("pull", "qwen3-0.6b")
-    assert r.exit_code == 130, r.output
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 2 and lines[0].startswith("pulling") and "models pull qwen3-0.6b` again to resume" in lines[1]
-    assert "Traceback" not in r.stderr
-
-
 def test_pull_of_a_local_model_is_refused(caches):
     r = run("pull", models.PACKAGED)
     assert r.exit_code == 1 and "packaged default" in r.stderr
@@ -290,3 +278,45 @@ def test_pull_of_a_gated_repo_from_a_local_hub_names_the_licence_page(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "accept its licence at https://huggingface.co/meta-llama/Llama-3.2-1B-Instruct" in r.stderr
     assert "with the token it was given" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_ctrl_c_stops_a_pull_at_once_with_one_line_and_the_next_pull_fetches_only_what_is_missing(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.hub_server import Hub
+
+    big = b"w" * 20_000_000
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_TOKEN": "hf_test", "HF_HUB_DISABLE_XET": "1"}
+    env.pop("HF_HUB_OFFLINE", None)
+    blobs = tmp_path / "hub" / "models--Qwen--Qwen3-0.6B" / "blobs"
+    with Hub({"Qwen/Qwen3-0.6B": {"config.json": b"{}", "model.safetensors": big}}, delay=0.05) as hub:
+        env["HF_ENDPOINT"] = hub.url
+        p = subprocess.Popen([sys.executable, "-m", "ssd_chat", "models", "pull", "qwen3-0.6b"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        partial = []
+        for _ in range(600):  # until the small file is in and part of the weights has arrived
+            done = [f for f in blobs.iterdir() if not f.name.endswith(".incomplete")] if blobs.is_dir() else []
+            partial = [f for f in blobs.glob("*.incomplete") if f.stat().st_size > 0] if blobs.is_dir() else []
+            if (partial and done) or p.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert partial and done, "no partial download seen"
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 130, err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert "Traceback" not in err and lines[-1] == ("ssd-chat: pull stopped; `ssd-chat models pull qwen3-0.6b` "
+                                                        "fetches the files not yet here")
+        assert list(blobs.glob("*.incomplete")) == []  # no half file left on the disk
+        assert not (blobs / hashlib.sha1(big).hexdigest()).exists()  # it stopped mid-file, not after finishing it
+        hub.delay, hub.gets = 0, []
+        r = subprocess.run([sys.executable, "-m", "ssd_chat", "models", "pull", "qwen3-0.6b"], env=env,
+                           capture_output=True, text=True, timeout=120)
+        again = list(hub.gets)
+    assert r.returncode == 0, r.stderr
+    assert again == ["model.safetensors"]  # the finished file was not fetched again
+    snap = tmp_path / "hub" / "models--Qwen--Qwen3-0.6B" / "snapshots" / ("c" * 40)
+    assert (snap / "model.safetensors").read_bytes() == big

@@ -3,8 +3,10 @@
 Before a byte of weights moves: offline mode, the repository's existence and licence gate (with the
 token the hub client finds: ``HF_TOKEN`` or ``hf auth login``), and the free disk space against the
 files the engine would load (the same patterns as a first run: tokenizer files and safetensors, else
-pickles).  The download itself is huggingface_hub's ``snapshot_download``: it resumes partial files,
-so a pull stopped with Ctrl-C continues where it stopped.
+pickles).  The download itself is huggingface_hub's ``snapshot_download``.  A pull stopped with Ctrl-C
+keeps the files it finished, and the next pull fetches only the others; a file cut in the middle starts
+again (huggingface_hub 2.x writes each download into a temporary file of its own process, which
+:func:`drop_partial` removes rather than leave it on the disk).
 """
 
 from __future__ import annotations
@@ -119,13 +121,46 @@ def check_space(plans: list[Plan]) -> None:
                          "`ssd-chat models cache prune`) or point HF_HUB_CACHE at a larger disk")
 
 
+def drop_partial(p: Plan, since: float) -> int:
+    """Remove the temporary files this pull's download threads left (written since ``since``); their count."""
+    blobs = p.cache / ("models--" + p.repo_id.replace("/", "--")) / "blobs"
+    n = 0
+    for f in blobs.glob("*.incomplete") if blobs.is_dir() else []:
+        try:
+            if f.stat().st_mtime >= since - 1:
+                f.unlink()
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
 def download(p: Plan, tqdm_class: Any = None) -> Path:
     from huggingface_hub import snapshot_download
 
+    import threading
+
+    done: dict[str, Any] = {}
+
+    def fetch() -> None:
+        try:
+            done["path"] = snapshot_download(p.repo_id, allow_patterns=p.patterns, cache_dir=str(p.cache), tqdm_class=tqdm_class)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            done["error"] = e
+
+    # the hub client waits for its download threads to finish their files before a Ctrl-C gets through (hours, for
+    # a 70B model): the download runs in a thread of its own, and the caller hears Ctrl-C while it waits here
+    worker = threading.Thread(target=fetch, name="ssd-pull", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.2)
+    if "path" in done:
+        return Path(done["path"])
+    e = done["error"]
+    if isinstance(e, KeyboardInterrupt):
+        raise e
     try:
-        return Path(snapshot_download(p.repo_id, allow_patterns=p.patterns, cache_dir=str(p.cache), tqdm_class=tqdm_class))
-    except KeyboardInterrupt:
-        raise
+        raise e
     except Exception as e:  # noqa: BLE001
         if _unreachable(e):
             raise ModelError(f"the download of '{p.repo_id}' stopped: lost the hub ({type(e).__name__}); run the same "
