@@ -1,14 +1,13 @@
 """The target and the draft checked together before anything loads: when hub models are missing and cannot be
 downloaded now, one message names every download with the total size, what hardware the pair needs, and
-the placement ssd-chat would give it (a first run of ``--target llama-3-70b --draft llama-3-1b`` offline
-used to name the target only, and the draft showed up missing on the next run)."""
+the placement ssd-chat would give it (naming only the first missing model would send the user back for the
+draft after a 141 GB download of the target)."""
 
 from __future__ import annotations
 
-import os
-
 from ..errors import NotCachedError
 from . import catalog, models, store
+from .pull import offline
 
 GPU_GB = 80.0  # the usual data-centre GPU (A100/H100 80 GB) when this machine has none to size against
 # weights on at most half of each GPU: the rest holds the KV cache, SSD's cached outcomes and compiled graphs
@@ -29,10 +28,6 @@ def absent(names: list[str]) -> list[tuple[str, str]]:
         if spec.kind == "hub" and not cached(spec.source) and (name, spec.source) not in out:
             out.append((name, spec.source))
     return out
-
-
-def offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def placement(target_gb: float, per_gpu: float) -> tuple[int, str]:
