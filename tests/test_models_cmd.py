@@ -320,3 +320,17 @@ def test_ctrl_c_stops_a_pull_at_once_with_one_line_and_the_next_pull_fetches_onl
     assert again == ["model.safetensors"]  # the finished file was not fetched again
     snap = tmp_path / "hub" / "models--Qwen--Qwen3-0.6B" / "snapshots" / ("c" * 40)
     assert (snap / "model.safetensors").read_bytes() == big
+
+
+def test_the_hardware_line_sizes_the_pair_against_this_machines_gpus(monkeypatch):
+    from ssd_chat.engine.load import catalog, pair
+
+    monkeypatch.setattr(catalog, "gpu_gb", lambda: [143.8, 143.8])  # two H200s
+    line = pair.hardware("meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.2-1B-Instruct")
+    assert "`--target-device cuda:0-1 --draft-device cuda:2`" in line and "3 GPUs in all" in line
+    assert "more than one 144 GB GPU holds" in line and "needs GPUs" not in line and "2 CUDA GPU(s)" in line
+    monkeypatch.setattr(catalog, "gpu_gb", lambda: [])
+    monkeypatch.setattr(catalog, "ram_gb", lambda: 64.0)
+    small = pair.hardware("Qwen/Qwen3-8B", "Qwen/Qwen3-0.6B")  # 18 GB of bf16 fits this RAM: no "needs GPUs"
+    assert "needs GPUs" not in small and "`--target-device cuda:0 --draft-device cuda:1`" in small
+    assert "needs GPUs" in pair.hardware("meta-llama/Llama-3.1-70B-Instruct", None)
