@@ -14,9 +14,9 @@ from .decode.ar import ARDecoder
 from .drafts import shipped as drafts
 from .drafts.drafter import is_feature_draft
 from .drafts.shipped import check_draft_for_mode, default_draft
-from .errors import ParamError
+from .errors import NotCachedError, ParamError
 from .events import Event
-from .load import chat, models, precision
+from .load import chat, models, pair, precision
 from .params import SamplingParams
 from .tp import load as tp_load
 
@@ -75,6 +75,19 @@ class Engine:
         tplace = models.parse_placement(config.target_device, config.dtype)
         if config.needs_draft and config.mode not in DECODERS:
             raise ParamError(f"mode '{config.mode}' is not available in this version")
+        # target and draft together, before any download: offline, one message names every missing model
+        pair_draft = draft_name if draft_name is not None and not drafts.is_derived(draft_name) else None
+        missing = pair.check(config.target, pair_draft)
+        try:
+            return cls._load(config, asked, pre, tplace, draft_name, progress, tqdm_class, measure)
+        except NotCachedError as e:  # no network: the hub could not be asked for the models that are missing
+            if not missing:
+                raise
+            raise NotCachedError(pair.message(missing, config.target, pair_draft)) from e
+
+    @classmethod
+    def _load(cls, config: EngineConfig, asked: EngineConfig, pre: Any, tplace: Any, draft_name: str | None,
+              progress: models.ProgressFn, tqdm_class: Any, measure: str) -> "Engine":
         dplace = None
         if draft_name is not None:
             if not drafts.is_derived(draft_name):
