@@ -68,6 +68,8 @@ def m005_branches(db: sqlite3.Connection) -> None:
     # A chat is a tree (ssd_chat/history_tree.py): each message follows its parent, and ``active`` picks
     # the current branch among a message's children.  A chat saved before is one branch: each message
     # follows the one before it.
+    if "parent_id" in {r[1] for r in db.execute("PRAGMA table_info(messages)")}:
+        return  # a file whose version was set back by hand: its tree stays
     db.execute("ALTER TABLE messages ADD COLUMN parent_id INTEGER")
     db.execute("ALTER TABLE messages ADD COLUMN active INTEGER NOT NULL DEFAULT 1")
     db.execute(

@@ -158,7 +158,7 @@ class ChatActions:
             self.notify("nothing to export yet", severity="warning")
             return None
         try:
-            text = self.history.export_jsonl(self.conversation_id) if fmt == "jsonl" else self.history.export_markdown(self.conversation_id)
+            text = self.history.export(self.conversation_id, "jsonl" if fmt == "jsonl" else "md")
             out = data_dir() / "exports" / f"chat-{self.conversation_id}.{fmt}"
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text, encoding="utf-8")
