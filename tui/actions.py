@@ -136,11 +136,16 @@ class ChatActions:
         self.cache.clear()
         self.conversation_id, self.session = conv.id, self.new_session(None, [])
         await self.chat.add_notice(f"resumed chat {conv.id}: {conv.title}")
+        await self.render_saved(saved)
+        return True
+
+    async def render_saved(self, saved: list[Any], anchor: bool = True) -> None:
+        """Show saved messages (a chat's current branch) and continue the session from them."""
         for m in saved:
             if m.role == "system":  # where it was set: the replies above it did not see it
                 await self.chat.add_notice(system_notice(m.content))
             elif m.role == "user":
-                await self.chat.add_user(m.content)
+                w = await self.chat.add_user(m.content)
             elif m.role == "assistant":
                 status = "stopped" if m.status == "streaming" else m.status  # "streaming": the app died mid-reply
                 meta = (metrics_line(m.metrics) if m.metrics else "") + ("" if status == "done" else f" · {status}")
@@ -148,9 +153,12 @@ class ChatActions:
                 w.remove_class("-streaming")
             else:
                 continue
+            if m.role != "system":
+                w.message_id = m.id
             self.messages.append({"role": m.role, "content": m.content})
-        self.chat.anchor()
-        return True
+        if anchor:
+            self.chat.anchor()
+        await self.show_branches()
 
     def export_chat(self, fmt: str = "md") -> Path | None:
         """Write this chat with its metrics to ``<data dir>/exports/chat-<id>.<md|jsonl>``; returns the path."""
