@@ -19,6 +19,7 @@ from .changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
 HELP = """Keys: Enter send · Shift+Enter / Ctrl+J new line · ↑/↓ prompt history · Esc stop the reply ·
 Ctrl+N new chat · Ctrl+Y copy last reply · Ctrl+S system prompt · Ctrl+O settings (mode, k, fan-out, sampling, length) ·
 F5 regenerate the last reply · Shift+Tab to one of your messages, then e: edit it and re-run the chat from there ·
+Shift+Tab to a message, then ←/→: switch between its branches (F5 and edits keep the old one as a branch) ·
 Ctrl+G compare (the prompt in the box, or the last one, in AR, SD and SSD: tok/s and identical outputs) ·
 Ctrl+R chats · Ctrl+T token colours · Ctrl+P command palette · Ctrl+C quit.
 Commands: /mode ar|sd|ssd|auto · /k N · /fan-out SPEC · /temp X · /top-p X · /top-k N · /seed N · /repeat-penalty X · /max N · /system TEXT ·
