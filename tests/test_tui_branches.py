@@ -81,6 +81,7 @@ async def test_switching_an_edited_message_brings_the_chat_below_it_and_resume_o
         await wait_until(pilot, lambda: on_screen(app) == [("user", "first"), ("assistant", "one"), ("user", "second"),
                                                            ("assistant", "two")])
         assert labels(app)[0] == ("first", "‹ 1/2 ›")
+        assert app.history.get_conversation(app.chat_view.conversation_id).title == "first"  # the first prompt names it
         assert app.chat_view.messages == [{"role": r, "content": c} for r, c in on_screen(app)]
         cid = app.chat_view.conversation_id
         await pilot.press("ctrl+c")

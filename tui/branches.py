@@ -57,6 +57,8 @@ class BranchActions:
         except HistoryError as e:
             await self.chat.add_notice(f"cannot show that branch: {e}", "error")
             return
+        if next((m.id for m in saved if m.role == "user"), None) == to:  # the first prompt names the chat
+            self.history.set_title(cid, saved[[m.id for m in saved].index(to)].content)
         await self.chat.clear()
         self.current = None
         self.session = self.new_session(None, [])
