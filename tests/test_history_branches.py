@@ -1,5 +1,9 @@
 """Conversation branches in the store: the schema-5 migration of a database written by the release
-before it (tests/data/history_v4.db), branch creation, switching, the current path and exports."""
+before it, branch creation, switching, the current path and exports.
+
+tests/data/history_v4.db was written by that release's own History: a chat with a system prompt, a
+mid-chat one, metrics and a stopped reply, cut by its edit (truncate) after copy_conversation saved it
+as "… (before edit)"; and a plain chat."""
 
 from __future__ import annotations
 
