@@ -228,7 +228,7 @@ class ChatApp(App[int]):
         yield SystemCommand("Toggle token colours", "Colour accepted draft vs target tokens (Ctrl+T)", self.action_toggle_colour)
         yield SystemCommand("Stop reply", "Stop the reply and keep what streamed (Esc)", self.action_stop)
         yield SystemCommand("Help", "Keys and commands", lambda: self.run_worker(view.chat.add_notice(HELP)))
-        yield SystemCommand("Regenerate last reply", "Drop the last reply and decode it again with the current settings (F5)",
+        yield SystemCommand("Regenerate last reply", "Decode the last reply again with the current settings; the old one stays as a branch (F5)",
                             self.action_regenerate)
         yield SystemCommand("Edit your last message", "Put it back in the box; Enter re-runs the chat from it "
                             "(earlier ones: Shift+Tab to one and press e, or /edit N)", view.start_edit)
