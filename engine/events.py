@@ -23,6 +23,10 @@ class Token:
     text: str  # the text delta this token released ("" while a character is incomplete)
     source: Literal["target", "draft"] = "target"  # "draft": an accepted draft token
     t_s: float = 0.0  # seconds since the request started
+    # the target's log-probability of this token and its most likely alternatives ((id, logprob), ...);
+    # only when the request asked (SamplingParams.logprobs), else None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from ..load.models import LoadedModel
 from ..model import forward
 from ..params import SamplingParams
 from .decoder import Decoder, Reply, context_budget
+from . import logprobs
 from .penalties import Penalties
 from .sampling import make_generator, sample_next
 
@@ -41,7 +42,8 @@ class ARDecoder(Decoder):
             pen.add([tok])
             delta = builder.push(tok)
             if builder.reason != "eos":
-                ev = Token(tok, delta, "target", time.perf_counter() - r.t0)
+                lp = logprobs.of_rows(logits[None], [tok], params.logprobs)[0] if params.logprobs is not None else (None, None)
+                ev = Token(tok, delta, "target", time.perf_counter() - r.t0, *lp)
                 r.metrics.add(ev)
                 yield ev
             if builder.finished:
