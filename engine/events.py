@@ -109,6 +109,9 @@ class Done:
     text: str
     token_ids: tuple[int, ...]
     stats: Stats
+    # with logprobs asked for, a reply that ended on EOS: (that token, its logprob, top alternatives); it is in
+    # no Token event, but a completion's logprobs list it (as vLLM's do: lm-eval's echo requests count on it)
+    eos_logprob: tuple[int, float, tuple[tuple[int, float], ...]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,13 +89,17 @@ class Reply:
                 self.legacy.add(tid, value)
         return self.echo
 
-    def _logprobs(self, tokens: list[Token]) -> dict[str, Any] | None:
+    def _logprobs(self, tokens: list[Token], done: Done | None = None) -> dict[str, Any] | None:
+        """The logprobs of these tokens; a completion's also list the EOS that ended it (a chat's, as OpenAI's, do not)."""
         if not self.logprobs:
             return None
         if self.chat_api:
             return chat_content(self.api.token_texts, [(t.id, t.logprob, t.top_logprobs) for t in tokens])
         for t in tokens:
             self.legacy.add(t.id, (t.logprob, t.top_logprobs))  # type: ignore[union-attr]
+        if done is not None and done.eos_logprob is not None:
+            tid, lp, top = done.eos_logprob
+            self.legacy.add(tid, (lp, top))  # type: ignore[union-attr]
         return self.legacy.take()  # type: ignore[union-attr]
 
     async def whole(self, first: Any) -> dict[str, Any]:
@@ -115,7 +119,7 @@ class Reply:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         content, calls = server_tools.parse(done.text, self.tools) if self.tools is not None else (done.text, [])
         choice: dict[str, Any] = {"index": 0, "finish_reason": server_tools.finish_reason(done.reason, calls),
-                                  "logprobs": self._logprobs(tokens)}
+                                  "logprobs": self._logprobs(tokens, done)}
         if self.chat_api:
             choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         else:
@@ -168,7 +172,8 @@ class Reply:
                     rest, calls = held.finish() if held is not None else (None, [])
                     if rest or calls:  # what was held back: text that was no call after all, and the calls
                         yield event(self._chunk(rest, calls=calls))
-                    chunk = self._chunk(None, [] if self.req.return_token_ids else None, server_tools.finish_reason(item.reason, calls))
+                    chunk = self._chunk(None, [] if self.req.return_token_ids else None, server_tools.finish_reason(item.reason, calls),
+                                        logprobs=self._logprobs([], item) if self.legacy is not None else None)
                     chunk["ssd_stats"] = self.ssd_stats(item)
                     yield event(chunk)
                     if self.req.stream_options is not None and self.req.stream_options.include_usage:

@@ -112,11 +112,12 @@ def test_completion_echo_gives_the_prompts_logprobs(server, loaded, mode, max_to
     choice = out["choices"][0]
     lps = choice["logprobs"]
     reply = choice["token_ids"]
-    assert len(reply) == max_tokens
-    ids = prompt + reply
+    ended = choice["finish_reason"] == "stop"  # on EOS: listed last, as vLLM's (lm-eval reads the list so)
+    assert len(reply) == max_tokens or (ended and len(reply) < max_tokens)
+    ids = prompt + reply + ([lps and tok.convert_tokens_to_ids(tok.eos_token)] if ended else [])
     assert len(lps["tokens"]) == len(lps["token_logprobs"]) == len(lps["top_logprobs"]) == len(lps["text_offset"]) == len(ids)
     assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
-    assert choice["text"] == tok.decode(prompt) + tok.decode(reply)
+    assert choice["text"] == tok.decode(prompt) + tok.decode(reply, skip_special_tokens=True)
     lp = truth(loaded, ids)
     for t in range(1, len(ids)):
         assert abs(lps["token_logprobs"][t] - lp[t - 1, ids[t]].item()) < TOL

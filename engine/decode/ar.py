@@ -41,8 +41,10 @@ class ARDecoder(Decoder):
             tok = sample_next(pen.apply(logits), params.temperature, params.top_k, params.top_p, gen)
             pen.add([tok])
             delta = builder.push(tok)
+            lp = logprobs.of_rows(logits[None], [tok], params.logprobs)[0] if params.logprobs is not None else (None, None)
+            if builder.reason == "eos" and params.logprobs is not None:
+                builder.eos_logprob = (tok, *lp)  # type: ignore[assignment]
             if builder.reason != "eos":
-                lp = logprobs.of_rows(logits[None], [tok], params.logprobs)[0] if params.logprobs is not None else (None, None)
                 ev = Token(tok, delta, "target", time.perf_counter() - r.t0, *lp)
                 r.metrics.add(ev)
                 yield ev

@@ -75,6 +75,8 @@ def emit_block(
             emitted += 1
             metrics.add(ev)
             yield ev
+        elif lps is not None:
+            builder.eos_logprob = (tok, *lps[i])
         if builder.finished:
             break
     return emitted, bonus_id
@@ -142,7 +144,8 @@ class Decoder(ABC):
             yield error_event(e, builder)
             return
         metrics.path = self.target.forwards.path("target")
-        yield Done(r.reason, builder.text + builder.flush(), tuple(builder.token_ids), metrics.stats(time.perf_counter() - r.t0))
+        yield Done(r.reason, builder.text + builder.flush(), tuple(builder.token_ids), metrics.stats(time.perf_counter() - r.t0),
+                   builder.eos_logprob)
 
     @abstractmethod
     def _budget(self, num_prompt: int, params: SamplingParams) -> int:

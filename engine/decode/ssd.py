@@ -241,8 +241,10 @@ class SSDDecoder(Decoder):
         pen = Penalties.of(params, prompt_ids)
         pending = sample_next(pen.apply(logits), params.temperature, params.top_k, params.top_p, gen)
         delta = builder.push(pending)
+        lp = logprobs.of_rows(logits[None], [pending], params.logprobs)[0] if params.logprobs is not None else (None, None)
+        if builder.reason == "eos" and params.logprobs is not None:
+            builder.eos_logprob = (pending, *lp)  # type: ignore[assignment]
         if builder.reason != "eos":
-            lp = logprobs.of_rows(logits[None], [pending], params.logprobs)[0] if params.logprobs is not None else (None, None)
             ev = Token(pending, delta, "target", time.perf_counter() - r.t0, *lp)
             metrics.add(ev)
             yield ev
