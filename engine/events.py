@@ -23,6 +23,10 @@ class Token:
     text: str  # the text delta this token released ("" while a character is incomplete)
     source: Literal["target", "draft"] = "target"  # "draft": an accepted draft token
     t_s: float = 0.0  # seconds since the request started
+    # the target's log-probability of this token and its most likely alternatives ((id, logprob), ...);
+    # only when the request asked (SamplingParams.logprobs), else None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +109,9 @@ class Done:
     text: str
     token_ids: tuple[int, ...]
     stats: Stats
+    # with logprobs asked for, a reply that ended on EOS: (that token, its logprob, top alternatives); it is in
+    # no Token event, but a completion's logprobs list it (as vLLM's do: lm-eval's echo requests count on it)
+    eos_logprob: tuple[int, float, tuple[tuple[int, float], ...]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

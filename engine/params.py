@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from .errors import ParamError
 
+MAX_LOGPROBS = 20  # the most alternatives per token a reply's logprobs show (vLLM's default, OpenAI's top_logprobs)
 SEED_MAX = 2**63 - 1  # the decoders derive seed + 1 and 2 * seed + 1, which torch takes up to 2**64 - 1
 
 
@@ -30,6 +31,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # report the target's logprob of each emitted token and its top-N alternatives (N = 0..20); None: off
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
@@ -46,6 +49,8 @@ class SamplingParams:
             raise ParamError("stop strings must not be empty")
         if not (0.0 < self.repetition_penalty < float("inf")):
             raise ParamError(f"repetition-penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ParamError(f"logprobs must be from 0 to {MAX_LOGPROBS} (the top alternatives shown per token), got {self.logprobs}")
         for name, v in (("frequency", self.frequency_penalty), ("presence", self.presence_penalty)):
             if not (-2.0 <= v <= 2.0):
                 raise ParamError(f"{name}-penalty must be in [-2, 2] (0 = off), got {v}")

@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine.load import chat
 from .engine.params import SamplingParams
+from .server_logprobs import TokenTexts
 from .server_limits import DEFAULT_MAX_BODY_MB, Guard, check_prompt_chars, max_token_chars, too_large
 from .server_metrics import CONTENT_TYPE, ServerMetrics
 from .server_reply import Reply
@@ -132,6 +133,7 @@ class _API:
         self.vocab = len(self.tokenizer.get_vocab()) if hasattr(self.tokenizer, "get_vocab") else None
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="ssd-tokenize")  # one thread: one tokenizer user
         self.tools_ok = template_supports_tools(self.tokenizer)
+        self.token_texts = TokenTexts(self.tokenizer)  # logprobs' token strings, read on the event loop
         self.created = int(time.time())
 
     # -- models and metrics ------------------------------------------------------------------
@@ -195,7 +197,10 @@ class _API:
             if vocab is not None and any(not 0 <= i < vocab for i in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
             ids = list(prompt)
-        return await self._answer(req, request, ids, (), chat_api=False)
+        echo = None
+        if req.echo:
+            echo = prompt if isinstance(prompt, str) else await self._tokenize(self.tokenizer.decode, ids)
+        return await self._answer(req, request, ids, (), chat_api=False, echo=echo)
 
     async def _tokenize(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
@@ -218,17 +223,19 @@ class _API:
         return wanted
 
     async def _answer(self, req: ChatRequest | CompletionRequest, request: Request, ids: list[int], extra_stop: tuple[str, ...],
-                      chat_api: bool, tools: set[str] | None = None, headers: dict[str, str] | None = None) -> Response:
+                      chat_api: bool, tools: set[str] | None = None, headers: dict[str, str] | None = None,
+                      echo: str | None = None) -> Response:
         max_new = self._max_new(len(ids), req.wanted_tokens, "messages" if chat_api else "prompt")
         try:
-            params = req.sampling(self.defaults, max_new, extra_stop)
+            params = req.sampling(self.defaults, max(max_new, 1), extra_stop)
         except ValueError as e:  # ParamError: a setting out of range
             raise APIError(400, str(e)) from None
         mode = req.ssd_mode or self.engine.config.mode
         why = self.worker._check_mode(mode)
         if why is not None:
             raise APIError(400, why, "ssd_mode")
-        job = Job(ids, params, mode, asyncio.get_running_loop())
+        top = req.top_wanted()
+        job = Job(ids, params, mode, asyncio.get_running_loop(), prompt_logprobs=top if echo is not None else None, generate=max_new > 0)
         try:
             self.worker.submit(job)
         except QueueFull as e:
@@ -237,7 +244,7 @@ class _API:
         except ShuttingDown:
             raise APIError(503, "the server is shutting down", code="shutting_down") from None
         watcher = asyncio.ensure_future(_watch_disconnect(request, job))
-        reply = Reply(self, job, req, chat_api, tools)
+        reply = Reply(self, job, req, chat_api, tools, echo)
         try:
             first = await reply.next()  # waits for its turn; errors before any token are a plain HTTP error
         except BaseException:

@@ -15,15 +15,21 @@ from . import server_tools
 from .engine.events import Done, Error, Notice, Token
 from .stats import SAMPLING_SHOWN
 from .server_schema import APIError, ChatRequest, CompletionRequest, error_body
-from .server_worker import END, Job, ShuttingDown
+from .server_logprobs import CompletionLogprobs, chat_content
+from .server_worker import END, Job, PromptLogprobs, ShuttingDown
 
 
 class Reply:
     """One request's answer, built from its job's events (OpenAI's chat or completion shape).
     ``tools``: the names of the tools the model was shown; its calls are read from the text."""
 
-    def __init__(self, api: Any, job: Job, req: ChatRequest | CompletionRequest, chat_api: bool, tools: set[str] | None = None) -> None:
+    def __init__(self, api: Any, job: Job, req: ChatRequest | CompletionRequest, chat_api: bool, tools: set[str] | None = None,
+                 echo: str | None = None) -> None:
         self.api, self.job, self.req, self.chat_api, self.tools = api, job, req, chat_api, tools
+        self.echo = echo  # a completion's echoed prompt text, or None
+        self.logprobs = req.top_wanted() is not None
+        self.legacy = CompletionLogprobs(api.token_texts) if self.logprobs and not chat_api else None
+        self.prompt_lps: list[Any] | None = None
         self.id = f"{'chatcmpl' if chat_api else 'cmpl'}-{secrets.token_hex(6)}-{job.id}"
         self.created = int(time.time())
         self.notices: list[str] = []
@@ -36,6 +42,9 @@ class Reply:
                 raise APIError(503, "the server is shutting down", code="shutting_down")
             if isinstance(item, Notice):
                 self.notices.append(item.message)
+                continue
+            if isinstance(item, PromptLogprobs):
+                self.prompt_lps = item.values
                 continue
             if isinstance(item, Error) and not item.token_ids and not item.text:
                 raise APIError(400 if item.kind == "param" else 500, item.message, code="engine_error")
@@ -71,12 +80,36 @@ class Reply:
         obj = ("chat.completion" if self.chat_api else "text_completion")
         return {"id": self.id, "object": obj, "created": self.created, "model": self.api.model_id}
 
+    def _echoed(self) -> str:
+        """The echoed prompt's text, and its tokens' logprobs into ``legacy`` (first in the answer)."""
+        if self.echo is None:
+            return ""
+        if self.legacy is not None:
+            for tid, value in zip(self.job.prompt_ids, self.prompt_lps or [None] * len(self.job.prompt_ids)):
+                self.legacy.add(tid, value)
+        return self.echo
+
+    def _logprobs(self, tokens: list[Token], done: Done | None = None) -> dict[str, Any] | None:
+        """The logprobs of these tokens; a completion's also list the EOS that ended it (a chat's, as OpenAI's, do not)."""
+        if not self.logprobs:
+            return None
+        if self.chat_api:
+            return chat_content(self.api.token_texts, [(t.id, t.logprob, t.top_logprobs) for t in tokens])
+        for t in tokens:
+            self.legacy.add(t.id, (t.logprob, t.top_logprobs))  # type: ignore[union-attr]
+        if done is not None and done.eos_logprob is not None:
+            tid, lp, top = done.eos_logprob
+            self.legacy.add(tid, (lp, top))  # type: ignore[union-attr]
+        return self.legacy.take()  # type: ignore[union-attr]
+
     async def whole(self, first: Any) -> dict[str, Any]:
-        item, text, ids, done = first, "", [], None
+        item, text, ids, done, tokens = first, "", [], None, []
+        echoed = self._echoed()
         while item is not END:
             if isinstance(item, Token):
                 text += item.text
                 ids.append(item.id)
+                tokens.append(item)
             elif isinstance(item, Error):
                 raise APIError(500, f"{item.message} (after {len(item.token_ids)} tokens)", code="engine_error")
             elif isinstance(item, Done):
@@ -85,11 +118,12 @@ class Reply:
         if done is None:  # the engine thread ended the job without a result (it was closed)
             raise APIError(503, "the server is shutting down", code="shutting_down")
         content, calls = server_tools.parse(done.text, self.tools) if self.tools is not None else (done.text, [])
-        choice: dict[str, Any] = {"index": 0, "finish_reason": server_tools.finish_reason(done.reason, calls), "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": server_tools.finish_reason(done.reason, calls),
+                                  "logprobs": self._logprobs(tokens, done)}
         if self.chat_api:
             choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         else:
-            choice["text"] = done.text
+            choice["text"] = echoed + done.text
         if self.req.return_token_ids:
             choice["token_ids"] = list(done.token_ids)
         out = {**self._base(), "choices": [choice], "usage": self.usage(done, len(ids)), "ssd_stats": self.ssd_stats(done)}
@@ -98,14 +132,14 @@ class Reply:
         return out
 
     def _chunk(self, text: str | None, token_ids: list[int] | None = None, finish: str | None = None, role: bool = False,
-               calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+               calls: list[dict[str, Any]] | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat_api:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
             if calls:
                 delta["tool_calls"] = server_tools.stream_deltas(calls)
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         if token_ids is not None and self.req.return_token_ids:
             choice["token_ids"] = token_ids
         base = self._base()
@@ -119,14 +153,17 @@ class Reply:
         try:
             if self.chat_api:
                 yield event(self._chunk(None, role=True))
+            elif self.echo is not None:  # the echoed prompt, with its logprobs, comes first
+                text = self._echoed()
+                yield event(self._chunk(text, list(self.job.prompt_ids), logprobs=self.legacy.take() if self.legacy is not None else None))
             item, count = first, 0
             held = server_tools.ToolStream(self.tools) if self.tools is not None else None
             while item is not END:
                 if isinstance(item, Token):
                     count += 1
                     text = held.feed(item.text) if held is not None else item.text
-                    if text or self.req.return_token_ids:
-                        yield event(self._chunk(text, [item.id]))
+                    if text or self.req.return_token_ids or self.logprobs:
+                        yield event(self._chunk(text, [item.id], logprobs=self._logprobs([item])))
                 elif isinstance(item, Error):  # mid-reply: what streamed stays; the error closes the stream
                     if held is not None and held.text[held.shown:]:  # text held back as a possible call goes out as it is
                         yield event(self._chunk(held.text[held.shown:]))
@@ -135,7 +172,8 @@ class Reply:
                     rest, calls = held.finish() if held is not None else (None, [])
                     if rest or calls:  # what was held back: text that was no call after all, and the calls
                         yield event(self._chunk(rest, calls=calls))
-                    chunk = self._chunk(None, [] if self.req.return_token_ids else None, server_tools.finish_reason(item.reason, calls))
+                    chunk = self._chunk(None, [] if self.req.return_token_ids else None, server_tools.finish_reason(item.reason, calls),
+                                        logprobs=self._logprobs([], item) if self.legacy is not None else None)
                     chunk["ssd_stats"] = self.ssd_stats(item)
                     yield event(chunk)
                     if self.req.stream_options is not None and self.req.stream_options.include_usage:

@@ -1,7 +1,7 @@
 """The OpenAI request bodies the server accepts, and OpenAI-style error objects.
 
 Requests are validated strictly (a string where a number belongs is an error, not coerced),
-and what the engine cannot do (several choices, log-probs, tool calls) is refused with
+and what the engine cannot do (several choices, logit_bias) is refused with
 a 400 that says so, rather than silently ignored.  Unknown fields are ignored: clients send
 many optional ones.  Extensions, as in vLLM: ``top_k``, ``repetition_penalty``, ``ignore_eos``, ``return_token_ids``,
 and ours, ``ssd_mode`` (decode this request with another mode the loaded draft allows).
@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from .engine.params import SEED_MAX, SamplingParams
+from .engine.params import MAX_LOGPROBS, SEED_MAX, SamplingParams
 
 
 class APIError(Exception):
@@ -138,7 +138,7 @@ class _Common(_Strict):
     temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)  # vLLM's convention: -1 (or 0) is off
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: only with a completion's echo (its prompt's logprobs)
     stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
     n: int = Field(1, ge=1)
@@ -152,6 +152,8 @@ class _Common(_Strict):
     return_token_ids: bool = False
 
     def check_supported(self) -> None:
+        if self.max_tokens == 0 and not getattr(self, "echo", False):
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo, for the prompt's logprobs)", "max_tokens")
         if self.n != 1:
             raise APIError(400, "n must be 1: the engine decodes one reply per request", "n")
         if self.logit_bias:
@@ -172,21 +174,27 @@ class _Common(_Strict):
             max_new_tokens=max_new_tokens,
             stop=stop + tuple(extra_stop),
             ignore_eos=self.ignore_eos,
+            logprobs=self.top_wanted(),
         )
+
+    def top_wanted(self) -> int | None:
+        """How many alternatives per emitted token the reply's logprobs show; None: no logprobs."""
+        raise NotImplementedError
 
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ToolDef] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", "logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         # The model decides whether to call a tool (the server cannot force its output to be a call)
         if self.tools and self.tool_choice not in (None, "auto", "none"):
             raise APIError(400, "tool_choice must be auto or none: the model chooses whether to call a tool, and nothing forces its output to be a call", "tool_choice")
@@ -199,33 +207,36 @@ class ChatRequest(_Common):
     def wanted_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def top_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def chat(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
 
 
 class CompletionRequest(_Common):
-    prompt: Text | list[Text] | list[int]
-    logprobs: int | None = None
+    # a batch of one (lm-eval sends its token ids so: [[...]])
+    prompt: Text | list[Text] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: Text | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", "logprobs")
-        if self.echo:
-            raise APIError(400, "echo is not supported", "echo")
         if self.suffix:
             raise APIError(400, "suffix (fill-in-the-middle) is not supported", "suffix")
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)) and len(self.prompt) != 1:
             raise APIError(400, "one prompt per request: the engine decodes one reply at a time", "prompt")
 
     @property
     def wanted_tokens(self) -> int | None:
         return self.max_tokens
 
+    def top_wanted(self) -> int | None:
+        return self.logprobs
+
     def text_or_ids(self) -> str | list[int]:
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str):
-            return p[0]
-        return p
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return p[0]  # type: ignore[return-value]
+        return p  # type: ignore[return-value]

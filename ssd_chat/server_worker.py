@@ -27,12 +27,20 @@ from typing import Any
 
 from .engine import MODES, Engine, threads
 from .engine.errors import ParamError, SSDChatError
-from .engine.events import Done, Error, Notice, Round, Token
+from .engine.decode import logprobs
+from .engine.events import Done, Error, Notice, Round, Stats, Token
 from .engine.params import SamplingParams
 from .server_metrics import ServerMetrics
 
 log = logging.getLogger("ssd_chat.server")
 END = None  # posted after a job's last event
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Posted before an echo's reply: each prompt token's (logprob, top alternatives), None for the first."""
+
+    values: list[Any]
 
 
 class QueueFull(Exception):
@@ -61,6 +69,8 @@ class Job:
     reason: str | None = None
     num_tokens: int = 0
     rounds_after_stop: int = 0  # rounds decoded after the client went away (the engine stops at the next one)
+    prompt_logprobs: int | None = None  # echo: the prompt tokens' logprobs first, with this many alternatives
+    generate: bool = True  # False: the prompt's logprobs only (max_tokens 0)
 
     def post(self, item: Any) -> None:
         """Hand an event (or END, or an exception) to the request's handler; thread-safe."""
@@ -200,7 +210,12 @@ class EngineWorker:
         self.metrics.started(len(job.prompt_ids), job.started_s - job.arrived_s)
         try:
             engine = self.engine_for(job.mode)
-            for ev in engine.stream(job.prompt_ids, job.params, job.stop):
+            if job.prompt_logprobs is not None:
+                cfg = engine.config
+                rows = (1,) if cfg.mode == "ar" else (cfg.k + 1,)
+                job.post(PromptLogprobs(logprobs.of_prompt(engine.target, job.prompt_ids, job.prompt_logprobs, cfg.compile, rows)))
+            events = engine.stream(job.prompt_ids, job.params, job.stop) if job.generate else [self._nothing(job, engine)]
+            for ev in events:
                 if job.stop.is_set() and isinstance(ev, Round):
                     job.rounds_after_stop += 1
                 if isinstance(ev, Token):
@@ -229,6 +244,12 @@ class EngineWorker:
             self._recent_s = (self._recent_s + [job.ended_s - job.started_s])[-8:]
             self.running = None
             self._finish(job)
+
+    @staticmethod
+    def _nothing(job: Job, engine: Engine) -> Done:
+        """The end of a reply of no tokens (max_tokens 0: its prompt's logprobs were the answer)."""
+        mode = engine.config.mode
+        return Done("length", "", (), Stats(mode, 0, 0, time.perf_counter() - (job.started_s or 0.0), 0.0, None, None, None, None, None))
 
     def _finish(self, job: Job) -> None:
         self.history = (self.history + [job])[-1000:]

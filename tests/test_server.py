@@ -203,7 +203,7 @@ def test_a_full_queue_answers_429_with_retry_after(loaded):
     ({"messages": MSG, "ssd_mode": "turbo"}, 400, "ssd_mode"),
     ({"messages": MSG, "stop": [""]}, 400, "stop"),
     ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, 400, "tool_choice"),
-    ({"messages": MSG, "logprobs": True}, 400, "logprobs"),
+    ({"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({"messages": MSG, "model": "gpt-4o"}, 404, "model"),
 ])
 def test_bad_input_is_an_openai_error_and_the_server_stays_up(sd_server, body, status, param):

@@ -13,6 +13,7 @@ from ..load.models import LoadedModel
 from ..model import forward
 from ..params import SamplingParams
 from .decoder import Decoder, Reply, context_budget
+from . import logprobs
 from .penalties import Penalties
 from .sampling import make_generator, sample_next
 
@@ -40,8 +41,11 @@ class ARDecoder(Decoder):
             tok = sample_next(pen.apply(logits), params.temperature, params.top_k, params.top_p, gen)
             pen.add([tok])
             delta = builder.push(tok)
+            lp = logprobs.of_rows(logits[None], [tok], params.logprobs)[0] if params.logprobs is not None else (None, None)
+            if builder.reason == "eos" and params.logprobs is not None:
+                builder.eos_logprob = (tok, *lp)  # type: ignore[assignment]
             if builder.reason != "eos":
-                ev = Token(tok, delta, "target", time.perf_counter() - r.t0)
+                ev = Token(tok, delta, "target", time.perf_counter() - r.t0, *lp)
                 r.metrics.add(ev)
                 yield ev
             if builder.finished:

@@ -23,6 +23,7 @@ from ..events import Done, DoneReason, Error, Event, Notice, Token
 from ..load.models import LoadedModel
 from ..metrics import Metrics
 from ..params import SamplingParams
+from . import logprobs
 from .detok import ReplyBuilder
 
 
@@ -53,22 +54,30 @@ def error_event(exc: BaseException, builder: ReplyBuilder) -> Error:
 
 
 def emit_block(
-    builder: ReplyBuilder, metrics: Metrics, drafts: list[int], num_accepted: int, bonus: int, t0: float
+    builder: ReplyBuilder, metrics: Metrics, drafts: list[int], num_accepted: int, bonus: int, t0: float,
+    logits: torch.Tensor | None = None, top: int | None = None,
 ) -> Generator[Token, None, tuple[int, int | None]]:
     """Push one round's accepted drafts and bonus through ``builder``, yielding their Token
     events; EOS / stop / length end the block at that token.  Returns ``(emitted, bonus_id)``
-    (bonus_id None if the reply ended before the bonus).  Shared by SD and SSD."""
+    (bonus_id None if the reply ended before the bonus).  Shared by SD and SSD.  With ``top``
+    (the request's logprobs), the tokens carry their logprobs from the verify's raw ``logits``
+    (row i scored token i of the block)."""
     emitted, bonus_id = 0, None
     t = time.perf_counter() - t0  # one time for the block: its tokens became known together
-    for i, tok in enumerate([*drafts[:num_accepted], bonus]):
+    block = [*drafts[:num_accepted], bonus]
+    lps = logprobs.of_rows(logits, block, top) if top is not None and logits is not None else None
+    for i, tok in enumerate(block):
         delta = builder.push(tok)
         if i == num_accepted:
             bonus_id = tok
         if builder.reason != "eos":
-            ev = Token(tok, delta, "draft" if i < num_accepted else "target", t)
+            ev = Token(tok, delta, "draft" if i < num_accepted else "target", t,
+                       *(lps[i] if lps is not None else (None, None)))
             emitted += 1
             metrics.add(ev)
             yield ev
+        elif lps is not None:
+            builder.eos_logprob = (tok, *lps[i])
         if builder.finished:
             break
     return emitted, bonus_id
@@ -136,7 +145,8 @@ class Decoder(ABC):
             yield error_event(e, builder)
             return
         metrics.path = self.target.forwards.path("target")
-        yield Done(r.reason, builder.text + builder.flush(), tuple(builder.token_ids), metrics.stats(time.perf_counter() - r.t0))
+        yield Done(r.reason, builder.text + builder.flush(), tuple(builder.token_ids), metrics.stats(time.perf_counter() - r.t0),
+                   builder.eos_logprob)
 
     @abstractmethod
     def _budget(self, num_prompt: int, params: SamplingParams) -> int:

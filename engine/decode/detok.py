@@ -44,6 +44,8 @@ class ReplyBuilder:
         self._prefix_offset = 0
         self._read_offset = 0
         self.reason: EndReason | None = None
+        # the EOS token that ended the reply, with its logprob and alternatives (when a request asked for logprobs)
+        self.eos_logprob: tuple[int, float, tuple[tuple[int, float], ...]] | None = None
 
     @property
     def finished(self) -> bool:

@@ -122,7 +122,8 @@ class SDDecoder(Decoder):
             verify_s = time.perf_counter() - t_verify
 
             # emit the accepted drafts and the bonus; EOS / stop / length end the reply at that token
-            emitted, bonus_id = yield from emit_block(builder, metrics, drafts, num_accepted, bonus, r.t0)
+            emitted, bonus_id = yield from emit_block(builder, metrics, drafts, num_accepted, bonus, r.t0,
+                                                         out.logits, params.logprobs)
             seq += [*drafts[:num_accepted], bonus]  # only read again if the reply goes on
             for pen in {id(tpen): tpen, id(dpen): dpen}.values():
                 pen.add([*drafts[:num_accepted], bonus])

@@ -62,7 +62,7 @@ from ..speculate.worker import recipe_for
 from .decoder import Decoder, Noticing, Reply, context_budget, emit_block
 from .detok import ReplyBuilder
 from .penalties import Penalties
-from . import outcome
+from . import logprobs, outcome
 from .sampling import logits_to_probs, make_generator, sample_next
 
 LOAD_TIMEOUT_S = 180.0  # the speculator's start (imports + loading the draft)
@@ -241,8 +241,11 @@ class SSDDecoder(Decoder):
         pen = Penalties.of(params, prompt_ids)
         pending = sample_next(pen.apply(logits), params.temperature, params.top_k, params.top_p, gen)
         delta = builder.push(pending)
+        lp = logprobs.of_rows(logits[None], [pending], params.logprobs)[0] if params.logprobs is not None else (None, None)
+        if builder.reason == "eos" and params.logprobs is not None:
+            builder.eos_logprob = (pending, *lp)  # type: ignore[assignment]
         if builder.reason != "eos":
-            ev = Token(pending, delta, "target", time.perf_counter() - r.t0)
+            ev = Token(pending, delta, "target", time.perf_counter() - r.t0, *lp)
             metrics.add(ev)
             yield ev
         return _Reply(runner, builder, metrics, params, gen, r.t0, r.stop, list(prompt_ids), pending, pen)
@@ -279,7 +282,7 @@ class SSDDecoder(Decoder):
         # accepted drafts, then the bonus; EOS / stop / length end the reply there
         st.seq += [st.pending, *drafts[:n]]
         st.pen.add([st.pending, *drafts[:n]])
-        emitted, bonus_id = yield from emit_block(st.builder, st.metrics, drafts, n, bonus, st.t0)
+        emitted, bonus_id = yield from emit_block(st.builder, st.metrics, drafts, n, bonus, st.t0, logits, st.params.logprobs)
         if drafts:  # without a draft the round was a plain target step (AR after a failure): no Round
             rnd = Round(st.index, prop.tokens, n, bonus_id, emitted, prop.draft_s, st.verify_s,
                         time.perf_counter() - st.t0, **prop.round_fields(wait_s))
