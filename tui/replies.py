@@ -91,11 +91,12 @@ class ReplyActions:
             return
         self.prompt.remember(text)
         self.prompt.set_text("")
+        typed, text = text, self.take_attachments(text)  # files staged with /attach go with this message
         await self.chat.add_user(text)
         widget = await self.chat.add_assistant(colour=self.colour)
         self.chat.anchor()
         if self.conversation_id is None:  # saved with the system prompts set before its first prompt
-            self.conversation_id = self.history.new_conversation(text)
+            self.conversation_id = self.history.new_conversation(typed)
             for m in self.messages:
                 self.history.add_message(self.conversation_id, m["role"], m["content"])
         self.history.add_message(self.conversation_id, "user", text)

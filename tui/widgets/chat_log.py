@@ -32,11 +32,21 @@ DRAFT_STYLE = "green"
 TARGET_STYLE = "bold yellow"  # drawn orange: the app's dark theme maps ANSI yellow to orange (the docs say orange)
 
 
+class CopyBlock(Message):
+    """``c`` on a focused message: copy its next fenced code block (the chat keeps which one was last)."""
+
+    def __init__(self, message: "UserMessage | AssistantMessage") -> None:
+        super().__init__()
+        self.message = message
+
+
 class UserMessage(Static, can_focus=True):
     """A prompt as the user wrote it (plain text: no Markdown surprises).  Focusable (Shift+Tab from the
-    prompt box, or a click): e or Enter puts it back in the box to edit and re-run from there."""
+    prompt box, or a click): e or Enter puts it back in the box to edit and re-run from there; c copies
+    its next code block (an attached file)."""
 
-    BINDINGS = [Binding("e,enter", "edit", "Edit and re-run")]
+    BINDINGS = [Binding("e,enter", "edit", "Edit and re-run"), Binding("c", "copy_block", "Copy code block")]
+    block_index = -1  # the block c copied last
 
     class EditRequested(Message):
         def __init__(self, message: "UserMessage") -> None:
@@ -50,6 +60,9 @@ class UserMessage(Static, can_focus=True):
     def action_edit(self) -> None:
         self.post_message(self.EditRequested(self))
 
+    def action_copy_block(self) -> None:
+        self.post_message(CopyBlock(self))
+
 
 class Notice(Static):
     """A line from the app (warnings, errors, settings changes)."""
@@ -59,14 +72,17 @@ class Notice(Static):
         self.text = text
 
 
-class AssistantMessage(Vertical):
+class AssistantMessage(Vertical, can_focus=True):
     """A reply: Markdown while streaming (coalesced through a MarkdownStream), a status line at the end.
+    Focusable (Shift+Tab, a click): c copies its next fenced code block, cycling through them.
 
     ``segments`` keeps each token's text and source so the reply can be shown coloured
     by who produced each token (``-colour`` class).
     """
 
     DEFAULT_CLASSES = "message assistant"
+    BINDINGS = [Binding("c", "copy_block", "Copy code block")]
+    block_index = -1  # the block c copied last
 
     def __init__(self, text: str = "", status: str = "streaming", meta: str = "", colour: bool = False) -> None:
         super().__init__()
@@ -80,6 +96,9 @@ class AssistantMessage(Vertical):
         self._meta = Static(Text(printable(meta)), classes="meta", markup=False)
         self.set_class(colour, "-colour")
         self.set_class(status == "streaming", "-streaming")
+
+    def action_copy_block(self) -> None:
+        self.post_message(CopyBlock(self))
 
     def compose(self):
         yield self._body
