@@ -96,6 +96,7 @@ def turn(attachments: list[Attachment], text: str) -> str:
 
 
 def count(tokenizer: Any, text: str) -> int:
+    """Tokens of ``text`` alone (a file's block: what it adds to the turn)."""
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -139,4 +140,4 @@ def precheck(values: dict[str, Any], attachments: list[Attachment]) -> None:
         tokenizer = load_tokenizer(folder, bool(values.get("trust_remote_code")))
     except Exception:  # noqa: BLE001 - the exact check after loading still runs
         return
-    check_fits([(a, count(tokenizer, a.text)) for a in attachments], context, values["target"])
+    check_fits([(a, count(tokenizer, a.block())) for a in attachments], context, values["target"])

@@ -95,7 +95,7 @@ def ask(
     stats: Annotated[bool, typer.Option("--stats", help="Print a one-line summary (tok/s, TTFT, acceptance) to stderr.")] = False,
     server: Annotated[Optional[str], typer.Option("--server", help="Answer through this `ssd-chat serve` (e.g. http://127.0.0.1:8000) instead of loading the models.", show_default=False)] = None,
     no_server: Annotated[bool, typer.Option("--no-server", help="Load the models here even if a matching `ssd-chat serve` is running.")] = False,
-    attach: Annotated[Optional[list[str]], typer.Option("--attach", "-a", help="Put this text file in the question, with its name, as a fenced block (repeatable).", show_default=False)] = None,
+    attach: Annotated[Optional[list[str]], typer.Option("--attach", "-a", metavar="FILE", help="Put this text file in the question, with its name, as a fenced block (repeatable).", show_default=False)] = None,
     *, given: dict[str, Any],
 ) -> None:
     """Answer one question on stdout (plain text; --json for machines); -a FILE puts a text file in it.
@@ -147,7 +147,7 @@ def ask(
     try:
         from .session import context_window
 
-        attaching.check_fits([(f, attaching.count(engine.tokenizer, f.text)) for f in files], context_window(engine), engine.target.name)
+        attaching.check_fits([(f, attaching.count(engine.tokenizer, f.block())) for f in files], context_window(engine), engine.target.name)
         code = _answer(engine, prompt, values, params, json_out, stats)
     except (SSDChatError, attaching.AttachError) as e:  # raised while setting up the decoder, before any token
         raise fail(str(e)) from None

@@ -68,7 +68,7 @@ def test_ask_refuses_a_file_larger_than_the_context_before_the_weights_load(tmp_
     assert int(line.split(" it is ")[1].split(" tokens")[0].replace(",", "")) > 2000
 
 
-def test_ask_sends_the_file_in_the_question(tmp_path, tiny_dir):  # noqa: F811
+def test_ask_sends_the_file_in_the_question(tmp_path, tiny_dir, smol_tokenizer):  # noqa: F811
     src = tmp_path / "add.py"
     src.write_text(CODE)
     r = cli("ask", "--target", str(tiny_dir), "--mode", "ar", "-n", "3", "--json", "-a", str(src), "--attach", str(src), "hi")
@@ -76,7 +76,9 @@ def test_ask_sends_the_file_in_the_question(tmp_path, tiny_dir):  # noqa: F811
     assert json.loads(r.stdout)["stats"]["new_tokens"] == 3
     # a file that fits the context alone, but not with the question's chat template around it: the
     # prompt sent holds the file (the same question with the small file above is answered)
-    near = tmp_path / "near.txt"
-    near.write_text("word " * 480)
+    near, words = tmp_path / "near.txt", 500
+    while attach.count(smol_tokenizer, attach.Attachment(str(near), "word " * words).block()) > 505:
+        words -= 1
+    near.write_text("word " * words)
     r = cli("ask", "--target", str(tiny_dir), "--mode", "ar", "-n", "3", "-a", str(near), "hi")
     assert r.returncode == 1 and "has a context of 512 tokens" in r.stderr and "Traceback" not in r.stderr, r.stderr

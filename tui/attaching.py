@@ -46,7 +46,10 @@ class AttachActions:
         except attach.AttachError as e:
             await self.chat.add_notice(str(e), "error")
             return
-        counted = await threads.in_thread(threads.count(), self.backend.count_tokens, a.block()) if self.ready else None
+        try:
+            counted = await threads.in_thread(threads.count(), self.backend.count_tokens, a.block()) if self.ready else None
+        except Exception:  # noqa: BLE001 - not counted: the reply's own context check still applies
+            counted = None
         n, context = counted if counted is not None else (None, None)
         if n is not None:
             known = [(b, m) for b, m in self.attachments if m is not None]
