@@ -14,9 +14,9 @@ from .decode.ar import ARDecoder
 from .drafts import shipped as drafts
 from .drafts.drafter import is_feature_draft
 from .drafts.shipped import check_draft_for_mode, default_draft
-from .errors import ParamError
+from .errors import NotCachedError, ParamError
 from .events import Event
-from .load import chat, models, precision
+from .load import chat, models, pair, precision
 from .params import SamplingParams
 from .tp import load as tp_load
 
@@ -55,6 +55,7 @@ class Engine:
         self._decoder_key: tuple | None = None
         self.measurer: Any = None  # auto's background measurer process (engine/decode/probe.py), while it runs
         self.measure_later: tuple[EngineConfig, int] | None = None  # what it is to measure, and the key's lock, until loaded
+        self.measure = "no"  # how auto gets a measurement it lacks (Engine.load's ``measure``), for /mode auto later
         if target.forwards.sharded is None and target.device.type == "cpu":  # auto builds its CPU graphs in the background
             target.forwards.source = lambda: _rebuild(target)
 
@@ -74,6 +75,19 @@ class Engine:
         tplace = models.parse_placement(config.target_device, config.dtype)
         if config.needs_draft and config.mode not in DECODERS:
             raise ParamError(f"mode '{config.mode}' is not available in this version")
+        # target and draft together, before any download: offline, one message names every missing model
+        pair_draft = draft_name if draft_name is not None and not drafts.is_derived(draft_name) else None
+        missing = pair.check(config.target, pair_draft)
+        try:
+            return cls._load(config, asked, pre, tplace, draft_name, progress, tqdm_class, measure)
+        except NotCachedError as e:  # no network: the hub could not be asked for the models that are missing
+            if not missing:
+                raise
+            raise NotCachedError(pair.message(missing, config.target, pair_draft)) from e
+
+    @classmethod
+    def _load(cls, config: EngineConfig, asked: EngineConfig, pre: Any, tplace: Any, draft_name: str | None,
+              progress: models.ProgressFn, tqdm_class: Any, measure: str) -> "Engine":
         dplace = None
         if draft_name is not None:
             if not drafts.is_derived(draft_name):
@@ -102,6 +116,7 @@ class Engine:
             target.forwards.close()  # no rank outlives a load that failed
             raise
         engine = cls(config, target, draft, pre.reason if pre.auto else None)
+        engine.measure = measure
         if pre.probe:  # auto with a draft: the mode that measured fastest here (engine/decode/probe.py)
             from .decode.probe import settle
 
@@ -111,11 +126,14 @@ class Engine:
                 engine.close()
                 raise
         engine.warm(progress)
-        if engine.measure_later is not None:  # after warm: the measurer does not compile AR's graph beside it
+        engine._start_measurer()  # after warm: the measurer does not compile AR's graph beside it
+        return engine
+
+    def _start_measurer(self) -> None:
+        if self.measure_later is not None and self.measurer is None:
             from .decode.probe import start_measurer
 
-            engine.measurer, engine.measure_later = start_measurer(engine.measure_later), None
-        return engine
+            self.measurer, self.measure_later = start_measurer(self.measure_later), None
 
     def settle(self, mode: str, reason: str, decoder: Any = None) -> None:
         """Take ``auto``'s measured choice: ``mode``, why, and the probe's decoder for it (a started speculator)."""
@@ -230,12 +248,15 @@ class Engine:
         if self.auto_choice is None:
             from .load.preflight import check
 
-            pre = check(replace(self.config, **others, mode="auto"))
+            asked = replace(self.config, **others, mode="auto")
+            pre = check(asked)
             if pre.probe:
                 from .decode.probe import settle
 
                 self._switch(**others, mode=pre.config.mode)  # its draft (derived now if none is loaded)
-                settle(self, pre.draft, pre.probe, models._no_progress)  # sets auto_choice
+                # sets auto_choice; the app and serve measure a setup with no record in the background
+                settle(self, pre.draft, pre.probe, models._no_progress, self.measure, source=asked)
+                self._start_measurer()
                 return
             self.auto_choice = (pre.config.mode, pre.reason)
         mode, reason = self.auto_choice

@@ -9,6 +9,10 @@ class ModelError(SSDChatError):
     """A model could not be found or loaded."""
 
 
+class NotCachedError(ModelError):
+    """A hub model is not in the local cache and cannot be downloaded now (offline, no network)."""
+
+
 class TokenizerMismatchError(ModelError):
     """Target and draft do not share a vocabulary."""
 

@@ -67,7 +67,7 @@ class Stats:
     elapsed_s: float
     prefill_s: float
     ttft_s: float | None
-    tok_per_s: float | None  # decode rate: (n - 1) / (t_last - t_first)
+    tok_per_s: float | None  # decode rate: tokens after the first block / (t_last - t_first)
     acceptance_rate: float | None  # accepted draft tokens / drafted tokens
     mean_accepted_length: float | None  # tokens per verification, bonus included
     cache_hit_rate: float | None  # SSD: hits / rounds

@@ -6,7 +6,8 @@
   when the ones before it were (the per-token rate ``a`` of the SSD paper and ``fanout``)
 * per-position acceptance[i] = P(draft position i accepted) over all rounds that drafted it
 * cache-hit rate = hits / verifications (SSD)
-* decode tok/s = (n - 1) / (t_last_token - t_first_token); TTFT = t_first_token
+* decode tok/s = (n - n_first) / (t_last_token - t_first_token), n_first the tokens that came with the first
+  (1 in AR, the first round's in SD/SSD); TTFT = t_first_token
 
 Two physical bounds on a speedup, one rule each for the bench, ``compare``, Ctrl+G and the panel:
 
@@ -42,6 +43,7 @@ class Metrics:
     num_tokens: int = 0
     t_first: float | None = None
     t_last: float | None = None
+    n_first: int = 0  # tokens that came at t_first
     num_rounds: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
@@ -66,6 +68,8 @@ class Metrics:
             self.num_tokens += 1
             if self.t_first is None:
                 self.t_first = ev.t_s
+            if ev.t_s == self.t_first:  # the first block (SD/SSD's first round) is prefill's, not decoding's
+                self.n_first += 1
             self.t_last = ev.t_s
         elif isinstance(ev, Round):
             self._add_round(ev)
@@ -112,8 +116,8 @@ class Metrics:
     def stats(self, elapsed_s: float) -> Stats:
         n = self.num_tokens
         tok_per_s = None
-        if n >= 2 and self.t_last is not None and self.t_first is not None and self.t_last > self.t_first:
-            tok_per_s = (n - 1) / (self.t_last - self.t_first)
+        if n > self.n_first and self.t_last is not None and self.t_first is not None and self.t_last > self.t_first:
+            tok_per_s = (n - self.n_first) / (self.t_last - self.t_first)  # None when one block was the whole reply
         spec = self.num_rounds > 0
         hits, misses = self.num_hits, self.num_ssd_rounds - self.num_hits
         return Stats(

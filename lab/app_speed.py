@@ -26,13 +26,14 @@ def settings(args: argparse.Namespace) -> list[str]:
     return ["--mode", args.mode, "--temperature", "0", "--repetition-penalty", "1", "-n", str(args.n), "--target-device", "cpu"]
 
 
-def ask(args: argparse.Namespace, env: dict[str, str]) -> float:
+def ask(args: argparse.Namespace, env: dict[str, str]) -> tuple[float, float]:
     out = subprocess.run([sys.executable, "-m", "ssd_chat", "ask", *settings(args), "--json", PROMPT],
                          env=env, capture_output=True, text=True, check=True).stdout
-    return float(json.loads(out)["stats"]["tok_per_s"])
+    stats = json.loads(out)["stats"]
+    return float(stats["tok_per_s"]), float(stats["ttft_s"])
 
 
-def app(args: argparse.Namespace, env: dict[str, str], in_process: bool) -> float:
+def app(args: argparse.Namespace, env: dict[str, str], in_process: bool) -> tuple[float, float]:
     import pexpect
 
     db = os.path.join(tempfile.mkdtemp(), "h.db")
@@ -59,11 +60,11 @@ def app(args: argparse.Namespace, env: dict[str, str], in_process: bool) -> floa
                 pass
             try:
                 with sqlite3.connect(db) as con:
-                    row = con.execute("SELECT tok_per_s FROM turn_metrics").fetchone()
+                    row = con.execute("SELECT tok_per_s, stats_json FROM turn_metrics").fetchone()
             except sqlite3.Error:
                 row = None
             if row and row[0]:
-                return float(row[0])
+                return float(row[0]), float(json.loads(row[1])["ttft_s"])
         raise RuntimeError("no reply")
     finally:
         child.sendcontrol("c")
@@ -76,18 +77,23 @@ def main() -> None:
     p.add_argument("--mode", default="ar")
     p.add_argument("-n", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-in-process", action="store_true", help="leave out the app with the engine in its own process")
     args = p.parse_args()
     env = dict(os.environ, SSD_CHAT_CONFIG_DIR=tempfile.mkdtemp(), SSD_CHAT_DATA_DIR=tempfile.mkdtemp(), HF_HUB_OFFLINE="1")
-    runs: dict[str, list[float]] = {"ask": [], "app": [], "app in-process": []}
+    runs: dict[str, list[tuple[float, float]]] = {"ask": [], "app": [], "app in-process": []}
     for r in range(args.rounds):
         runs["ask"].append(ask(args, env))
         runs["app"].append(app(args, env, False))
-        runs["app in-process"].append(app(args, env, True))
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()), flush=True)
-    med = {k: statistics.median(v) for k, v in runs.items()}
+        if not args.no_in_process:
+            runs["app in-process"].append(app(args, env, True))
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1][0]:.1f} tok/s TTFT {v[-1][1]:.2f} s" for k, v in runs.items() if v),
+              flush=True)
+    med = {k: statistics.median(x for x, _ in v) for k, v in runs.items() if v}
+    ttft = {k: statistics.median(t for _, t in v) for k, v in runs.items() if v}
     print(f"{args.mode}: median tok/s " + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
-          + f"; app/ask {med['app'] / med['ask']:.2f}, in-process/ask {med['app in-process'] / med['ask']:.2f}")
-
+          + f"; app/ask {med['app'] / med['ask']:.3f}"
+          + (f", in-process/ask {med['app in-process'] / med['ask']:.3f}" if "app in-process" in med else "")
+          + "; median TTFT " + ", ".join(f"{k} {v:.2f} s" for k, v in ttft.items()))
 
 if __name__ == "__main__":
     main()

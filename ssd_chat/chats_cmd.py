@@ -96,6 +96,9 @@ def chats_export(
                                                show_default=False)] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file instead of stdout.", show_default=False)] = None,
     db: Db = None,
+    all_branches: Annotated[bool, typer.Option("--all-branches", help="Every branch (regenerated replies, edited "
+                                               "messages), each message with its id and the one it follows; "
+                                               "default: the current branch only.")] = False,
 ) -> None:
     """Export a chat with its per-reply metrics as Markdown, JSON Lines or JSON."""
     from .history import HistoryError
@@ -106,7 +109,7 @@ def chats_export(
     if h is None:
         raise _no_chat(chat_id, h)
     try:
-        text = h.export(chat_id, fmt)
+        text = h.export(chat_id, fmt, all_branches)
     except KeyError:
         raise _no_chat(chat_id, h) from None
     except HistoryError as e:
@@ -138,9 +141,10 @@ def _export_format(fmt: str | None, output: Path | None) -> str:
 
 
 @chats_app.command("show")
-def chats_show(ctx: typer.Context, chat_id: Annotated[int, typer.Argument(metavar="ID")], db: Db = None) -> None:
-    """Print a chat as Markdown (same as `chats export ID`)."""
-    chats_export(ctx, chat_id, "md", None, db)
+def chats_show(ctx: typer.Context, chat_id: Annotated[int, typer.Argument(metavar="ID")], db: Db = None,
+               all_branches: Annotated[bool, typer.Option("--all-branches", help="Every branch, not only the current one.")] = False) -> None:
+    """Print a chat's current branch as Markdown (same as `chats export ID`)."""
+    chats_export(ctx, chat_id, "md", None, db, all_branches)
 
 
 @chats_app.command("delete")

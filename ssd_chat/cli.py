@@ -26,6 +26,7 @@ from .config import sampling_params
 from .config_cmd import config_app
 from .draft_cmd import draft_app
 from .loading import load_engine
+from .models_cmd import models_app
 from .options import console, engine_options, fail, merge, settings, utf8_text
 from .serve_cmd import serve
 from .stats import SAMPLING_SHOWN, STATS_SHOWN, format_stats, ran_as
@@ -220,38 +221,13 @@ def _answer(engine, prompt: str, values: dict[str, Any], params, json_out: bool,
     return 0
 
 
-@app.command()
-def models(json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
-    """List the model aliases and which models are available locally."""
-    from .engine.load.models import cache_dir, local_status
-
-    rows = local_status()
-    if json_out:
-        typer.echo(json.dumps(rows, indent=2))
-        return
-    from rich.table import Table
-
-    table = Table(title="ssd-chat models", title_justify="left")
-    table.add_column("alias", no_wrap=True)
-    table.add_column("source", overflow="fold")
-    table.add_column("local", justify="center")
-    table.add_column("where", overflow="fold")
-    for r in rows:
-        table.add_row(r["alias"] + (" (default)" if r["default"] else ""), r["source"], "yes" if r["local"] else "no", r["where"])
-    out = console()
-    out.print(table)
-    out.print(
-        f"Also accepted: any hub id (org/name), a local transformers folder, a .gguf file; drafts derived from the target: copy, int8, layers:N; the drafts shipped for the packaged model: trained, features.\n"
-        f"Converted GGUF models are cached in {cache_dir()}; hub downloads honour HF_HOME and HF_HUB_OFFLINE."
-    )
-
-
 app.command("bench")(bench_command)
 app.add_typer(draft_app, name="draft")
 app.command()(demo)
 app.command()(compare)
 app.add_typer(config_app, name="config")
 app.add_typer(chats_app, name="chats")
+app.add_typer(models_app, name="models")
 app.command()(serve)
 
 

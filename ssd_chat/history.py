@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import history_export
+from . import history_export, history_tree
 from .engine.config import user_dir
 from .history_files import Pending, check_readable, chats_sql, copy_to_memory, memory, read_only_connection, transient
 from .history_files import reason as _reason
@@ -58,6 +58,10 @@ class Message:
     status: str
     created_at: float
     metrics: dict[str, Any] | None = None
+    parent_id: int | None = None  # the message it follows (:mod:`ssd_chat.history_tree`)
+
+
+LEAF: Any = object()  # add_message's default parent: the end of the current branch
 
 
 class HistoryError(Exception):
@@ -259,17 +263,25 @@ class History:
         return bool(cur and cur.rowcount)
 
     # -- messages ------------------------------------------------------------------------
-    def add_message(self, conversation_id: int | None, role: str, content: str, status: str = "done") -> int | None:
+    def add_message(self, conversation_id: int | None, role: str, content: str, status: str = "done",
+                    parent: int | None = LEAF) -> int | None:
+        """A message after ``parent`` (default: at the end of the current branch; None: a first message).
+        When ``parent`` has other children, this one starts a new branch there, which becomes the current one."""
         if conversation_id is None:
             return None
         now = time.time()
 
         def go(db: sqlite3.Connection, ident: int | None = None) -> int:
+            after = parent
+            if after is LEAF:
+                after = (history_tree.current_path(history_tree.rows_of(db, conversation_id)) or [None])[-1]
             cur = db.execute(
-                "INSERT INTO messages(id, conversation_id, role, content, status, created_at) "
-                "VALUES (coalesce(?, (SELECT max(coalesce(max(id), 0), ?) + 1 FROM messages)),?,?,?,?,?)",
-                (ident, self._max_id["messages"], conversation_id, role, content, status, now),
+                "INSERT INTO messages(id, conversation_id, role, content, status, created_at, parent_id) "
+                "VALUES (coalesce(?, (SELECT max(coalesce(max(id), 0), ?) + 1 FROM messages)),?,?,?,?,?,?)",
+                (ident, self._max_id["messages"], conversation_id, role, content, status, now, after),
             )
+            db.execute("UPDATE messages SET active = (id = ?) WHERE conversation_id=? AND parent_id IS ?",
+                       (cur.lastrowid, conversation_id, after))
             db.execute("UPDATE conversations SET updated_at=? WHERE id=?", (now, conversation_id))
             if role == "user":  # the first prompt names the chat
                 db.execute(
@@ -297,21 +309,26 @@ class History:
             db.execute(
                 """INSERT OR REPLACE INTO turn_metrics(message_id, mode, target, draft, new_tokens, tok_per_s, ttft_s,
                    mean_accepted_length, acceptance_rate, cache_hit_rate, stats_json) VALUES (?,?,?,?,?,?,?,?,?,?,?)""",
-                (message_id, _ran(d), target, draft, d.get("new_tokens"), d.get("tok_per_s"), d.get("ttft_s"),
+                (message_id, history_export.mode_column(d), target, draft, d.get("new_tokens"), d.get("tok_per_s"), d.get("ttft_s"),
                  d.get("mean_accepted_length"), d.get("acceptance_rate"), d.get("cache_hit_rate"), json.dumps(d)),
             )
 
         self._write(go)
 
-    def messages(self, conversation_id: int) -> list[Message]:
+    def messages(self, conversation_id: int, all_branches: bool = False) -> list[Message]:
+        """The chat's current branch, first to last; ``all_branches``: every message, oldest first."""
         rows = self._read(f"chat {conversation_id}", lambda db: db.execute(
-            """SELECT m.id, m.role, m.content, m.status, m.created_at, t.stats_json, t.target, t.draft
+            """SELECT m.id, m.role, m.content, m.status, m.created_at, t.stats_json, t.target, t.draft, m.parent_id, m.active
                FROM messages m LEFT JOIN turn_metrics t ON t.message_id = m.id
                WHERE m.conversation_id=? ORDER BY m.id""",
             (conversation_id,),
         ).fetchall())
         out = []
-        for mid, role, content, status, created, stats_json, target, draft in rows:
+        path = history_tree.current_path([(r[0], r[8], r[9], r[1]) for r in rows])
+        if not all_branches:
+            where = {r[0]: r for r in rows}
+            rows = [where[i] for i in path]
+        for mid, role, content, status, created, stats_json, target, draft, parent, _ in rows:
             metrics = None
             if stats_json:
                 try:
@@ -319,20 +336,43 @@ class History:
                     metrics["target"], metrics["draft"] = target, draft
                 except (ValueError, TypeError):  # damaged metrics: the message itself is still shown
                     metrics = None
-            out.append(Message(self._seen("messages", mid), role, content, status, created, metrics))
+            out.append(Message(self._seen("messages", mid), role, content, status, created, metrics, parent))
         return out
 
+    # -- branches (:mod:`ssd_chat.history_tree`) -----------------------------------------
+    def branches(self, conversation_id: int) -> dict[int, tuple[int, int]]:
+        """Message id -> (its place among its siblings from 1, how many), for the messages that have siblings."""
+        return history_tree.positions(self._read(f"chat {conversation_id}", lambda db: history_tree.rows_of(db, conversation_id)))
+
+    def parent_of(self, message_id: int) -> int | None:
+        row = self._read("a message", lambda db: db.execute("SELECT parent_id FROM messages WHERE id=?", (message_id,)).fetchone())
+        return row[0] if row else None
+
+    def switch(self, conversation_id: int, message_id: int, by: int) -> int | None:
+        """Make the sibling ``by`` places from ``message_id`` (-1: the one before) the current branch; its id,
+        or None when there is none that way (nothing changes)."""
+        def go(db: sqlite3.Connection) -> int | None:
+            rows = history_tree.rows_of(db, conversation_id)
+            to = history_tree.step(rows, message_id, by)
+            if to is not None:
+                history_tree.make_active(db, conversation_id, rows, to)
+            return to
+
+        return self._write(go)
+
+    def set_title(self, conversation_id: int | None, text: str) -> None:
+        self._write(lambda db: db.execute("UPDATE conversations SET title=? WHERE id=?", (_title(text), conversation_id)))
+
     # -- export (:mod:`ssd_chat.history_export`) -----------------------------------------
-    def export(self, conversation_id: int, fmt: str = "md") -> str:
-        """The chat as ``md``, ``jsonl`` or ``json``; KeyError when there is no such chat."""
+    def export(self, conversation_id: int, fmt: str = "md", all_branches: bool = False) -> str:
+        """The chat's current branch as ``md``, ``jsonl`` or ``json`` (``all_branches``: every message, each
+        with its id and parent); KeyError when there is no such chat."""
         writer = {"md": history_export.markdown, "jsonl": history_export.jsonl, "json": history_export.json_document}[fmt]
-        return writer(self._need(conversation_id), self.messages(conversation_id))
-
-    def export_markdown(self, conversation_id: int) -> str:
-        return self.export(conversation_id, "md")
-
-    def export_jsonl(self, conversation_id: int) -> str:
-        return self.export(conversation_id, "jsonl")
+        conv = self._need(conversation_id)
+        if not all_branches:
+            return writer(conv, self.messages(conversation_id))
+        current = {m.id for m in self.messages(conversation_id)}
+        return writer(conv, self.messages(conversation_id, all_branches=True), tree=current)
 
     def _need(self, conversation_id: int) -> Conversation:
         conv = self.get_conversation(conversation_id)
@@ -351,12 +391,6 @@ class History:
             self.db.close()
         except sqlite3.Error:
             pass
-
-
-def _ran(d: dict[str, Any]) -> str | None:
-    """The mode column: the configured mode, or ``ssd→sd`` when the reply switched."""
-    mode, ran = d.get("mode"), d.get("ran_as")
-    return f"{mode}→{ran}" if ran and ran != mode else mode
 
 
 def _label(raw: bytes | str | None) -> str | None:

@@ -64,8 +64,23 @@ def m004_system_turns(db: sqlite3.Connection) -> None:
     db.execute("UPDATE conversations SET system = NULL")
 
 
+def m005_branches(db: sqlite3.Connection) -> None:
+    # A chat is a tree (ssd_chat/history_tree.py): each message follows its parent, and ``active`` picks
+    # the current branch among a message's children.  A chat saved before is one branch: each message
+    # follows the one before it.
+    if "parent_id" in {r[1] for r in db.execute("PRAGMA table_info(messages)")}:
+        return  # a file whose version was set back by hand: its tree stays
+    db.execute("ALTER TABLE messages ADD COLUMN parent_id INTEGER")
+    db.execute("ALTER TABLE messages ADD COLUMN active INTEGER NOT NULL DEFAULT 1")
+    db.execute(
+        """UPDATE messages SET parent_id = (SELECT max(p.id) FROM messages p
+           WHERE p.conversation_id = messages.conversation_id AND p.id < messages.id)"""
+    )
+    db.execute("CREATE INDEX messages_by_parent ON messages(conversation_id, parent_id)")
+
+
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [m001_initial, m002_reply_status, m003_turn_metrics,
-                                                          m004_system_turns]
+                                                          m004_system_turns, m005_branches]
 
 
 def migrate(db: sqlite3.Connection) -> int:

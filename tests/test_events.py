@@ -41,6 +41,32 @@ def test_metrics_formulas():
     assert abs(s.tok_per_s - 10 / 1.0) < 1e-9 and s.ttft_s == 1.0 and s.new_tokens == 11
 
 
+def test_the_decode_rate_leaves_out_the_first_block():
+    """SD's first round yields its tokens together: they are the prefill's, not the decoding's (a reply of one
+    round once showed 12901 tok/s); a reply that is one block has no decode rate."""
+    m = Metrics("sd")
+    for t in (5, 6, 7):
+        m.add(Token(t, "x", "draft", 0.5))
+    assert m.stats(0.6).tok_per_s is None and m.stats(0.6).ttft_s == 0.5
+    for t in (8, 9):
+        m.add(Token(t, "x", "draft", 0.7))
+    assert abs(m.stats(0.8).tok_per_s - 2 / 0.2) < 1e-9
+
+
+def test_an_sd_block_shares_one_time():
+    from ssd_chat.engine.decode.decoder import emit_block
+
+    class Builder:
+        reason, finished, text = None, False, ""
+
+        def push(self, tok):
+            return "x"
+
+    m = Metrics("sd")
+    events = list(emit_block(Builder(), m, [1, 2, 3], 2, 9, 0.0))
+    assert [e.id for e in events] == [1, 2, 9] and len({e.t_s for e in events}) == 1
+
+
 def test_from_json_is_strict_and_from_dict_names_what_is_missing():
     import pytest
     from pydantic import ValidationError

@@ -118,7 +118,11 @@ def test_llama_70b_offline_says_how_to_get_it_and_warns_before_any_download(tmp_
     error = [line for line in err.splitlines() if line.startswith("ssd-chat: error:")]
     assert len(error) == 1, err
     for needle in ("hf download meta-llama/Llama-3.1-70B-Instruct", "gated", "accept its licence", "HF_TOKEN",
-                   "about 141 GB", "141 GB of GPU memory", "no CUDA GPU"):
+                   "about 141 GB", "141 GB of GPU memory", "no CUDA GPU",
+                   # the draft in the same message, the total, the hardware and the placement the pair would get
+                   "hf download meta-llama/Llama-3.2-1B-Instruct", "about 144 GB in all", "more than one 80 GB GPU",
+                   "`--target-device cuda:0-3 --draft-device cuda:4`", "needs GPUs",
+                   "ssd-chat models pull llama-3-70b llama-3-1b"):
         assert needle in error[0], (needle, error[0])
     from ssd_chat.engine.load import catalog
 

@@ -69,13 +69,13 @@ def test_export_markdown_and_jsonl(tmp_path):
     h.add_message(cid, "user", "q")
     mid = h.add_message(cid, "assistant", "**answer**")
     h.save_metrics(mid, stats())
-    md = h.export_markdown(cid)
+    md = h.export(cid, "md")
     assert "## You" in md and "**answer**" in md and md.index("**System prompt:** sys") < md.index("## You")
     assert "τ 2.50" in md and "cache hits 75%" in md
-    rows = [json.loads(line) for line in h.export_jsonl(cid).splitlines()]
+    rows = [json.loads(line) for line in h.export(cid, "jsonl").splitlines()]
     assert rows[0]["type"] == "conversation" and rows[1]["role"] == "system" and rows[3]["metrics"]["cache_hit_rate"] == 0.75
     try:
-        h.export_markdown(999)
+        h.export(999, "md")
     except KeyError as e:
         assert "999" in str(e)
     else:

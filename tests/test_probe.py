@@ -450,3 +450,25 @@ def test_mode_auto_on_an_engine_started_in_a_named_mode_takes_the_stored_choice(
     e.reconfigure(mode="ar")
     e.reconfigure(mode="auto")  # resolved once: the same choice, nothing asked again
     assert e.describe()["mode"] == "ssd" and e.describe()["auto"]
+
+
+def test_mode_auto_after_a_named_start_in_the_app_starts_one_measurer(tiny_target, tiny_draft, fakes, tmp_path,
+                                                                       monkeypatch):
+    """The app loads with ``measure="background"``: ``/mode auto`` on a setup with no record runs AR, says it is
+    measuring, and starts the measurer as a start with auto would (it once only said so)."""
+    from ssd_chat.engine.load import preflight
+
+    monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path))
+    started = []
+    monkeypatch.setattr(probe, "start_measurer", lambda later: started.append(later) or "measurer")
+    e = Engine(EngineConfig(target="tiny-target", draft="layers:1", mode="sd"), tiny_target, tiny_draft)
+    e.measure = "background"
+    monkeypatch.setattr(preflight, "check", lambda c: preflight.Preflight(replace(c, mode="ssd"), "layers:1", "SSD: candidate",
+                                                                          True, (), MODES))
+    e.reconfigure(mode="auto")
+    assert e.config.mode == "ar" and "measuring AR, SD and SSD in the background" in e.describe()["mode_reason"]
+    assert len(started) == 1 and started[0][0].mode == "auto" and e.measurer == "measurer"
+    e.reconfigure(mode="sd")
+    e.reconfigure(mode="auto")  # resolved once: no second measurer
+    assert len(started) == 1
+    os.close(started[0][1])  # the lock the measurer would have inherited

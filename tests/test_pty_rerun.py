@@ -1,12 +1,12 @@
 """The real `ssd-chat` in a pseudo-terminal on the packaged model: regenerate the last reply (F5) after a
-settings change, then edit the first message and re-run the chat from it; the SQLite history holds what
-the screen shows, and the chat as it was before the edit."""
+settings change, then edit the first message and re-run the chat from it, then switch back to the first
+branch with Shift+Tab and ←; the SQLite history's current branch holds what the screen shows, and the
+chat keeps every branch."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -16,21 +16,26 @@ import pytest
 pexpect = pytest.importorskip("pexpect")
 
 from ssd_chat.engine.load import models  # noqa: E402
+from ssd_chat.history import History, HistoryError  # noqa: E402
 from test_pty import screen_text  # noqa: E402
 
 F5 = "\x1b[15~"
+SHIFT_TAB, LEFT = "\x1b[Z", "\x1b[D"
 CTRL_U = "\x15"  # the prompt box: delete to the start of the line
 
 
-def chats(db) -> dict[int, tuple[str, list[tuple[int, str, str, str]]]]:
-    """{chat id: (title, [(message id, role, content, status)])}."""
-    try:
-        with sqlite3.connect(db) as c:
-            convs = c.execute("SELECT id, title FROM conversations").fetchall()
-            return {cid: (title, c.execute("SELECT id, role, content, status FROM messages WHERE conversation_id=? ORDER BY id",
-                                          (cid,)).fetchall()) for cid, title in convs}
-    except sqlite3.Error:
+def chats(db, all_branches: bool = False) -> dict[int, tuple[str, list[tuple[int, str, str, str]]]]:
+    """{chat id: (title, [(message id, role, content, status)] of its current branch, or of every message)}."""
+    if not db.exists():
         return {}
+    h = History(db, read_only=True)
+    try:
+        return {c.id: (c.title, [(m.id, m.role, m.content, m.status) for m in h.messages(c.id, all_branches)])
+                for c in h.list_conversations()}
+    except HistoryError:
+        return {}
+    finally:
+        h.close()
 
 
 @pytest.mark.slow
@@ -89,17 +94,27 @@ def test_regenerate_and_edit_and_rerun_in_a_pty(tmp_path):
         child.send(CTRL_U)
         time.sleep(0.5)
         send("What is the capital of Italy?")
-        assert pump_until(lambda: replies_done(1, 2) and len(chats(db)) == 2), chats(db)
+        assert pump_until(lambda: replies_done(1, 2)), chats(db)
         pump_until(lambda: False, 1.5)  # the last frame
         saved = chats(db)
         title, msgs = saved[1]
-        assert title == "What is the capital of Italy?"
+        assert list(saved) == [1] and title == "What is the capital of Italy?"  # one chat: the old branch is in it
         assert [(r, t) for _, r, t, _ in msgs][0] == ("user", "What is the capital of Italy?") and msgs[1][2].strip()
-        copy_title, copy = saved[2]  # the chat as it was, regenerated reply included
-        assert copy_title == "What is the capital of France? (before edit)"
-        assert [(r, t) for _, r, t, _ in copy] == [(r, t) for _, r, t, _ in after]
-        assert "the chat as it was is kept as saved chat 2" in screen()
+        every = {m[0]: m for m in chats(db, all_branches=True)[1][1]}
+        assert all(m in every.values() for m in before + after + msgs)  # nothing was thrown away
+        assert "the chat as it was stays as a branch" in screen() and "‹ 2/2 ›" in screen()
         assert msgs[1][2].split()[0] in screen()
+
+        child.send(SHIFT_TAB)  # the reply, then the edited message
+        time.sleep(0.5)
+        child.send(SHIFT_TAB)
+        time.sleep(0.5)
+        mark = len(out)
+        child.send(LEFT)
+        assert pump_until(lambda: [m[0] for m in chats(db)[1][1]] == [m[0] for m in after], 30), chats(db)
+        pump_until(lambda: False, 1.5)
+        shown = " ".join(screen_text("".join(out[mark:])).split())  # drawn after ←
+        assert "‹ 1/2 ›" in shown and "What is the capital of France?" in shown, shown[-2000:]
         child.send("\x03")
         child.expect(pexpect.EOF, timeout=60)
     finally:

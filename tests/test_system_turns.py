@@ -119,7 +119,7 @@ async def test_clearing_or_replacing_the_system_prompt_applies_from_there_on(tmp
         assert backend.calls[2] == [u("one"), a("r1"), u("two"), a("r2"), u("three")]
         cid = app.chat_view.conversation_id
         await pilot.press("ctrl+c")
-    md = History(tmp_path / "h.db").export_markdown(cid)
+    md = History(tmp_path / "h.db").export(cid, "md")
     at = [md.index(x) for x in ("**System prompt:** be brief", "\none\n", "**System prompt:** be long", "\ntwo\n", "\nr2\n",
                                 "**System prompt cleared**", "\nthree\n")]
     assert at == sorted(at)

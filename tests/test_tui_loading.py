@@ -74,6 +74,9 @@ async def palette_mode_switch(app, pilot, mode: str) -> None:
 async def test_settings_while_loading_are_applied_once_the_engine_is_ready():
     backend = SlowEngineBackend()
     app = ChatApp(backend)
+    toasts: list[str] = []
+    real_notify = app.notify
+    app.notify = lambda message, **kw: (toasts.append(message), real_notify(message, **kw))[1]
     async with app.run_test(size=(140, 44)) as pilot:
         await pilot.pause()
         assert not app.chat_view.ready
@@ -90,7 +93,8 @@ async def test_settings_while_loading_are_applied_once_the_engine_is_ready():
         await pilot.pause()
         said = notices(app)
         assert not any("Error" in t or "NoneType" in t for t in said), said
-        assert sum("the model is still loading" in t and "once it is ready" in t for t in said) == 4, said
+        assert sum("the model is still loading" in t and "once it is ready" in t for t in toasts) == 4, toasts
+        assert not any("still loading" in t for t in said), said  # toasts: they do not stay in the chat
         assert app.is_running and not app.chat_view.ready
         backend.release.set()
         await wait_until(pilot, lambda: app.chat_view.ready and backend.engine is not None and backend.engine.changes)

@@ -15,11 +15,11 @@ from ssd_chat.tui.widgets.confirm_dialog import ConfirmDialog
 from ssd_chat.tui.widgets.settings_dialog import SettingsDialog
 
 
-def saved(path) -> list[tuple[str, list[tuple[str, str]]]]:
-    """Every saved chat, newest first: (title, [(role, content)])."""
+def saved(path, all_branches: bool = False) -> list[tuple[str, list[tuple[str, str]]]]:
+    """Every saved chat, newest first: (title, [(role, content)]) of its current branch (or of every message)."""
     h = History(path)
     try:
-        return [(c.title, [(m.role, m.content) for m in h.messages(c.id)]) for c in h.list_conversations()]
+        return [(c.title, [(m.role, m.content) for m in h.messages(c.id, all_branches)]) for c in h.list_conversations()]
     finally:
         h.close()
 
@@ -100,7 +100,7 @@ class TestRegenerate:
 
 class TestEdit:
     @pytest.mark.asyncio
-    async def test_edit_an_earlier_message_reruns_from_it_and_keeps_the_old_chat(self, tmp_path):
+    async def test_edit_an_earlier_message_reruns_from_it_and_keeps_the_old_branch(self, tmp_path):
         backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["three"]), ssd_events(["new"])])
         app = ChatApp(backend, history=History(tmp_path / "h.db"))
         async with app.run_test(size=(140, 45)) as pilot:
@@ -128,14 +128,16 @@ class TestEdit:
             assert on_screen(app) == after
             assert app.chat_view.messages == [{"role": r, "content": c} for r, c in after]
             assert app.chat_view.editing is None and not app.chat_view.prompt.border_title
-            copy = [n for n in notices(app) if "kept as saved chat" in n]
-            assert copy and "re-running from your message 2" in copy[0]
-        assert saved(tmp_path / "h.db") == [("first", after), ("first (before edit)", before)]
+            said = [n for n in notices(app) if "stays as a branch" in n]
+            assert said and "re-running from your message 2" in said[0]
+            assert [w.branch for w in app.chat_view.chat.query(UserMessage)] == ["", "‹ 2/2 ›"]
+        assert saved(tmp_path / "h.db") == [("first", after)]  # one chat, whose current branch is the edited one
+        assert saved(tmp_path / "h.db", all_branches=True) == [("first", before[:3] + before[3:] + after[2:])]
 
     @pytest.mark.asyncio
-    async def test_an_edit_while_another_program_holds_the_lock_names_the_saved_copy_rightly(self, tmp_path):
-        """The copy is made in memory while the file is locked and saved once the lock goes, under the id
-        the notice gave it (the held-back write used to take the next id again: chat 4, said to be 3)."""
+    async def test_an_edit_while_another_program_holds_the_lock_saves_its_branch_once_the_lock_goes(self, tmp_path):
+        """The branch is made in memory while the file is locked and saved once the lock goes, in the same
+        chat, beside the message it replaces."""
         import sqlite3
 
         path = tmp_path / "h.db"
@@ -154,17 +156,17 @@ class TestEdit:
                 app.chat_view.prompt.set_text("second, edited")
                 await pilot.press("enter")
                 await wait_until(pilot, lambda: len(backend.calls) == 3 and app.chat_view.current.finished)
-                copy = [n for n in notices(app) if "kept as saved chat" in n]
-                assert copy and "kept as saved chat 3 (Ctrl+R)" in copy[0], notices(app)
+                assert any("stays as a branch" in n for n in notices(app)), notices(app)
                 assert any("another program has it locked" in n for n in notices(app)), notices(app)
                 other.rollback()  # the lock goes: what was held back is saved, in order
                 await pilot.press("ctrl+c")
         finally:
             other.close()
         h = History(path)
-        assert [(c.id, c.title) for c in sorted(h.list_conversations(), key=lambda c: c.id)] == [
-            (1, "first"), (2, "second, edited"), (3, "second (before edit)")]
-        assert [(m.role, m.content) for m in h.messages(3)] == [("user", "second"), ("assistant", "two")]
+        assert [(c.id, c.title) for c in sorted(h.list_conversations(), key=lambda c: c.id)] == [(1, "first"), (2, "second, edited")]
+        assert [(m.role, m.content) for m in h.messages(2)] == [("user", "second, edited"), ("assistant", "again")]
+        assert [(m.role, m.content) for m in h.messages(2, all_branches=True)] == [
+            ("user", "second"), ("assistant", "two"), ("user", "second, edited"), ("assistant", "again")]
         h.close()
 
     @pytest.mark.asyncio
@@ -194,8 +196,9 @@ class TestEdit:
             assert backend.calls[2] == [{"role": "user", "content": "a new first"}]
             assert on_screen(app) == [("user", "a new first"), ("assistant", "renamed")]
         chats = saved(tmp_path / "h.db")
-        assert chats[0] == ("a new first", [("user", "a new first"), ("assistant", "renamed")])
-        assert chats[1] == ("first (before edit)", [("user", "first"), ("assistant", "one"), ("user", "second"), ("assistant", "two")])
+        assert chats == [("a new first", [("user", "a new first"), ("assistant", "renamed")])]
+        assert saved(tmp_path / "h.db", all_branches=True)[0][1] == [
+            ("user", "first"), ("assistant", "one"), ("user", "second"), ("assistant", "two"), ("user", "a new first"), ("assistant", "renamed")]
 
     @pytest.mark.asyncio
     async def test_an_edit_left_open_ends_with_a_new_chat(self, tmp_path):
@@ -360,8 +363,9 @@ class TestSavedChats:
                                                               ("user", "more"), ("assistant", "fresh")])]
 
     @pytest.mark.asyncio
-    async def test_a_saved_chat_that_lost_a_write_is_not_cut_blindly(self, tmp_path):
-        """When the saved chat does not hold what the screen shows, the kept part is saved as a new chat."""
+    async def test_regenerate_in_a_saved_chat_that_lost_a_write_loses_nothing_more(self, tmp_path):
+        """When the saved chat does not hold what the screen shows, regenerate still deletes nothing: the new
+        reply goes beside the old one."""
         backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["again"])])
         app = ChatApp(backend, history=History(tmp_path / "h.db"))
         async with app.run_test(size=(140, 45)) as pilot:
@@ -371,5 +375,5 @@ class TestSavedChats:
             app.history.db.commit()
             await pilot.press("f5")
             await wait_until(pilot, lambda: len(backend.calls) == 3 and app.chat_view.current.finished)
-        assert saved(tmp_path / "h.db") == [("a", [("user", "a"), ("assistant", "one"), ("user", "b"), ("assistant", "again")]),
-                                            ("a", [("user", "a"), ("user", "b"), ("assistant", "two")])]
+        assert saved(tmp_path / "h.db", all_branches=True) == [
+            ("a", [("user", "a"), ("user", "b"), ("assistant", "two"), ("assistant", "again")])]

@@ -19,6 +19,7 @@ from .changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
 HELP = """Keys: Enter send · Shift+Enter / Ctrl+J new line · ↑/↓ prompt history · Esc stop the reply ·
 Ctrl+N new chat · Ctrl+Y copy last reply · Ctrl+S system prompt · Ctrl+O settings (mode, k, fan-out, sampling, length) ·
 F5 regenerate the last reply · Shift+Tab to one of your messages, then e: edit it and re-run the chat from there ·
+Shift+Tab to a message, then ←/→: switch between its branches (F5 and edits keep the old one as a branch) ·
 Shift+Tab to a message, then c: copy its next code block (again: the one after) ·
 Ctrl+G compare (the prompt in the box, or the last one, in AR, SD and SSD: tok/s and identical outputs) ·
 Ctrl+R chats · Ctrl+T token colours · Ctrl+P command palette · Ctrl+C quit.
@@ -81,7 +82,8 @@ class ChatActions:
                 return False
             self.pending_settings.update(changes)
             desc = ", ".join(f"{k.replace('_', '-')} {v if v is not None else 'default'}" for k, v in changes.items())
-            await self.chat.add_notice(f"the model is still loading; {desc} will apply once it is ready")
+            # a toast: the chat gets the lasting notice when the setting applies (apply_pending)
+            self.notify(f"the model is still loading; {desc} will apply once it is ready")
             return True
         if self.current is not None and not self.current.finished:
             await self.chat.add_notice("settings change between replies: stop this one first (Esc)", "warning")
@@ -138,11 +140,16 @@ class ChatActions:
         self.cache.clear()
         self.conversation_id, self.session = conv.id, self.new_session(None, [])
         await self.chat.add_notice(f"resumed chat {conv.id}: {conv.title}")
+        await self.render_saved(saved)
+        return True
+
+    async def render_saved(self, saved: list[Any], anchor: bool = True) -> None:
+        """Show saved messages (a chat's current branch) and continue the session from them."""
         for m in saved:
             if m.role == "system":  # where it was set: the replies above it did not see it
                 await self.chat.add_notice(system_notice(m.content))
             elif m.role == "user":
-                await self.chat.add_user(m.content)
+                w = await self.chat.add_user(m.content)
             elif m.role == "assistant":
                 status = "stopped" if m.status == "streaming" else m.status  # "streaming": the app died mid-reply
                 meta = (metrics_line(m.metrics) if m.metrics else "") + ("" if status == "done" else f" · {status}")
@@ -150,9 +157,12 @@ class ChatActions:
                 w.remove_class("-streaming")
             else:
                 continue
+            if m.role != "system":
+                w.message_id = m.id
             self.messages.append({"role": m.role, "content": m.content})
-        self.chat.anchor()
-        return True
+        if anchor:
+            self.chat.anchor()
+        await self.show_branches()
 
     def export_chat(self, fmt: str = "md") -> Path | None:
         """Write this chat with its metrics to ``<data dir>/exports/chat-<id>.<md|jsonl>``; returns the path."""
@@ -160,7 +170,7 @@ class ChatActions:
             self.notify("nothing to export yet", severity="warning")
             return None
         try:
-            text = self.history.export_jsonl(self.conversation_id) if fmt == "jsonl" else self.history.export_markdown(self.conversation_id)
+            text = self.history.export(self.conversation_id, "jsonl" if fmt == "jsonl" else "md")
             out = data_dir() / "exports" / f"chat-{self.conversation_id}.{fmt}"
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text, encoding="utf-8")

@@ -3,8 +3,10 @@
 :class:`ChatView` holds a :class:`~ssd_chat.session.Session` (as ``ask`` and the demo do) and the
 state of the reply in progress.  Its behaviour is written by role in one module each:
 :mod:`.replies` (a prompt and its streaming reply, Esc), :mod:`.actions` (new chat, settings, saved
-chats, slash commands), :mod:`.rerun` (regenerate, edit and re-run), :mod:`.attaching` (files into a
-prompt, code blocks out of a message) and :mod:`.comparing` (AR, SD and SSD on one prompt).  The app around it loads the backend, opens the dialogs, owns the keys and quits.
+chats, slash commands), :mod:`.rerun` (regenerate, edit and re-run), :mod:`.branches` (the
+siblings they leave, ←/→), :mod:`.attaching` (files into a prompt, code blocks out of a message) and
+:mod:`.comparing` (AR, SD and SSD on one prompt).  The app around it loads the backend, opens the
+dialogs, owns the keys and quits.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ..session import Session
 from ..terminal import printable
 from .actions import ChatActions
 from .attaching import AttachActions
+from .branches import BranchActions
 from .comparing import CompareActions
 from .figures import Baseline
 from .replies import ReplyActions, Turn, settle
@@ -41,7 +44,7 @@ from .widgets.prompt_input import PromptInput
 FRAME_S = 0.1  # screen updates while streaming: 10 per second
 
 
-class ChatView(RerunActions, AttachActions, ReplyActions, CompareActions, ChatActions, Widget):
+class ChatView(BranchActions, RerunActions, AttachActions, ReplyActions, CompareActions, ChatActions, Widget):
     """Transcript + prompt on the left, live speculation panel and cache view on the right."""
 
     class ReplyEvent(Message, bubble=False):

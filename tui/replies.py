@@ -21,7 +21,7 @@ from ..engine import threads
 from ..engine.events import Done, Error, Event, Notice, Round, Token
 from ..engine.metrics import Metrics
 from ..engine.params import SamplingParams
-from ..history import metrics_line
+from ..history import LEAF, metrics_line
 from ..session import Session
 from ..backend import readable, sampling_of
 from .figures import baseline_from_reply, ran_as
@@ -58,11 +58,21 @@ class Turn:
     last_t_s: float = 0.0
 
 
+@dataclass
+class Branch:
+    """Where a re-run prompt goes in the saved chat's tree (:mod:`.rerun`): after ``parent``, or, given
+    ``user`` (the question's widget, kept on screen), a new reply to that saved question."""
+
+    parent: Any = LEAF
+    user: Any = None
+    regenerated: bool = False  # F5: the saved question again, so files staged with /attach wait for the next message
+
+
 class ReplyActions:
     """``self`` is the ChatView."""
 
     # -- sending -------------------------------------------------------------------------
-    async def submit(self, text: str) -> None:
+    async def submit(self, text: str, branch: Branch | None = None) -> None:
         text = text.strip("\n")
         if text.startswith("/"):
             self.prompt.remember(text)
@@ -91,16 +101,20 @@ class ReplyActions:
             return
         self.prompt.remember(text)
         self.prompt.set_text("")
-        typed, text = text, self.take_attachments(text)  # files staged with /attach go with this message
-        await self.chat.add_user(text)
+        branch = branch or Branch()
+        typed, text = text, (text if branch.regenerated else self.take_attachments(text))
+        question = branch.user or await self.chat.add_user(text)
         widget = await self.chat.add_assistant(colour=self.colour)
         self.chat.anchor()
         if self.conversation_id is None:  # saved with the system prompts set before its first prompt
             self.conversation_id = self.history.new_conversation(typed)
             for m in self.messages:
                 self.history.add_message(self.conversation_id, m["role"], m["content"])
-        self.history.add_message(self.conversation_id, "user", text)
-        mid = self.history.add_message(self.conversation_id, "assistant", "", status="streaming")
+        if branch.user is None:
+            question.message_id = self.history.add_message(self.conversation_id, "user", text, parent=branch.parent)
+        after = LEAF if question.message_id is None else question.message_id
+        widget.message_id = mid = self.history.add_message(self.conversation_id, "assistant", "", status="streaming", parent=after)
+        await self.show_branches()
         await self.check_history()
         info = self.backend.info()
         turn = Turn(self.turn_count, text, threading.Event(), widget, mid, Metrics(info.get("mode") or "?"))

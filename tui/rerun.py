@@ -1,11 +1,11 @@
 """Regenerate the last reply, and edit an earlier message and re-run the chat from it: the part of
 :class:`~ssd_chat.tui.chat_view.ChatView` that rewrites the end of a conversation, plus the first-screen hint.
 
-Both cut the conversation just before one of the user's messages, on screen, in the session and in
-the saved chat alike, then send that message (edited or not) through :meth:`ReplyActions.submit`, so
-the new reply streams, is measured and is saved like any other, with the settings in force now.
-Regenerate drops only the last reply.  An edit drops the rest of the chat, so before cutting it the
-chat is kept as it was in a new saved chat ("… (before edit)", Ctrl+R): nothing the user wrote is lost.
+Both replace the conversation from one of the user's messages on, on screen and in the session, then
+send that message (edited or not) through :meth:`ReplyActions.submit`, so the new reply streams, is
+measured and is saved like any other, with the settings in force now.  Nothing is deleted: in the
+saved chat the new message is a sibling of the old one (regenerate: a new reply to the same question),
+and the old branch is one ←/→ away (:mod:`.branches`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from ..engine.params import SamplingParams
-from ..history import HistoryError
-from ..history_edit import copy_conversation, truncate
-from .replies import settle
+from ..history import LEAF, HistoryError
+from .replies import Branch, settle
 from .widgets.chat_log import AssistantMessage, UserMessage
 
 HINT = ("Type a message and press Enter to send (Shift+Enter: new line) · /help lists the keys and commands · "
@@ -120,64 +119,58 @@ class RerunActions:
         return True
 
     async def rerun_from(self, index: int, text: str, *, edited: bool) -> None:
-        """Cut the chat before the user's message ``index`` and send ``text`` in its place."""
+        """Send ``text`` in place of the user's message ``index``: a new branch beside it in the saved chat
+        (regenerate: a new reply beside the last one); on screen and in the session, the chat from there on
+        is replaced by the new branch."""
         users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
         widgets = list(self.chat.query(UserMessage))
         if index >= len(users) or len(widgets) != len(users):
-            await self.chat.add_notice("this chat changed meanwhile; nothing was cut", "warning")
+            await self.chat.add_notice("this chat changed meanwhile; nothing was re-run", "warning")
             self.end_edit()
             return
-        cut, total = users[index], len(self.messages)
-        children = list(self.chat.children)  # taken before the cut: a warning the cut shows (a locked file) stays
-        kept_as = await self._cut_saved_chat(cut, total, keep_copy=edited)
+        cut, question = users[index], widgets[index]
+        later_system = [m["content"] for m in self.messages[cut:] if m["role"] == "system"] if not edited else []
+        # a new reply to the same saved question, unless a system prompt set after the old reply must come first
+        same_question = not edited and not later_system and question.message_id is not None
+        children = list(self.chat.children)
         # on screen: from the message on (an edit), or that message and its reply (regenerate: later
-        # notices, such as a settings change, stay)
-        start = children.index(widgets[index])
+        # notices, such as a settings change, stay; the question stays when it gets a new reply)
+        start = children.index(question) + (1 if same_question else 0)
         end = len(children)
         if not edited:
             end = next((i + 1 for i in range(start, len(children)) if isinstance(children[i], AssistantMessage)), end)
         await self.chat.remove_children(children[start:end])
         self.current = None  # a late event of the dropped reply finds no turn to write into
-        later_system = [m["content"] for m in self.messages[cut:] if m["role"] == "system"] if not edited else []
         self.messages = self.messages[:cut]
+        branch = Branch(user=question) if same_question else Branch(parent=self._parent_of(question))
+        branch.regenerated = not edited
         for value in later_system:  # set after the reply regenerated: it applies from the message sent again
             self.session.set_system(value)
-            self.history.set_system(self.conversation_id, value)
+            branch.parent = self.history.add_message(self.conversation_id, "system", value, parent=branch.parent)
         if edited:
             self.end_edit()
-            where = f"the chat as it was is kept as saved chat {kept_as} (Ctrl+R)" if kept_as else "what followed it is dropped"
-            await self.chat.add_notice(f"re-running from your message {index + 1}, edited: {where}")
-            await super().submit(text)
+            if index == 0:  # the first prompt names the chat
+                self.history.set_title(self.conversation_id, text)
+            await self.chat.add_notice(f"re-running from your message {index + 1}, edited: the chat as it was "
+                                       "stays as a branch (Shift+Tab to the message, ←/→ switch)")
+            await super().submit(text, branch)
         else:
             draft = self.prompt.text  # regenerate leaves what is being typed in the box
-            await self.chat.add_notice("regenerating the last reply with the current settings (the previous one is dropped)")
-            await super().submit(text)
+            await self.chat.add_notice("regenerating the last reply with the current settings "
+                                       "(the previous one stays as a branch: Shift+Tab to the reply, ←/→ switch)")
+            await super().submit(text, branch)
             if draft.strip():
                 self.prompt.set_text(draft)
         await self.refresh_hint()
 
-    async def _cut_saved_chat(self, cut: int, total: int, *, keep_copy: bool) -> int | None:
-        """The saved chat loses its messages from ``cut`` on (after a copy of it, for an edit); returns the copy's id."""
-        cid = self.conversation_id
-        if cid is None:
-            return None
-        copy_id = None
-        if keep_copy:
-            try:
-                conv = self.history.get_conversation(cid)
-            except HistoryError as e:
-                conv = None
-                await self.chat.add_notice(f"could not keep a copy of the chat: {e}", "warning")
-            if conv is not None:
-                copy_id = copy_conversation(self.history, cid, f"{conv.title} (before edit)")
-        if truncate(self.history, cid, cut, expect=total) is None:
-            # the saved chat does not hold what the screen shows (a write was lost): save what is kept as a new chat
-            kept = self.messages[:cut]
-            self.conversation_id = self.history.new_conversation()  # the first user message kept names it
-            for m in kept:
-                self.history.add_message(self.conversation_id, m["role"], m["content"])
-        await self.check_history()
-        return copy_id
+    def _parent_of(self, question: UserMessage) -> Any:
+        """The saved message the question follows (LEAF, the end of the branch, when it was never saved)."""
+        if question.message_id is None or self.conversation_id is None:
+            return LEAF
+        try:
+            return self.history.parent_of(question.message_id)
+        except HistoryError:
+            return LEAF
 
     # -- regenerate ----------------------------------------------------------------------
     async def action_regenerate(self) -> None:

@@ -59,12 +59,13 @@ def emit_block(
     events; EOS / stop / length end the block at that token.  Returns ``(emitted, bonus_id)``
     (bonus_id None if the reply ended before the bonus).  Shared by SD and SSD."""
     emitted, bonus_id = 0, None
+    t = time.perf_counter() - t0  # one time for the block: its tokens became known together
     for i, tok in enumerate([*drafts[:num_accepted], bonus]):
         delta = builder.push(tok)
         if i == num_accepted:
             bonus_id = tok
         if builder.reason != "eos":
-            ev = Token(tok, delta, "draft" if i < num_accepted else "target", time.perf_counter() - t0)
+            ev = Token(tok, delta, "draft" if i < num_accepted else "target", t)
             emitted += 1
             metrics.add(ev)
             yield ev

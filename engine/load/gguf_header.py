@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 MAGIC = b"GGUF"
 KEY = "general.file_type"
@@ -78,3 +78,22 @@ def _skip(f: BinaryIO, vtype: int, wide: str) -> None:
                 _skip(f, etype, wide)
     else:
         raise ValueError(f"unknown GGUF value type {vtype}")
+
+
+def reader(path: str | Path, mode: str = "r") -> Any:
+    """gguf's ``GGUFReader`` over a plain ndarray view of the file's mapping: the reader slices its data
+    once per field and tensor record, and ``np.memmap``'s per-slice Python hooks made that about 8 s for
+    the packaged model on 2 cores (under 2 s this way, the same bytes)."""
+    import numpy as np
+    from gguf.gguf_reader import GGUFReader  # the class itself (a conversion patches the package's name)
+
+    class Reader(GGUFReader):
+        @property
+        def data(self) -> Any:
+            return self._data
+
+        @data.setter
+        def data(self, value: Any) -> None:
+            self._data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return Reader(path, mode)

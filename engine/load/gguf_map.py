@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..cpu.quant import KEPT, SUPPORTED, GGUFLinear, QuantError
+from . import gguf_header
 
 CACHE_FILE = "gguf-tiles-v1.safetensors"  # the version names the tile layout of quant.pack
 
@@ -78,12 +79,12 @@ def gguf_linears(model: nn.Module, gguf_path: str | Path, *, keep_unsupported: b
 def _from_gguf(model: nn.Module, gguf_path: str | Path, linears: dict[str, nn.Linear],
                keep_unsupported: bool) -> dict[str, GGUFLinear]:
     try:
-        from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+        from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
     except ImportError as e:  # an incompatible transformers or gguf
         raise QuantError(f"cannot map GGUF tensors to the model: {e}") from e
     try:
-        reader = GGUFReader(str(gguf_path))
+        reader = gguf_header.reader(str(gguf_path))
     except Exception as e:
         raise QuantError(f"could not read GGUF file '{gguf_path}': {e}") from e
     cfg = getattr(model, "config", None)

@@ -21,7 +21,7 @@ import torch
 
 from ..config import DEFAULT_TARGET, cache_dir  # noqa: F401 - cache_dir: also models.cache_dir
 from ..cpu import fastlinear
-from ..errors import ModelError, TokenizerMismatchError
+from ..errors import ModelError, NotCachedError, TokenizerMismatchError
 from ..model import attention
 from .devices import Placement, parse_placement  # noqa: F401 - also models.parse_placement, models.Placement
 
@@ -131,7 +131,7 @@ def _hub_download(repo_id: str, patterns: list[str], tqdm_class: Any = None) -> 
     except RepositoryNotFoundError as e:
         raise ModelError(f"no model '{repo_id}' on the Hugging Face hub (or it is private); {LOCAL}") from e
     except LocalEntryNotFoundError as e:
-        raise ModelError(
+        raise NotCachedError(
             f"'{repo_id}' is not in the local Hugging Face cache ({os.environ.get('HF_HOME', '~/.cache/huggingface')}) "
             f"and cannot be downloaded now (offline mode or no network); {fetch_hint(repo_id)}"
         ) from e

@@ -4,7 +4,7 @@ bounds, as the report (a dict, written as JSON) that :mod:`.render` and :mod:`.p
 The summaries are pure functions of the run records that :mod:`.runner` collects, so the tests can
 feed them hand-made records.  Names follow the paper / vLLM vocabulary:
 
-* decode tok/s = (n - 1) / (t_last_token - t_first_token), per reply (prefill excluded)
+* decode tok/s = tokens after the first block / (t_last_token - t_first_token), per reply (prefill excluded)
 * TTFT = time to the first token (prefill + first round)
 * mean accepted length = 1 + accepted draft tokens / verifications (bonus included)
 * acceptance rate = accepted draft tokens / drafted tokens

@@ -40,12 +40,29 @@ class CopyBlock(Message):
         self.message = message
 
 
+class BranchStep(Message):
+    """←/→ on a focused message: show its sibling ``by`` places away (another edit or regenerated reply)."""
+
+    def __init__(self, widget: "UserMessage | AssistantMessage", by: int) -> None:
+        super().__init__()
+        self.widget, self.by = widget, by
+
+
+BRANCH_KEYS = [Binding("left", "branch(-1)", "Previous branch"), Binding("right", "branch(1)", "Next branch")]
+COPY_KEY = Binding("c", "copy_block", "Copy code block")
+
+
+def branch_label(place: tuple[int, int] | None) -> str:
+    return f"‹ {place[0]}/{place[1]} ›" if place else ""
+
+
 class UserMessage(Static, can_focus=True):
     """A prompt as the user wrote it (plain text: no Markdown surprises).  Focusable (Shift+Tab from the
-    prompt box, or a click): e or Enter puts it back in the box to edit and re-run from there; c copies
-    its next code block (an attached file)."""
+    prompt box, or a click): e or Enter puts it back in the box to edit and re-run from there; ←/→ switch
+    to its siblings (its other edits), whose place shows as "‹ 2/3 ›" before the text; c copies its next
+    code block (an attached file)."""
 
-    BINDINGS = [Binding("e,enter", "edit", "Edit and re-run"), Binding("c", "copy_block", "Copy code block")]
+    BINDINGS = [Binding("e,enter", "edit", "Edit and re-run"), *BRANCH_KEYS, COPY_KEY]
     block_index = -1  # the block c copied last
 
     class EditRequested(Message):
@@ -56,9 +73,19 @@ class UserMessage(Static, can_focus=True):
     def __init__(self, text: str) -> None:
         super().__init__(Text(printable(text)), classes="message user", markup=False)
         self.text = text
+        self.message_id: int | None = None  # the saved message (ssd_chat/history_tree.py)
+        self.branch = ""
+
+    def set_branch(self, place: tuple[int, int] | None) -> None:
+        self.branch = branch_label(place)
+        shown = Text(printable(self.text))
+        self.update(Text.assemble((self.branch + " ", "bold"), shown) if self.branch else shown)
 
     def action_edit(self) -> None:
         self.post_message(self.EditRequested(self))
+
+    def action_branch(self, by: int) -> None:
+        self.post_message(BranchStep(self, by))
 
     def action_copy_block(self) -> None:
         self.post_message(CopyBlock(self))
@@ -74,14 +101,15 @@ class Notice(Static):
 
 class AssistantMessage(Vertical, can_focus=True):
     """A reply: Markdown while streaming (coalesced through a MarkdownStream), a status line at the end.
-    Focusable (Shift+Tab, a click): c copies its next fenced code block, cycling through them.
+    Focusable (Shift+Tab, a click): ←/→ switch to the replies regenerated beside it, its place shown as
+    "‹ 2/3 ›" above it; c copies its next fenced code block, cycling through them.
 
     ``segments`` keeps each token's text and source so the reply can be shown coloured
     by who produced each token (``-colour`` class).
     """
 
     DEFAULT_CLASSES = "message assistant"
-    BINDINGS = [Binding("c", "copy_block", "Copy code block")]
+    BINDINGS = [*BRANCH_KEYS, COPY_KEY]
     block_index = -1  # the block c copied last
 
     def __init__(self, text: str = "", status: str = "streaming", meta: str = "", colour: bool = False) -> None:
@@ -94,6 +122,10 @@ class AssistantMessage(Vertical, can_focus=True):
         self._body = Markdown(printable(text), classes="body", parser_factory=_parser)
         self._colour_view = Static(self._coloured(), classes="coloured", markup=False)
         self._meta = Static(Text(printable(meta)), classes="meta", markup=False)
+        self._branch = Static("", classes="branch", markup=False)
+        self._branch.display = False
+        self.message_id: int | None = None
+        self.branch = ""
         self.set_class(colour, "-colour")
         self.set_class(status == "streaming", "-streaming")
 
@@ -101,6 +133,7 @@ class AssistantMessage(Vertical, can_focus=True):
         self.post_message(CopyBlock(self))
 
     def compose(self):
+        yield self._branch
         yield self._body
         yield self._colour_view
         yield self._meta
@@ -142,6 +175,14 @@ class AssistantMessage(Vertical, can_focus=True):
         self.set_meta(meta)
         self.remove_class("-streaming")
         self.set_class(status != "done", f"-{status}")
+
+    def set_branch(self, place: tuple[int, int] | None) -> None:
+        self.branch = branch_label(place)
+        self._branch.update(self.branch)
+        self._branch.display = bool(self.branch)
+
+    def action_branch(self, by: int) -> None:
+        self.post_message(BranchStep(self, by))
 
     def set_meta(self, meta: str) -> None:
         self._meta_text = meta

@@ -15,7 +15,7 @@ from ...terminal import printable
 from ..figures import Baseline, panel_values
 
 LABELS = [
-    ("tok_per_s", "tok/s", "decode rate: (tokens - 1) / (t_last - t_first)"),
+    ("tok_per_s", "tok/s", "decode rate: tokens after the first block / (t_last - t_first)"),
     ("ttft", "TTFT", "time to first token"),
     ("tau", "τ accepted len", "1 + accepted / rounds (bonus included)"),
     ("acceptance", "acceptance", "accepted draft tokens / drafted"),
