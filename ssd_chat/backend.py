@@ -55,6 +55,10 @@ class Backend:
         """The text of one token id (for the speculation-cache view), if known."""
         return None
 
+    def count_tokens(self, text: str) -> tuple[int, int | None] | None:
+        """``text``'s tokens by the target's tokenizer, and the target's context (None: it cannot count now)."""
+        return None
+
     def close(self) -> None:
         """Release models and worker processes (called once, on quit)."""
 
@@ -113,6 +117,14 @@ class EngineBackend(Backend):
             return self.engine.tokenizer.decode([token_id])
         except Exception:  # noqa: BLE001
             return None
+
+    def count_tokens(self, text: str) -> tuple[int, int | None] | None:
+        if self.engine is None:
+            return None
+        from .attach import count
+        from .session import context_window
+
+        return count(self.engine.tokenizer, text), context_window(self.engine)
 
     def close(self) -> None:
         if self.engine is not None:

@@ -96,13 +96,22 @@ def ask(
     stats: Annotated[bool, typer.Option("--stats", help="Print a one-line summary (tok/s, TTFT, acceptance) to stderr.")] = False,
     server: Annotated[Optional[str], typer.Option("--server", help="Answer through this `ssd-chat serve` (e.g. http://127.0.0.1:8000) instead of loading the models.", show_default=False)] = None,
     no_server: Annotated[bool, typer.Option("--no-server", help="Load the models here even if a matching `ssd-chat serve` is running.")] = False,
+    attach: Annotated[Optional[list[str]], typer.Option("--attach", "-a", metavar="FILE", help="Put this text file in the question, with its name, as a fenced block (repeatable).", show_default=False)] = None,
     *, given: dict[str, Any],
 ) -> None:
-    """Answer one question on stdout (plain text; --json for machines).
+    """Answer one question on stdout (plain text; --json for machines); -a FILE puts a text file in it.
 
     Exit status: 0 on success, 2 on bad usage, 1 on a runtime failure, 130 on Ctrl-C.
     """
     values = settings(given)
+    from . import attach as attaching
+
+    try:  # a missing, binary or huge file: one line, before anything loads
+        files = [attaching.read(path) for path in attach or ()]
+    except attaching.AttachError as e:
+        raise fail(str(e)) from None
+    if prompt is None and files and (sys.stdin is None or sys.stdin.isatty()):
+        prompt = ""  # the files alone are the question
     if prompt is None or prompt == "-":
         if sys.stdin is None or sys.stdin.isatty():
             raise typer.BadParameter("give a PROMPT, or pipe one on standard input", param_hint="PROMPT")
@@ -111,8 +120,13 @@ def ask(
     prompt = utf8_text(prompt, "the prompt")
     if values.get("system"):
         values["system"] = utf8_text(values["system"], "--system")
-    if not prompt.strip():
+    if not prompt.strip() and not files:
         raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
+    try:  # the files' tokens against the target's context, with its tokenizer, before the weights load
+        attaching.precheck(values, files)
+    except attaching.AttachError as e:
+        raise fail(str(e)) from None
+    prompt = attaching.turn(files, prompt)
     # a running `ssd-chat serve` has the models loaded: ask it before even importing torch
     from .server_client import ask_via_server
 
@@ -132,8 +146,11 @@ def ask(
     params = sampling_params(values, engine.sampling_defaults)  # the model's own where the user set none
     code = 0
     try:
+        from .session import context_window
+
+        attaching.check_fits([(f, attaching.count(engine.tokenizer, f.block())) for f in files], context_window(engine), engine.target.name)
         code = _answer(engine, prompt, values, params, json_out, stats)
-    except SSDChatError as e:  # raised while setting up the decoder, before any token
+    except (SSDChatError, attaching.AttachError) as e:  # raised while setting up the decoder, before any token
         raise fail(str(e)) from None
     except KeyboardInterrupt:
         if not json_out:

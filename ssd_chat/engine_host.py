@@ -87,6 +87,11 @@ class Host:
                 return
             if msg[0] == "stream":
                 self.decode(*msg[1:])
+            elif msg[0] == "count":
+                try:
+                    self.send(("counted", self.backend.count_tokens(msg[1])))
+                except Exception:  # noqa: BLE001 - a tokenizer that fails: the reply's own check still runs
+                    self.send(("counted", None))
             elif msg[0] == "reconfigure":
                 try:
                     self.backend.reconfigure(**msg[1])

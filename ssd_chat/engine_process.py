@@ -252,6 +252,22 @@ class ProcessBackend(Backend):
         self._state = msg[1]
         self._changes.update(changes)
 
+    def count_tokens(self, text: str) -> tuple[int, int | None] | None:
+        """Counted by the engine process's tokenizer; None while it loads or decodes (it answers one at a time)."""
+        if not self._ready.is_set() or not self._busy.acquire(blocking=False):
+            return None
+        try:
+            gen = self._gen
+            try:
+                self._send(("count", text))
+                msg = self._answer()
+            except EngineGone:
+                self._crashed(gen)
+                return None
+        finally:
+            self._busy.release()
+        return msg[1] if msg[0] == "counted" else None
+
     def _answer(self) -> tuple:
         """The answer to a reconfigure (warnings on the way are passed on)."""
         while (msg := self._recv(None))[0] == "warn":

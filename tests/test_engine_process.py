@@ -56,6 +56,14 @@ def test_the_model_is_loaded_in_a_child_process_and_its_reply_is_the_engines(bac
     assert backend.token_text(first.id) == engine.tokenizer.decode([first.id])
 
 
+def test_count_tokens_is_the_targets_tokenizer_in_the_engine_process(backend, smol_tokenizer):
+    """/attach counts a file in the engine process, with the target's tokenizer, against its context."""
+    text = "File: a.py\n```python\nprint('héllo')\n```\n\nWhat does it print?"
+    assert backend.count_tokens(text) == (len(smol_tokenizer.encode(text, add_special_tokens=False)), 8192)
+    events = list(backend.stream(MSGS, GREEDY, threading.Event()))  # the pipe is clean for a reply after it
+    assert isinstance(events[-1], Done)
+
+
 def test_stop_ends_the_reply_and_keeps_what_streamed(backend):
     stop = threading.Event()
     events = []

@@ -105,3 +105,63 @@ async def test_left_right_on_a_message_without_siblings_change_nothing(tmp_path)
         await pilot.press("right")
         await pilot.pause()
         assert len(on_screen(app)) == 2 and labels(app)[0] == ("a", "")
+
+
+@pytest.mark.asyncio
+async def test_one_focused_reply_takes_left_right_and_c_and_f5_leaves_staged_files_for_the_next_message(tmp_path):
+    """Branches and files in a prompt share the focus: ←/→ and c act on the same focused reply; F5 re-sends
+    the saved question without the files staged meanwhile, which go with the next message."""
+    src = tmp_path / "x.py"
+    src.write_text("x = 1\n")
+    blocky = ["```python\nold = 1\n```\n"]
+    backend = FakeBackend([ssd_events(blocky), ssd_events(["```bash\nnew\n```\n"]), ssd_events(["ok"])])
+    app = ChatApp(backend, history=History(tmp_path / "h.db"))
+    async with app.run_test(size=(140, 45)) as pilot:
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        view = app.chat_view
+        out: list[str] = []
+        app.notify = lambda message, **kw: out.append(message)
+        await chat(app, pilot, "a")
+        await view.submit(f"/attach {src}")
+        await pilot.press("f5")
+        await wait_until(pilot, lambda: len(backend.calls) == 2 and view.current.finished)
+        assert backend.calls[1] == [{"role": "user", "content": "a"}]  # the saved question, as it was
+        assert [a.shown for a, _ in view.attachments] == [str(src)]  # still staged
+        await focus_back_to(app, pilot, AssistantMessage, "```bash\nnew\n```\n")
+        await pilot.press("c")
+        await wait_until(pilot, lambda: out)
+        assert view.clipboard_text == "new\n"
+        await pilot.press("left")
+        await wait_until(pilot, lambda: labels(app) == [("a", ""), (blocky[0], "‹ 1/2 ›")])
+        assert isinstance(app.focused, AssistantMessage) and app.focused.text == blocky[0]
+        await pilot.press("c")  # the switched-to reply's own block
+        await wait_until(pilot, lambda: view.clipboard_text == "old = 1\n")
+        await chat(app, pilot, "b")
+        assert backend.calls[2][-1]["content"].startswith(f"File: {src}\n") and view.attachments == []
+        await pilot.press("ctrl+c")
+
+
+@pytest.mark.asyncio
+async def test_the_palette_and_help_list_the_keys_of_a_focused_message(tmp_path):
+    from ssd_chat.tui.actions import HELP
+
+    backend = FakeBackend([ssd_events(["```python\ny = 2\n```\n"]), ssd_events(["two"])])
+    app = ChatApp(backend, history=History(tmp_path / "h.db"))
+    async with app.run_test(size=(140, 45)) as pilot:
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        view = app.chat_view
+        for key in ("←/→", "then c", "then e", "/attach", "/save"):
+            assert key in HELP
+        commands = {c.title: c for c in app.get_system_commands(app.screen)}
+        await chat(app, pilot, "a")
+        commands["Copy a code block"].callback()
+        await wait_until(pilot, lambda: view.clipboard_text == "y = 2\n")
+        await pilot.press("f5")
+        await wait_until(pilot, lambda: len(backend.calls) == 2 and view.current.finished)
+        commands["Previous branch"].callback()
+        await wait_until(pilot, lambda: labels(app) == [("a", ""), ("```python\ny = 2\n```\n", "‹ 1/2 ›")])
+        commands["Next branch"].callback()
+        await wait_until(pilot, lambda: labels(app) == [("a", ""), ("two", "‹ 2/2 ›")])
+        commands["Attach a file"].callback()
+        assert view.prompt.text == "/attach "
+        await pilot.press("ctrl+c")

@@ -111,12 +111,10 @@ class TestEdit:
             await wait_until(pilot, lambda: sum(isinstance(w, UserMessage) for w in app.screen.focus_chain) == 3)  # laid out
             app.chat_view.prompt.focus()
             await wait_until(pilot, lambda: app.focused is app.chat_view.prompt)
-            await pilot.press("shift+tab")  # from the prompt box: the last reply, the last message, the reply before...
-            await wait_until(pilot, lambda: isinstance(app.focused, AssistantMessage) and app.focused.text == "three")
-            await pilot.press("shift+tab")
-            await wait_until(pilot, lambda: isinstance(app.focused, UserMessage) and app.focused.text == "third")
-            await pilot.press("shift+tab", "shift+tab")
-            await wait_until(pilot, lambda: isinstance(app.focused, UserMessage) and app.focused.text == "second")
+            # from the prompt box: the last reply, the message it answered, then the ones before
+            for kind, text in ((AssistantMessage, "three"), (UserMessage, "third"), (AssistantMessage, "two"), (UserMessage, "second")):
+                await pilot.press("shift+tab")
+                await wait_until(pilot, lambda: isinstance(app.focused, kind) and app.focused.text == text)
             await pilot.press("e")
             assert app.chat_view.prompt.text == "second" and app.focused is app.chat_view.prompt
             assert "editing your message 2 of 3" in str(app.chat_view.prompt.border_title)

@@ -20,10 +20,12 @@ HELP = """Keys: Enter send · Shift+Enter / Ctrl+J new line · ↑/↓ prompt hi
 Ctrl+N new chat · Ctrl+Y copy last reply · Ctrl+S system prompt · Ctrl+O settings (mode, k, fan-out, sampling, length) ·
 F5 regenerate the last reply · Shift+Tab to one of your messages, then e: edit it and re-run the chat from there ·
 Shift+Tab to a message, then ←/→: switch between its branches (F5 and edits keep the old one as a branch) ·
+Shift+Tab to a message, then c: copy its next code block (again: the one after) ·
 Ctrl+G compare (the prompt in the box, or the last one, in AR, SD and SSD: tok/s and identical outputs) ·
 Ctrl+R chats · Ctrl+T token colours · Ctrl+P command palette · Ctrl+C quit.
 Commands: /mode ar|sd|ssd|auto · /k N · /fan-out SPEC · /temp X · /top-p X · /top-k N · /seed N · /repeat-penalty X · /max N · /system TEXT ·
-/compare [PROMPT] · /regen · /edit [N] (your Nth message; none: the last) · /new · /copy · /chats · /colour · /help"""
+/compare [PROMPT] · /regen · /edit [N] (your Nth message; none: the last) · /new · /copy · /chats · /colour · /help ·
+/attach FILE (a text file into your next message; /attach lists, /attach clear drops) · /save N FILE [--force] (block N of the last reply)"""
 
 
 def system_notice(value: str | None) -> str:

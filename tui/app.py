@@ -27,6 +27,7 @@ from . import signals
 from .actions import HELP
 from .chat_view import ChatView
 from .figures import Baseline
+from .widgets.chat_log import AssistantMessage, BranchStep, CopyBlock
 from .widgets.chats_dialog import ChatsDialog
 from .widgets.load_status import LoadStatus
 from .widgets.settings_dialog import SettingsDialog
@@ -232,3 +233,24 @@ class ChatApp(App[int]):
                             self.action_regenerate)
         yield SystemCommand("Edit your last message", "Put it back in the box; Enter re-runs the chat from it "
                             "(earlier ones: Shift+Tab to one and press e, or /edit N)", view.start_edit)
+        # the keys of a focused message (Shift+Tab), here for the last reply
+        yield SystemCommand("Previous branch", "Show the last reply's sibling before it (← on a message focused with Shift+Tab)",
+                            lambda: self._on_last_reply(lambda w: BranchStep(w, -1)))
+        yield SystemCommand("Next branch", "Show the last reply's sibling after it (→ on a message focused with Shift+Tab)",
+                            lambda: self._on_last_reply(lambda w: BranchStep(w, 1)))
+        yield SystemCommand("Copy a code block", "The last reply's next code block (c on a message focused with Shift+Tab)",
+                            lambda: self._on_last_reply(CopyBlock))
+        yield SystemCommand("Save a code block", "List the last reply's code blocks; /save N FILE writes one",
+                            lambda: self.run_worker(view.save_block("")))
+        yield SystemCommand("Attach a file", "Put /attach in the box: a text file into your next message", self._start_attach)
+
+    def _on_last_reply(self, message: Any) -> None:
+        replies = list(self.chat_view.chat.query(AssistantMessage))
+        if not replies:
+            self.notify("no reply yet")
+            return
+        self.chat_view.post_message(message(replies[-1]))
+
+    def _start_attach(self) -> None:
+        self.chat_view.prompt.set_text("/attach ")
+        self.chat_view.prompt.focus()

@@ -4,8 +4,9 @@
 state of the reply in progress.  Its behaviour is written by role in one module each:
 :mod:`.replies` (a prompt and its streaming reply, Esc), :mod:`.actions` (new chat, settings, saved
 chats, slash commands), :mod:`.rerun` (regenerate, edit and re-run), :mod:`.branches` (the
-siblings they leave, ←/→) and :mod:`.comparing` (AR, SD and
-SSD on one prompt).  The app around it loads the backend, opens the dialogs, owns the keys and quits.
+siblings they leave, ←/→), :mod:`.attaching` (files into a prompt, code blocks out of a message) and
+:mod:`.comparing` (AR, SD and SSD on one prompt).  The app around it loads the backend, opens the
+dialogs, owns the keys and quits.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..history import History
 from ..session import Session
 from ..terminal import printable
 from .actions import ChatActions
+from .attaching import AttachActions
 from .branches import BranchActions
 from .comparing import CompareActions
 from .figures import Baseline
@@ -42,7 +44,7 @@ from .widgets.prompt_input import PromptInput
 FRAME_S = 0.1  # screen updates while streaming: 10 per second
 
 
-class ChatView(BranchActions, RerunActions, ReplyActions, CompareActions, ChatActions, Widget):
+class ChatView(BranchActions, RerunActions, AttachActions, ReplyActions, CompareActions, ChatActions, Widget):
     """Transcript + prompt on the left, live speculation panel and cache view on the right."""
 
     class ReplyEvent(Message, bubble=False):
@@ -77,6 +79,7 @@ class ChatView(BranchActions, RerunActions, ReplyActions, CompareActions, ChatAc
         self.current: Turn | None = None
         self.turn_count = 0
         self.clipboard_text: str | None = None
+        self.attachments: list[tuple[Any, int | None]] = []  # files /attach staged for the next message, with their tokens
         self._reply_worker: Any = None
         self.switching: str | None = None  # an engine change in progress ("mode sd"): prompts wait for it
         self.pending_settings: dict[str, Any] = {}  # changed while the model loads: applied once it is ready

@@ -65,6 +65,7 @@ class Branch:
 
     parent: Any = LEAF
     user: Any = None
+    regenerated: bool = False  # F5: the saved question again, so files staged with /attach wait for the next message
 
 
 class ReplyActions:
@@ -101,11 +102,12 @@ class ReplyActions:
         self.prompt.remember(text)
         self.prompt.set_text("")
         branch = branch or Branch()
+        typed, text = text, (text if branch.regenerated else self.take_attachments(text))
         question = branch.user or await self.chat.add_user(text)
         widget = await self.chat.add_assistant(colour=self.colour)
         self.chat.anchor()
         if self.conversation_id is None:  # saved with the system prompts set before its first prompt
-            self.conversation_id = self.history.new_conversation(text)
+            self.conversation_id = self.history.new_conversation(typed)
             for m in self.messages:
                 self.history.add_message(self.conversation_id, m["role"], m["content"])
         if branch.user is None:

@@ -143,6 +143,7 @@ class RerunActions:
         self.current = None  # a late event of the dropped reply finds no turn to write into
         self.messages = self.messages[:cut]
         branch = Branch(user=question) if same_question else Branch(parent=self._parent_of(question))
+        branch.regenerated = not edited
         for value in later_system:  # set after the reply regenerated: it applies from the message sent again
             self.session.set_system(value)
             branch.parent = self.history.add_message(self.conversation_id, "system", value, parent=branch.parent)

@@ -32,6 +32,14 @@ DRAFT_STYLE = "green"
 TARGET_STYLE = "bold yellow"  # drawn orange: the app's dark theme maps ANSI yellow to orange (the docs say orange)
 
 
+class CopyBlock(Message):
+    """``c`` on a focused message: copy its next fenced code block (the chat keeps which one was last)."""
+
+    def __init__(self, message: "UserMessage | AssistantMessage") -> None:
+        super().__init__()
+        self.message = message
+
+
 class BranchStep(Message):
     """←/→ on a focused message: show its sibling ``by`` places away (another edit or regenerated reply)."""
 
@@ -41,6 +49,7 @@ class BranchStep(Message):
 
 
 BRANCH_KEYS = [Binding("left", "branch(-1)", "Previous branch"), Binding("right", "branch(1)", "Next branch")]
+COPY_KEY = Binding("c", "copy_block", "Copy code block")
 
 
 def branch_label(place: tuple[int, int] | None) -> str:
@@ -50,9 +59,11 @@ def branch_label(place: tuple[int, int] | None) -> str:
 class UserMessage(Static, can_focus=True):
     """A prompt as the user wrote it (plain text: no Markdown surprises).  Focusable (Shift+Tab from the
     prompt box, or a click): e or Enter puts it back in the box to edit and re-run from there; ←/→ switch
-    to its siblings (its other edits), whose place shows as "‹ 2/3 ›" before the text."""
+    to its siblings (its other edits), whose place shows as "‹ 2/3 ›" before the text; c copies its next
+    code block (an attached file)."""
 
-    BINDINGS = [Binding("e,enter", "edit", "Edit and re-run"), *BRANCH_KEYS]
+    BINDINGS = [Binding("e,enter", "edit", "Edit and re-run"), *BRANCH_KEYS, COPY_KEY]
+    block_index = -1  # the block c copied last
 
     class EditRequested(Message):
         def __init__(self, message: "UserMessage") -> None:
@@ -76,6 +87,9 @@ class UserMessage(Static, can_focus=True):
     def action_branch(self, by: int) -> None:
         self.post_message(BranchStep(self, by))
 
+    def action_copy_block(self) -> None:
+        self.post_message(CopyBlock(self))
+
 
 class Notice(Static):
     """A line from the app (warnings, errors, settings changes)."""
@@ -87,14 +101,16 @@ class Notice(Static):
 
 class AssistantMessage(Vertical, can_focus=True):
     """A reply: Markdown while streaming (coalesced through a MarkdownStream), a status line at the end.
+    Focusable (Shift+Tab, a click): ←/→ switch to the replies regenerated beside it, its place shown as
+    "‹ 2/3 ›" above it; c copies its next fenced code block, cycling through them.
 
     ``segments`` keeps each token's text and source so the reply can be shown coloured
-    by who produced each token (``-colour`` class).  Focusable (Shift+Tab): ←/→ switch to the
-    replies regenerated beside it, its place shown as "‹ 2/3 ›" above it.
+    by who produced each token (``-colour`` class).
     """
 
     DEFAULT_CLASSES = "message assistant"
-    BINDINGS = BRANCH_KEYS
+    BINDINGS = [*BRANCH_KEYS, COPY_KEY]
+    block_index = -1  # the block c copied last
 
     def __init__(self, text: str = "", status: str = "streaming", meta: str = "", colour: bool = False) -> None:
         super().__init__()
@@ -112,6 +128,9 @@ class AssistantMessage(Vertical, can_focus=True):
         self.branch = ""
         self.set_class(colour, "-colour")
         self.set_class(status == "streaming", "-streaming")
+
+    def action_copy_block(self) -> None:
+        self.post_message(CopyBlock(self))
 
     def compose(self):
         yield self._branch
