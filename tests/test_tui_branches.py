@@ -165,3 +165,40 @@ async def test_the_palette_and_help_list_the_keys_of_a_focused_message(tmp_path)
         commands["Attach a file"].callback()
         assert view.prompt.text == "/attach "
         await pilot.press("ctrl+c")
+
+
+@pytest.mark.asyncio
+async def test_typing_or_esc_on_a_focused_message_goes_back_to_the_prompt_box(tmp_path):
+    """A focused message keeps its own keys (e edits); other text, and Esc, return to the box (they once went
+    nowhere: the user's typing was lost)."""
+    backend = FakeBackend([ssd_events(["one"])])
+    app = ChatApp(backend, history=History(tmp_path / "h.db"))
+    async with app.run_test(size=(140, 45)) as pilot:
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        await app.chat_view.submit("a")
+        await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
+        await focus_back_to(app, pilot, AssistantMessage, "one")
+        await pilot.press("h", "i")
+        await pilot.pause()
+        assert app.focused is app.chat_view.prompt and app.chat_view.prompt.text == "hi"
+        await focus_back_to(app, pilot, UserMessage, "a")
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.focused is app.chat_view.prompt and app.chat_view.prompt.text == "hi"
+        await focus_back_to(app, pilot, UserMessage, "a")
+        await pilot.press("e")  # the message's own key still edits
+        await wait_until(pilot, lambda: app.focused is not app.chat_view.prompt or "a" in app.chat_view.prompt.text)
+
+
+@pytest.mark.asyncio
+async def test_esc_on_a_focused_message_still_stops_a_streaming_reply(tmp_path):
+    backend = FakeBackend([ssd_events(["one"]), ssd_events(["long", " reply", " here", " and", " more"])], block=True)
+    app = ChatApp(backend, history=History(tmp_path / "h.db"))
+    async with app.run_test(size=(140, 45)) as pilot:
+        await wait_until(pilot, lambda: app.chat_view.ready)
+        await app.chat_view.submit("a")
+        await wait_until(pilot, lambda: backend.blocked.is_set())
+        await focus_back_to(app, pilot, UserMessage, "a")
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: app.chat_view.current.finished)
+        assert app.focused is app.chat_view.prompt

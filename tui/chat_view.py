@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import Iterable
 from typing import Any
 
-from textual import on
+from textual import events, on
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.message import Message
@@ -36,7 +36,7 @@ from .figures import Baseline
 from .replies import ReplyActions, Turn, settle
 from .rerun import RerunActions
 from .widgets.cache_view import CacheView
-from .widgets.chat_log import ChatLog
+from .widgets.chat_log import AssistantMessage, ChatLog, UserMessage
 from .widgets.load_status import LoadStatus
 from .widgets.metrics_panel import MetricsPanel
 from .widgets.prompt_input import PromptInput
@@ -185,6 +185,23 @@ class ChatView(BranchActions, RerunActions, AttachActions, ReplyActions, Compare
             if vocab:
                 self.recorder.vocab(vocab)
             self.recorder.close()
+
+    def on_key(self, event: events.Key) -> None:
+        """Typing on a message reached with Shift+Tab goes to the prompt box, as does Esc: the keys a focused
+        message binds (e, ←/→, c) act first, and any other text is the user's next message."""
+        focused = self.app.focused
+        if not isinstance(focused, (UserMessage, AssistantMessage)):
+            return
+        own = {k.strip() for b in focused.BINDINGS for k in (b.key if hasattr(b, "key") else b[0]).split(",")}
+        if event.key in own:
+            return
+        if event.key == "escape":  # and Esc still stops a reply that streams (the app's binding)
+            self.prompt.focus()
+        elif event.is_printable and event.character:
+            self.prompt.focus()
+            self.prompt.insert(event.character)
+            event.stop()
+            event.prevent_default()
 
     # -- helpers -------------------------------------------------------------------------
     def notify(self, message: str, *, title: str = "", severity: Any = "information", timeout: float | None = None,
