@@ -54,6 +54,22 @@ class Recording:
     turns: list[RecordedTurn]
 
 
+def at_speed(d: dict[str, Any], scale: float) -> dict[str, Any]:
+    """An event's times (``*_s``, nested stats too) divided by ``scale``, its rates multiplied."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            v = at_speed(v, scale)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            v = v * scale if k.endswith("_per_s") else v / scale if k.endswith("_s") else v
+        out[k] = v
+    return out
+
+
+def at_speed_event(ev: Event, scale: float) -> Event:
+    return _events.from_dict(at_speed(to_dict(ev), scale))
+
+
 class Recorder:
     """Appends a session's turns and events to a JSONL file (thread-safe, flushed per line).
 
@@ -62,8 +78,9 @@ class Recorder:
     being recorded goes on.
     """
 
-    def __init__(self, path: Path | str, info: dict[str, Any] | None = None) -> None:
+    def __init__(self, path: Path | str, info: dict[str, Any] | None = None, time_scale: float = 1.0) -> None:
         self.path = Path(path)
+        self.time_scale = time_scale  # a slow-motion simulation's clock runs this much slow: events are written at speed
         self.error: str | None = None
         self._lock = threading.Lock()
         self._turn = -1
@@ -100,7 +117,7 @@ class Recorder:
         self._write({"type": "Vocab", "tokens": {str(k): v for k, v in tokens.items()}})
 
     def event(self, ev: Event) -> None:
-        d = to_dict(ev)
+        d = to_dict(ev) if self.time_scale == 1.0 else at_speed(to_dict(ev), self.time_scale)
         d["turn"] = max(self._turn, 0)
         self._write(d)
 

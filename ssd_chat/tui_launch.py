@@ -13,8 +13,11 @@ from typing import Any
 
 
 def open_history(values: dict[str, Any]):
+    """The saved chats; a replay keeps its chat in memory: a recording is not something the user said."""
     from .history import History, default_db_path
 
+    if values.get("replay"):
+        return History(None)
     return History(Path(values.get("db") or default_db_path()))
 
 

@@ -315,7 +315,7 @@ def test_a_database_locked_mid_session_in_a_real_terminal(tmp_path):
     import time
 
     pexpect = pytest.importorskip("pexpect")
-    from test_recorder import shipped
+    from test_recorder import replay_saving_chats, shipped
 
     from ssd_chat.recorder import read
 
@@ -324,8 +324,7 @@ def test_a_database_locked_mid_session_in_a_real_terminal(tmp_path):
     db = tmp_path / "h.db"
     env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"),
                SSD_CHAT_DATA_DIR=str(tmp_path / "data"), HF_HUB_OFFLINE="1")
-    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--db", str(db), "demo", "--replay", str(source), "--speed", "20",
-                                           "--type-delay", "0"],
+    child = pexpect.spawn(sys.executable, replay_saving_chats(db, source, 20.0),
                           env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=120)
     screen: list[str] = []
     other = None

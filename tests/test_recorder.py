@@ -122,6 +122,20 @@ def shipped() -> list[Path]:
     return sorted((Path(ssd_chat.assets.__file__).parent / "recordings").glob("*.jsonl"))
 
 
+# The real app on a recorded session that keeps its chat in the history file ``argv[1]`` (``demo --replay``
+# keeps none): what the history fault tests drive in a real terminal, with no model to load.
+REPLAY_SAVING_CHATS = """import sys
+from ssd_chat.backend import ReplayBackend
+from ssd_chat.recorder import read
+from ssd_chat.tui_launch import launch
+sys.exit(launch({"db": sys.argv[1]}, backend=ReplayBackend(read(sys.argv[2]), float(sys.argv[3])), type_delay_s=0.0))
+"""
+
+
+def replay_saving_chats(db: Path, source: Path, speed: float) -> list[str]:
+    return ["-c", REPLAY_SAVING_CHATS, str(db), str(source), str(speed)]
+
+
 def test_shipped_recordings_are_real_ssd_runs_with_hits_and_misses():
     assert shipped(), "no recorded session in assets/recordings"
     ssd_files = 0

@@ -41,6 +41,12 @@ from .widgets.load_status import LoadStatus
 from .widgets.metrics_panel import MetricsPanel
 from .widgets.prompt_input import PromptInput
 
+
+def sim_note(info: dict) -> str:
+    """The title's mark on a recording made on simulated hardware."""
+    return f" · SIMULATED {info['simulated']}" if info.get("simulated") else ""
+
+
 FRAME_S = 0.1  # screen updates while streaming: 10 per second
 
 
@@ -161,7 +167,7 @@ class ChatView(BranchActions, RerunActions, AttachActions, ReplyActions, Compare
         info = dict(self.backend.info())
         info.setdefault("sampling", {**self.backend.sampling_defaults(), **self.params})  # what a reply samples with
         self.panel.set_info(info)
-        self.app.sub_title = printable(f"{(info.get('mode') or '?').upper()} · {info.get('target') or ''}", one_line=True)
+        self.app.sub_title = printable(f"{(info.get('mode') or '?').upper()} · {info.get('target') or ''}{sim_note(info)}", one_line=True)
 
     def _show_mode(self, label: str) -> None:
         """The status line and the panel name the mode that is really running this reply."""
@@ -169,7 +175,7 @@ class ChatView(BranchActions, RerunActions, AttachActions, ReplyActions, Compare
         info.setdefault("sampling", {**self.backend.sampling_defaults(), **self.params})  # what a reply samples with
         info["mode_label"] = label
         self.panel.set_info(info)
-        self.app.sub_title = f"{label} · {info.get('target') or ''}"
+        self.app.sub_title = printable(f"{label} · {info.get('target') or ''}{sim_note(info)}", one_line=True)
 
     # -- quitting ------------------------------------------------------------------------
     async def close(self) -> None:

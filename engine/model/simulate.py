@@ -168,10 +168,20 @@ def _wait_until(end: float) -> None:
 _active: list[Padding | None] = []  # this process's padding, read once from the environment
 
 
-def activate(profile_name: str, lock_path: str | None, tally_dir: str | None = None) -> Padding:
+def slowed(prof: Profile, scale: float) -> Profile:
+    """The profile's hardware ``scale`` times slower (slow motion: a CPU whose real forwards are slower
+    than the modelled GPU's can still keep to it; the caller divides the clock it reads by ``scale``)."""
+    if scale == 1.0:
+        return prof
+    cost = {r: Cost(c.step_ms * scale, c.flat_rows, c.per_row_ms * scale) for r, c in (("target", prof.target), ("draft", prof.draft))}
+    return Profile(**{**prof.describe(), **cost, "sources": prof.sources})
+
+
+def activate(profile_name: str, lock_path: str | None, tally_dir: str | None = None, scale: float = 1.0) -> Padding:
     """Switch simulation on for this process and the processes it starts from now on; each of those
-    writes its tallies to ``tally_dir`` when it exits (:func:`child_tallies`)."""
-    os.environ[ENV] = json.dumps({"profile": profile_name, "lock": lock_path, "tallies": tally_dir, "parent": os.getpid()})
+    writes its tallies to ``tally_dir`` when it exits (:func:`child_tallies`).  ``scale``: :func:`slowed`."""
+    os.environ[ENV] = json.dumps({"profile": profile_name, "lock": lock_path, "tallies": tally_dir, "parent": os.getpid(),
+                                  "scale": scale})
     _active.clear()
     return active()  # type: ignore[return-value]
 
@@ -205,7 +215,7 @@ def active() -> Padding | None:
             _active.append(None)
         else:
             spec = json.loads(raw)
-            pad = Padding(load(spec["profile"]), spec.get("lock"))
+            pad = Padding(slowed(load(spec["profile"]), spec.get("scale", 1.0)), spec.get("lock"))
             _active.append(pad)
             if spec.get("tallies") and spec.get("parent") != os.getpid():  # a speculator: its figures outlive it
                 atexit.register(_write_tallies, pad, spec["tallies"])

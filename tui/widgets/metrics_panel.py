@@ -103,6 +103,9 @@ class MetricsPanel(Vertical):
             mode += "  (replay)"
         # model names and devices come from the user (paths, hub ids): Text, so Rich reads no markup in them
         t.add_row("mode", Text(printable(mode)))
+        if i.get("simulated"):  # a recording made on simulated hardware: never to be read as a measurement
+            slow = f", {i['time_scale']:g}x slow motion" if (i.get("time_scale") or 1) != 1 else ""
+            t.add_row("hardware", Text(printable(f"SIMULATED {i['simulated']} (real models, forwards padded{slow})"), style="bold yellow"))
         if i.get("mode_reason"):
             t.add_row("why", Text(printable(i["mode_reason"]), style="dim"))
         t.add_row("target", Text(printable(f"{i.get('target') or '?'}" + (f" @ {i['target_device']}" if i.get("target_device") else ""))))
