@@ -156,20 +156,21 @@ class Engine:
         core = getattr(self.target.forwards.runner("target", cfg.compile, rows), "core", None)
         if core is None:
             return
-        if core.compiler.background:  # packages on disk load now; a missing one builds while replies run eagerly
-            core.compiler.warm()
-            said = self.target.forwards.status()
-            if said:
-                progress(said, None)
-            return
-        said = core.compiler.progress
-        core.compiler.progress = lambda text: progress(text, None)
         where = contextlib.nullcontext()
         if cfg.mode == "ssd":  # the verifier's cores and threads: a graph is built for a thread count
             from .speculate.plan import pinned, plan
 
             p = plan(cfg, self.target.device, self.target.placement.cores)
             where = pinned(p.target_cores, p.target_threads)
+        if core.compiler.background:  # packages on disk load now; a missing one builds while replies run eagerly
+            with where:
+                core.compiler.warm()
+            said = self.target.forwards.status()
+            if said:
+                progress(said, None)
+            return
+        said = core.compiler.progress
+        core.compiler.progress = lambda text: progress(text, None)
         try:
             with where:
                 core.warm()

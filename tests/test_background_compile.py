@@ -219,3 +219,19 @@ def test_a_real_background_build_is_taken_by_the_next_reply(monkeypatch, tmp_pat
         assert [p.name for p in (tmp_path / "aoti").glob("*.pt2")] and not list((tmp_path / "aoti").glob("*.tmp.pt2"))
         second = list(eng.stream([1, 2, 3], params))[-1]
     assert second.stats.path == "compiled" and second.token_ids == first.token_ids
+
+
+def test_a_package_on_disk_makes_its_first_call_at_load(auto_cpu):
+    """A package's first call costs about a second (lazy loads, numba's head kernel): ``warm`` makes it behind
+    the load line, so the first reply's TTFT is a warm one (``ask`` once spent 1.07 s on it, now 0.26)."""
+    target, graphs = auto_cpu
+    with Engine(EngineConfig(mode="ar", compile="auto"), target) as eng:
+        list(eng.stream([1, 2, 3], SamplingParams(max_new_tokens=2, temperature=0)))
+        made = provide(eng, graphs)  # the background build of the 1-row shape, "on disk" from now on
+    with Engine(EngineConfig(mode="ar", compile="auto"), target) as eng:  # a second start: the package is here
+        core = next(iter(eng.target.forwards._cores.values()), None)
+        before = sum(g.calls for g in made)
+        eng.warm()
+        assert sum(g.calls for g in made) == before + 1  # one call per row shape, before any reply
+        assert list(eng.stream([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0)))[-1].stats.path == "compiled"
+        assert core is None or core.compiler.path == "compiled"

@@ -166,6 +166,10 @@ class Compiler:
             return
         if self.background:  # packages on disk load now; missing ones start building, and replies run eagerly
             self._decide(say=False)  # the load line says it; each reply that runs eagerly says it again
+            t = torch.get_num_threads()
+            for r in self.rows:  # a loaded package's first call (its lazy loads, numba's head kernel: about
+                if (r, t) in self._fns and not self._call(r, *self._dummy(r)):  # a second) falls in the load
+                    return
             return
         kv = self.core.kv
         kv.reserve(min(AUTO_WIDTH, kv.limit or AUTO_WIDTH))  # a small model's context may be shorter
