@@ -50,6 +50,9 @@ def app(args: argparse.Namespace, env: dict[str, str], in_process: bool) -> tupl
                 seen = (seen + child.read_nonblocking(65536, timeout=0.5))[-20000:]
             except pexpect.TIMEOUT:
                 pass
+        if args.ui_nice:  # every thread of the app's own process (the engine process is a child, left alone)
+            for tid in os.listdir(f"/proc/{child.pid}/task"):
+                os.setpriority(os.PRIO_PROCESS, int(tid), args.ui_nice)
         child.send(PROMPT)
         time.sleep(0.5)
         child.send("\r")
@@ -78,6 +81,7 @@ def main() -> None:
     p.add_argument("-n", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-in-process", action="store_true", help="leave out the app with the engine in its own process")
+    p.add_argument("--ui-nice", type=int, default=0, help="renice the app's own threads (not the engine process) once loaded")
     args = p.parse_args()
     env = dict(os.environ, SSD_CHAT_CONFIG_DIR=tempfile.mkdtemp(), SSD_CHAT_DATA_DIR=tempfile.mkdtemp(), HF_HUB_OFFLINE="1")
     runs: dict[str, list[tuple[float, float]]] = {"ask": [], "app": [], "app in-process": []}

@@ -20,6 +20,7 @@ PROMPT = "What is the capital of France?"
 # the load line: "<stage>… 45% · 12 s" / "<stage>… 3 s", redrawn in place
 STAGE = re.compile(r"([a-zA-Z][^\r\n\x1b…]{3,80})…")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[a-zA-Z]")
+ANSWER = re.compile(r"Paris|France|capital", re.I)
 
 
 def one_run(args: argparse.Namespace, cache: str) -> dict:
@@ -46,7 +47,7 @@ def one_run(args: argparse.Namespace, cache: str) -> dict:
         for m in STAGE.finditer(plain):
             stages.setdefault(m.group(1).strip(), round(now, 1))
         # the answer: a visible line that is not the load line (the line is cleared before the reply)
-        if first is None and "Paris" in ANSI.sub("", text[-600:]):
+        if first is None and "starting the decoder" in stages and ANSWER.search(ANSI.sub("", text[-600:]).split("decoder")[-1]):
             first = round(now, 1)
     child.close()
     return {"first_answer_s": first, "whole_s": round(time.monotonic() - t0, 1), "stages_first_seen_s": stages,
