@@ -146,6 +146,9 @@ async def test_switch_after_confirming_closes_the_old_backend_starts_a_new_chat_
         await type_line(pilot, app, "/model smollm2-360m")
         await wait_until(pilot, lambda: isinstance(app.screen, ConfirmDialog))
         assert "Switch the target to smollm2-360m? The current chat stays saved; the next chat uses smollm2-360m" in app.screen.question
+        await pilot.pause()
+        shown = app.screen.query_one("#confirm-question")
+        assert shown.size.height >= 2 and shown.size.width <= 80  # wrapped inside the dialog, not cut off
         await pilot.press("enter")
         await wait_until(pilot, lambda: len(built) == 2 and app.chat_view.ready)
         assert built[0].close_calls == 1
