@@ -77,14 +77,18 @@ def prepare() -> None:
 
 
 _spawner: ThreadPoolExecutor | None = None
+# the spawner thread's kernel id: the app lowers its own threads' priority but not this one's, which a process
+# started later (the engine again, after /model) would inherit
+spawner_tid: int | None = None
 
 
 def start(proc: multiprocessing.process.BaseProcess) -> None:
     """``proc.start()`` with real stdio, from the process's spawner thread (see the module docstring)."""
-    global _spawner
+    global _spawner, spawner_tid
     with _lock:
         if _spawner is None:
             _spawner = ThreadPoolExecutor(1, thread_name_prefix="ssd-spawner")  # its thread stays until exit
+            spawner_tid = _spawner.submit(threading.get_native_id).result()
     _spawner.submit(_start, proc).result()
 
 

@@ -21,6 +21,14 @@ def open_history(values: dict[str, Any]):
     return History(Path(values.get("db") or default_db_path()))
 
 
+def build_backend(values: dict[str, Any]) -> Any:
+    """The engine in a process of its own, unless asked not to (measuring the difference)."""
+    from .backend import EngineBackend
+    from .engine_process import ProcessBackend
+
+    return EngineBackend(values) if os.environ.get("SSD_CHAT_IN_PROCESS") else ProcessBackend(values)
+
+
 def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str] = (), type_delay_s: float = 0.03) -> int:
     """Run the app until the user quits; returns the exit status: 0, or 1 when loading failed or the
     app crashed (Textual has then printed the traceback and set a non-zero ``return_code``).
@@ -32,9 +40,6 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
     from .engine import threads
     from .loading import quiet_libraries
     from .recorder import Recorder, RecordingError
-    from .backend import EngineBackend
-    from .engine_process import ProcessBackend
-
     threads.coordinator()  # before anything computes here: this thread becomes the UI's
     quiet_libraries()
     recorder = None
@@ -60,8 +65,8 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
     workers.prepare()  # before Textual swaps out stderr: the speculator's spawn needs a real fd
 
     owned = backend is None
-    if backend is None:  # the engine decodes in a process of its own, unless asked not to (measuring the difference)
-        backend = EngineBackend(values) if os.environ.get("SSD_CHAT_IN_PROCESS") else ProcessBackend(values)
+    if backend is None:
+        backend = build_backend(values)
     app = ChatApp(
         backend,
         settings=values,
@@ -71,12 +76,14 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
         script=script,
         type_delay_s=type_delay_s,
         baselines=baselines,
+        backend_factory=build_backend if owned else None,  # /model: a replay or a given backend stays as it is
     )
     try:
         app.run()
     finally:
         if owned:
-            backend.close()  # already closed on quit; here for a crash of the app (idempotent)
+            for b in {id(backend): backend, id(app.backend): app.backend}.values():  # the first, and the one /model loaded
+                b.close()  # already closed on quit; here for a crash of the app (idempotent)
         if recorder is not None:
             recorder.close()
     if app.history.warning:

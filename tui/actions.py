@@ -25,7 +25,8 @@ Ctrl+G compare (the prompt in the box, or the last one, in AR, SD and SSD: tok/s
 Ctrl+R chats · Ctrl+T token colours · Ctrl+P command palette · Ctrl+C quit.
 Commands: /mode ar|sd|ssd|auto · /k N · /fan-out SPEC · /temp X · /top-p X · /top-k N · /seed N · /repeat-penalty X · /max N · /system TEXT ·
 /compare [PROMPT] · /regen · /edit [N] (your Nth message; none: the last) · /new · /copy · /chats · /colour · /help ·
-/attach FILE (a text file into your next message; /attach lists, /attach clear drops) · /save N FILE [--force] (block N of the last reply)"""
+/attach FILE (a text file into your next message; /attach lists, /attach clear drops) · /save N FILE [--force] (block N of the last reply) ·
+/model [NAME] (the local models; NAME: the target for the next chat, Tab completes it)"""
 
 
 def system_notice(value: str | None) -> str:
@@ -102,6 +103,7 @@ class ChatActions:
                 return False
             finally:
                 self.switching = None
+            self.engine_changes.update(engine_changes)
         self.params.update(sampling)
         self._update_info()
         desc = ", ".join(f"{k.replace('_', '-')} {v if v is not None else 'default'}" for k, v in changes.items())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from textual.app import App, ComposeResult, SystemCommand
@@ -20,7 +20,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Header
 
 from ..backend import Backend, readable
-from ..engine import threads
+from ..engine import threads, workers
 from ..engine.events import Notice
 from ..history import History
 from ..terminal import printable
@@ -39,10 +39,13 @@ UI_NICE = 10  # app/ask 0.69 -> 0.80 in AR on 2 cores: drawing waits while the d
 
 
 def yield_to_engine() -> None:
-    """Lower every thread of the app's own process (not the engine process, started before): on a machine
-    whose cores the decoder fills, the drawing takes what the decoder leaves instead of stalling its threads."""
+    """Lower every thread of the app's own process (not the engine process, started before, nor the thread that
+    starts engine processes: one started after /model inherits its priority): on a machine whose cores the decoder
+    fills, the drawing takes what the decoder leaves instead of stalling its threads."""
     try:
         for tid in os.listdir("/proc/self/task"):
+            if int(tid) == workers.spawner_tid:
+                continue
             os.setpriority(os.PRIO_PROCESS, int(tid), min(19, os.getpriority(os.PRIO_PROCESS, int(tid)) + UI_NICE))
     except (OSError, AttributeError, ValueError):  # not Linux, or a thread gone meanwhile: the app runs as it is
         pass
@@ -75,9 +78,9 @@ class ChatApp(App[int]):
             self.stage, self.frac = stage, frac
 
     class Loaded(Message):
-        def __init__(self, error: str | None) -> None:
+        def __init__(self, error: str | None, backend: Backend | None = None) -> None:
             super().__init__()
-            self.error = error
+            self.error, self.backend = error, backend
 
     def __init__(
         self,
@@ -90,12 +93,16 @@ class ChatApp(App[int]):
         script: Iterable[str] = (),
         type_delay_s: float = 0.03,
         baselines: Iterable[Baseline] = (),
+        backend_factory: Callable[[dict[str, Any]], Backend] | None = None,
     ) -> None:
         super().__init__()
         self.backend = backend
+        # /model builds the next backend from these settings with another target (None: this app cannot switch)
+        self.values, self.backend_factory = dict(settings or {}), backend_factory
         self.history = history if history is not None else History(None)
         self.resume_id = resume
         self._quitting = False
+        self._yielded = False
         self.signalled: int | None = None  # SIGTERM / SIGHUP that made the app quit
         # k and fan-out as started with: the settings dialog shows them until the engine says what it has
         self.engine_settings = {key: (settings or {}).get(key) for key in ("k", "fan_out")}
@@ -125,27 +132,38 @@ class ChatApp(App[int]):
         self.set_interval(2.0, self.chat_view.check_history)  # writes held back by a lock are saved when it goes, even when idle
         if self.resume_id is not None:
             await self.chat_view.resume(self.resume_id)
-        # a daemon thread: quitting during a long load must not wait for it to finish
-        threading.Thread(target=self._load, name="ssd-chat-load", daemon=True).start()
+        self.start_load()
 
     # -- loading -------------------------------------------------------------------------
-    def _load(self) -> None:
+    def start_load(self) -> None:
+        """Load ``self.backend`` with the load line: at startup, and after ``/model`` built another."""
+        self.sub_title = "loading…"
+        load = self.query_one(LoadStatus)
+        if not load.display or load.has_class("-failed"):  # shown again: a load after /model
+            load.restart()
+        # a daemon thread: quitting during a long load must not wait for it to finish
+        threading.Thread(target=self._load, args=(self.backend,), name="ssd-chat-load", daemon=True).start()
+
+    def _load(self, backend: Backend) -> None:
         threads.worker(self.compute_threads)
         # warnings found before loading (a model too large for this machine) reach the chat at once
-        self.backend.warn = lambda message: self.chat_view.post_message(ChatView.ReplyEvent(-1, Notice(message, "warning")))
+        backend.warn = lambda message: self.chat_view.post_message(ChatView.ReplyEvent(-1, Notice(message, "warning")))
         try:
-            self.backend.load(lambda stage, frac: self.post_message(self.LoadProgress(stage, frac)))
+            backend.load(lambda stage, frac: self.post_message(self.LoadProgress(stage, frac)))
         except BaseException as e:  # noqa: BLE001 - shown in the app, never as a traceback
-            self.post_message(self.Loaded(f"could not load the model: {readable(e)}"))
+            self.post_message(self.Loaded(f"could not load the model: {readable(e)}", backend))
             return
-        if getattr(self.backend, "proc", None) is not None:  # the engine runs in a process of its own
+        if getattr(backend, "proc", None) is not None and not self._yielded:  # the engine runs in a process of its own
+            self._yielded = True  # once: a /model reload must not lower the app's threads again
             yield_to_engine()
-        self.post_message(self.Loaded(None))
+        self.post_message(self.Loaded(None, backend))
 
     def on_chat_app_load_progress(self, msg: LoadProgress) -> None:
         self.query_one(LoadStatus).set_stage(msg.stage, msg.frac)
 
     async def on_chat_app_loaded(self, msg: Loaded) -> None:
+        if msg.backend is not None and msg.backend is not self.backend:
+            return  # a backend replaced meanwhile
         load = self.query_one(LoadStatus)
         if msg.error:
             load.fail(msg.error)
@@ -259,6 +277,8 @@ class ChatApp(App[int]):
         yield SystemCommand("Save a code block", "List the last reply's code blocks; /save N FILE writes one",
                             lambda: self.run_worker(view.save_block("")))
         yield SystemCommand("Attach a file", "Put /attach in the box: a text file into your next message", self._start_attach)
+        yield SystemCommand("Switch model", "The local models; /model NAME switches the target for the next chat",
+                            lambda: self.run_worker(view.model_command("")))
 
     def _on_last_reply(self, message: Any) -> None:
         replies = list(self.chat_view.chat.query(AssistantMessage))

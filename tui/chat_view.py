@@ -4,8 +4,8 @@
 state of the reply in progress.  Its behaviour is written by role in one module each:
 :mod:`.replies` (a prompt and its streaming reply, Esc), :mod:`.actions` (new chat, settings, saved
 chats, slash commands), :mod:`.rerun` (regenerate, edit and re-run), :mod:`.branches` (the
-siblings they leave, ←/→), :mod:`.attaching` (files into a prompt, code blocks out of a message) and
-:mod:`.comparing` (AR, SD and SSD on one prompt).  The app around it loads the backend, opens the
+siblings they leave, ←/→), :mod:`.attaching` (files into a prompt, code blocks out of a message),
+:mod:`.comparing` (AR, SD and SSD on one prompt) and :mod:`.switch_model` (``/model``: another target).  The app around it loads the backend, opens the
 dialogs, owns the keys and quits.
 """
 
@@ -35,6 +35,7 @@ from .comparing import CompareActions
 from .figures import Baseline
 from .replies import ReplyActions, Turn, settle
 from .rerun import RerunActions
+from .switch_model import ModelActions
 from .widgets.cache_view import CacheView
 from .widgets.chat_log import AssistantMessage, ChatLog, UserMessage
 from .widgets.load_status import LoadStatus
@@ -50,7 +51,7 @@ def sim_note(info: dict) -> str:
 FRAME_S = 0.1  # screen updates while streaming: 10 per second
 
 
-class ChatView(BranchActions, RerunActions, AttachActions, ReplyActions, CompareActions, ChatActions, Widget):
+class ChatView(ModelActions, BranchActions, RerunActions, AttachActions, ReplyActions, CompareActions, ChatActions, Widget):
     """Transcript + prompt on the left, live speculation panel and cache view on the right."""
 
     class ReplyEvent(Message, bubble=False):
@@ -89,6 +90,7 @@ class ChatView(BranchActions, RerunActions, AttachActions, ReplyActions, Compare
         self._reply_worker: Any = None
         self.switching: str | None = None  # an engine change in progress ("mode sd"): prompts wait for it
         self.pending_settings: dict[str, Any] = {}  # changed while the model loads: applied once it is ready
+        self.engine_changes: dict[str, Any] = {}  # mode / k / fan-out changed since the load: a /model switch keeps them
         self._token_text: dict[int, str] = {}
         self._seen_ids: set[int] = set()
         self._quitting = False
@@ -161,7 +163,8 @@ class ChatView(BranchActions, RerunActions, AttachActions, ReplyActions, Compare
 
     async def load_failed(self, error: str) -> None:
         self.load_error = error
-        await self.chat.add_notice(error + " — press Ctrl+C to quit", "error")
+        hint = " — /model NAME loads another, Ctrl+C quits" if self.app.backend_factory is not None else " — press Ctrl+C to quit"
+        await self.chat.add_notice(error + hint, "error")
 
     def _update_info(self) -> None:
         info = dict(self.backend.info())

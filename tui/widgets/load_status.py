@@ -52,6 +52,15 @@ class LoadStatus(Vertical):
         if self.is_mounted and self.display:
             self.query_one("#load-percent", Label).update(self.percent_text())
 
+    def restart(self) -> None:
+        """Shown again for the next load (``/model``), failed or hidden before."""
+        self._timer.stop()
+        self.remove_class("-failed")
+        self.display = True
+        self.query_one("#load-row").display = True
+        self.set_stage("starting…", None)
+        self._timer = self.set_interval(1.0, self._render_percent)
+
     def fail(self, message: str) -> None:
         self._timer.stop()
         self.add_class("-failed")

@@ -1,4 +1,5 @@
-"""The prompt box: Enter sends, Shift+Enter or Ctrl+J adds a line, Up/Down walk the prompt history.
+"""The prompt box: Enter sends, Shift+Enter or Ctrl+J adds a line, Up/Down walk the prompt history, Tab
+completes a model name after ``/model``.
 
 Typed characters are inserted in batches: each TextArea edit re-wraps and re-measures the whole line,
 so a long paste from a terminal without bracketed paste (every character a key event) cost O(length)
@@ -23,6 +24,12 @@ class PromptInput(TextArea):
 
     @dataclass
     class Submitted(Message):
+        text: str
+
+    @dataclass
+    class Complete(Message):
+        """Tab on a ``/model PREFIX`` line: the chat completes the name."""
+
         text: str
 
     def __init__(self, **kwargs) -> None:
@@ -78,6 +85,11 @@ class PromptInput(TextArea):
             text = self.text
             if text.strip():
                 self.post_message(self.Submitted(text))
+            return
+        if key == "tab" and self.text.startswith("/model ") and "\n" not in self.text:
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.Complete(self.text))
             return
         if key in ("shift+enter", "ctrl+j", "alt+enter"):
             event.stop()
