@@ -98,7 +98,8 @@ def test_the_engine_runs_in_its_own_process_and_nothing_outlives_the_app(tmp_pat
         # the app's drawing yields the cores to the decoder: every thread of the app's process is lowered, the engine's not
         ui = psutil.Process(app.child.pid)
         assert engine.nice() == ui.nice() - 10 or (ui.nice() == 19 and engine.nice() < 19)
-        assert all(os.getpriority(os.PRIO_PROCESS, t.id) == ui.nice() for t in ui.threads())
+        # every thread but the one that starts engine processes (a later engine must not inherit the drawing's priority)
+        assert sum(os.getpriority(os.PRIO_PROCESS, t.id) != ui.nice() for t in ui.threads()) <= 1
         if leave == "ctrl-c":  # a crash of the engine process: a notice, the chat kept, and the next prompt works
             engine.kill()
             app.wait(lambda: "was killed by SIGKILL" in app.screen() and "restarting" in app.screen(), 60)
