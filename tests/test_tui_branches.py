@@ -25,6 +25,18 @@ async def focus_back_to(app: ChatApp, pilot, kind: type, text: str) -> None:
     raise AssertionError(f"could not focus {text!r}")
 
 
+def blocking_backend() -> FakeBackend:
+    """A backend whose first reply stops halfway until released (``blocked`` is set meanwhile)."""
+    return FakeBackend([ssd_events(["one"]), ssd_events(["long", " reply", " here", " and", " more"])], block=True)
+
+
+async def stream_a(app: ChatApp, pilot, backend: FakeBackend) -> None:
+    """Once loaded, send "a" and wait until its reply is held halfway."""
+    await wait_until(pilot, lambda: app.chat_view.ready)
+    await app.chat_view.submit("a")
+    await wait_until(pilot, lambda: backend.blocked.is_set())
+
+
 def labels(app: ChatApp) -> list[tuple[str, str]]:
     return [(w.text, w.branch) for w in app.chat_view.chat.query("UserMessage, AssistantMessage")]
 
@@ -93,12 +105,10 @@ async def test_switching_an_edited_message_brings_the_chat_below_it_and_resume_o
 
 @pytest.mark.asyncio
 async def test_left_right_on_a_message_without_siblings_change_nothing(tmp_path):
-    backend = FakeBackend([ssd_events(["one"]), ssd_events(["long", " reply", " here", " and", " more"])], block=True)
+    backend = blocking_backend()
     app = ChatApp(backend, history=History(tmp_path / "h.db"))
     async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
-        await app.chat_view.submit("a")
-        await wait_until(pilot, lambda: backend.blocked.is_set())
+        await stream_a(app, pilot, backend)
         await pilot.press("escape")
         await wait_until(pilot, lambda: app.chat_view.current.finished and not app.chat_view._reply_worker.is_running)
         await focus_back_to(app, pilot, UserMessage, "a")
@@ -192,12 +202,10 @@ async def test_typing_or_esc_on_a_focused_message_goes_back_to_the_prompt_box(tm
 
 @pytest.mark.asyncio
 async def test_esc_on_a_focused_message_still_stops_a_streaming_reply(tmp_path):
-    backend = FakeBackend([ssd_events(["one"]), ssd_events(["long", " reply", " here", " and", " more"])], block=True)
+    backend = blocking_backend()
     app = ChatApp(backend, history=History(tmp_path / "h.db"))
     async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
-        await app.chat_view.submit("a")
-        await wait_until(pilot, lambda: backend.blocked.is_set())
+        await stream_a(app, pilot, backend)
         await focus_back_to(app, pilot, UserMessage, "a")
         await pilot.press("escape")
         await wait_until(pilot, lambda: app.chat_view.current.finished)
