@@ -4,6 +4,10 @@ which is what makes greedy SD and SSD equal AR by construction on the compiled C
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -132,3 +136,21 @@ def test_a_cpu_graph_is_built_once_then_loaded(tmp_path, monkeypatch):
 
     same, other = load_gguf(path), load_gguf(write_tiny_gguf(tmp_path / "other.gguf", layers=1, seed=10))
     assert aoti.fingerprint(same) == aoti.fingerprint(load_gguf(path)) != aoti.fingerprint(other)
+
+    # The loader unpacks a package under the cache dir, not in $TMPDIR: a process that ends without
+    # destroying its loader (a signal, os._exit) leaves its ~200 MB there, and the next load removes them.
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    package = next((tmp_path / "aoti").glob("*.pt2"))
+    script = ("import os, pathlib; from ssd_chat.engine.cpu import quant; from ssd_chat.engine.model import aoti; "
+              f"f = aoti.load_package(pathlib.Path({str(package)!r})); "
+              "print(os.getpid(), len(list(aoti.unpack_dir().glob('aotinductor_*'))), "
+              "len(list(pathlib.Path(os.environ['TMPDIR']).glob('aotinductor_*'))), flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(tmpdir)},
+                         capture_output=True, text=True, check=True).stdout
+    pid, unpacked, in_tmp = (int(x) for x in out.split()[-3:])
+    assert (unpacked, in_tmp) == (1, 0)
+    gone = tmp_path / "unpacked" / str(pid)
+    (gone / "aotinductor_left").mkdir(parents=True, exist_ok=True)  # as a process killed while loaded leaves it
+    aoti.load_package(package)
+    assert not gone.exists()

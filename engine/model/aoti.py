@@ -13,12 +13,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import threading
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import torch
 
 from ..config import cache_dir, cpu_name
+from ..workers import pid_alive
 from .cache import StaticKV
 
 VERSION = "v2"  # bump when the graph's code changes in a way the key does not see
@@ -100,6 +103,35 @@ def use_disk_cache() -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
 
+_UNPACK_LOCK = threading.Lock()
+
+
+def unpack_dir() -> Path:
+    """Where this process's loaded packages unpack (about 200 MB each).  torch's loader unpacks into
+    ``$TMPDIR/aotinductor_*`` and deletes it only when the loader is destroyed, which a process that ends
+    by a signal or ``os._exit`` never does: in /tmp each such start left its packages behind."""
+    return cache_dir() / "unpacked" / str(os.getpid())
+
+
+def sweep_unpacked() -> None:
+    """Remove what processes that are gone left unpacked."""
+    for d in (cache_dir() / "unpacked").glob("*"):
+        if d.name.isdigit() and int(d.name) != os.getpid() and not pid_alive(int(d.name)):
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def load_package(path: Path) -> Callable:
     """A built package, ready to call (a seam: tests stand in for it)."""
-    return torch._inductor.aoti_load_package(str(path))
+    with _UNPACK_LOCK:
+        sweep_unpacked()
+        here = unpack_dir()
+        here.mkdir(parents=True, exist_ok=True)
+        old = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = str(here)  # read by the C++ loader, for this call only
+        try:
+            return torch._inductor.aoti_load_package(str(path))
+        finally:
+            if old is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = old
