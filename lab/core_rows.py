@@ -8,7 +8,8 @@ Every row count is compiled (``on``: one package each, built once per machine). 
 are timed interleaved (each repetition times 1, 2, 3 and 4 rows in turn), median of ``--reps``.
 At one thread the times are this thread's CPU time (on a shared machine wall time also counts the
 waits for other processes); at two, wall time.  ``head`` is the Q8_0 output head's product alone
-on the same rows, timed the same way.
+on the same rows, timed the same way; ``q4`` the 210 Q4 products of one forward through torch's int4
+GEMM (what the compiled graph runs; absent under ``off`` without ``SSD_CHAT_CPU_KERNELS=int4``).
 """
 import argparse
 import time
@@ -46,8 +47,11 @@ for k in ROWS[1:]:
 
 head = max((m for m in e.target.model.modules() if isinstance(m, GGUFLinear)), key=lambda m: m.out_features)
 hx = torch.randn(max(ROWS), head.in_features)
+q4 = [m for m in e.target.model.modules() if isinstance(m, GGUFLinear) and m.int4 is not None]
+xs = {f: torch.randn(max(ROWS), f).to(torch.bfloat16) for f in {m.in_features for m in q4}}
 fwd: dict[int, list[float]] = {k: [] for k in ROWS}
 hd: dict[int, list[float]] = {k: [] for k in ROWS}
+q4t: dict[int, list[float]] = {k: [] for k in ROWS}
 for _ in range(a.reps):
     for k in ROWS:
         r.truncate(n)
@@ -57,6 +61,10 @@ for _ in range(a.reps):
         t0 = clock()
         head(hx[:k])
         hd[k].append(clock() - t0)
+        t0 = clock()
+        for m in q4:
+            torch.ops.aten._weight_int4pack_mm_for_cpu(xs[m.in_features][:k], m.int4[0], 32, m.int4[1])
+        q4t[k].append(clock() - t0)
 
 
 def med(ts: list[float]) -> float:
@@ -67,4 +75,5 @@ print(f"threads={a.threads} compile={a.compile} forward={r.label} clock={clock._
       f"verify rows equal to one-row steps: " + ", ".join(f"{k} rows {s}/{t}" for k, (s, t) in same.items()))
 for k in ROWS:
     print(f"  rows={k}: forward {med(fwd[k]):.2f} ms ({med(fwd[k]) / med(fwd[1]):.2f}x)"
-          f"  head {med(hd[k]):.2f} ms ({med(hd[k]) / med(hd[1]):.2f}x)")
+          f"  head {med(hd[k]):.2f} ms ({med(hd[k]) / med(hd[1]):.2f}x)"
+          + (f"  q4 {med(q4t[k]):.2f} ms ({med(q4t[k]) / med(q4t[1]):.2f}x)" if q4 else ""))
