@@ -1,20 +1,35 @@
-"""ms per forward of the packaged model's target core at 1-4 rows, and whether each row of a 3-row
-verify equals the one-row step at its position bit for bit (docs/performance-cpu.md).
+"""ms per forward of the packaged model's target core at 1-4 rows (a step and verifies of 2-4 rows),
+the verify/step ratios, the output head's share, and whether each row of every verify equals the
+one-row step at its position bit for bit (docs/performance-cpu.md).
 
-    [SSD_CHAT_CPU_KERNELS=int4] python -m lab.core_rows THREADS off|on
+    [SSD_CHAT_CPU_KERNELS=int4] python -m lab.core_rows THREADS off|on [--reps 40]
+
+Every row count is compiled (``on``: one package each, built once per machine).  The row counts
+are timed interleaved (each repetition times 1, 2, 3 and 4 rows in turn), median of ``--reps``.
+At one thread the times are this thread's CPU time (on a shared machine wall time also counts the
+waits for other processes); at two, wall time.  ``head`` is the Q8_0 output head's product alone
+on the same rows, timed the same way; ``q4`` the 210 Q4 products of one forward through torch's int4
+GEMM (what the compiled graph runs; absent under ``off`` without ``SSD_CHAT_CPU_KERNELS=int4``).
 """
-import sys
+import argparse
 import time
 
 import torch
 
 from ssd_chat.engine.config import EngineConfig
+from ssd_chat.engine.cpu.quant import GGUFLinear
 from ssd_chat.engine.engine import Engine
 
-threads, comp = int(sys.argv[1]), sys.argv[2]
-torch.set_num_threads(threads)
-e = Engine.load(EngineConfig(mode="ar", compile=comp))
-r = e.target.forwards.runner("target", comp, (1, 3))
+ROWS = (1, 2, 3, 4)
+ap = argparse.ArgumentParser(prog="python -m lab.core_rows", description=__doc__.split("\n\n")[0])
+ap.add_argument("threads", type=int)
+ap.add_argument("compile", choices=["off", "on"])
+ap.add_argument("--reps", type=int, default=40)
+a = ap.parse_args()
+torch.set_num_threads(a.threads)
+clock = time.thread_time if a.threads == 1 else time.perf_counter
+e = Engine.load(EngineConfig(mode="ar", compile=a.compile))
+r = e.target.forwards.runner("target", a.compile, ROWS)
 prompt = e.prompt_ids([{"role": "user", "content": "Write a short poem about the sea."}])[0]
 lg = r.append(prompt, logits="last").logits[-1]
 n, seq, steps = r.length, list(prompt), []
@@ -22,24 +37,43 @@ for _ in range(40):  # greedy one-row steps (the first compiles under "on")
     seq.append(int(lg.argmax()))
     lg = r.append([seq[-1]]).logits[-1]
     steps.append(lg.clone())
-same = tot = 0
-for j in range(0, 36, 3):
-    r.truncate(n + j)
-    rows = r.append(seq[n + j:n + j + 3]).logits
-    same += sum(int(torch.equal(rows[i], steps[j + i])) for i in range(3))
-    tot += 3
+same = {k: [0, 0] for k in ROWS[1:]}
+for k in ROWS[1:]:
+    for j in range(0, 36, k):
+        r.truncate(n + j)
+        rows = r.append(seq[n + j:n + j + k]).logits
+        same[k][0] += sum(int(torch.equal(rows[i], steps[j + i])) for i in range(k))
+        same[k][1] += k
 
-
-def ms(rows: int, reps: int = 40) -> float:
-    ts = []
-    for _ in range(reps):
+head = max((m for m in e.target.model.modules() if isinstance(m, GGUFLinear)), key=lambda m: m.out_features)
+hx = torch.randn(max(ROWS), head.in_features)
+q4 = [m for m in e.target.model.modules() if isinstance(m, GGUFLinear) and m.int4 is not None]
+xs = {f: torch.randn(max(ROWS), f).to(torch.bfloat16) for f in {m.in_features for m in q4}}
+fwd: dict[int, list[float]] = {k: [] for k in ROWS}
+hd: dict[int, list[float]] = {k: [] for k in ROWS}
+q4t: dict[int, list[float]] = {k: [] for k in ROWS}
+for _ in range(a.reps):
+    for k in ROWS:
         r.truncate(n)
-        t0 = time.perf_counter()
-        r.append(seq[n:n + rows])
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[reps // 2] * 1e3
+        t0 = clock()
+        r.append(seq[n:n + k])
+        fwd[k].append(clock() - t0)
+        t0 = clock()
+        head(hx[:k])
+        hd[k].append(clock() - t0)
+        t0 = clock()
+        for m in q4:
+            torch.ops.aten._weight_int4pack_mm_for_cpu(xs[m.in_features][:k], m.int4[0], 32, m.int4[1])
+        q4t[k].append(clock() - t0)
 
 
-print(f"threads={threads} compile={comp} forward={r.label} verify rows equal to one-row steps: {same}/{tot}")
-for rows in (1, 2, 3, 4):
-    print(f"  rows={rows}: {ms(rows):.2f} ms")
+def med(ts: list[float]) -> float:
+    return sorted(ts)[len(ts) // 2] * 1e3
+
+
+print(f"threads={a.threads} compile={a.compile} forward={r.label} clock={clock.__name__} "
+      f"verify rows equal to one-row steps: " + ", ".join(f"{k} rows {s}/{t}" for k, (s, t) in same.items()))
+for k in ROWS:
+    print(f"  rows={k}: forward {med(fwd[k]):.2f} ms ({med(fwd[k]) / med(fwd[1]):.2f}x)"
+          f"  head {med(hd[k]):.2f} ms ({med(hd[k]) / med(hd[1]):.2f}x)"
+          + (f"  q4 {med(q4t[k]):.2f} ms ({med(q4t[k]) / med(q4t[1]):.2f}x)" if q4 else ""))

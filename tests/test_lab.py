@@ -23,7 +23,8 @@ def lab(repo_root, *args: str, env: dict[str, str] | None = None, timeout: float
                           env={**os.environ, **(env or {})})
 
 
-@pytest.mark.parametrize("script", ["cpu_perf", "core_bench", "tp_bench", "gpucheck", "gpucheck_engine", "quant_bench", "sampling_cost"])
+@pytest.mark.parametrize("script", ["cpu_perf", "core_bench", "tp_bench", "gpucheck", "gpucheck_engine", "quant_bench", "sampling_cost",
+                                    "core_rows", "read_floor"])
 def test_each_script_runs_from_the_repository_root(repo_root, script):
     """Its imports resolve (the product as ``ssd_chat``, its lab siblings relatively) and its usage names the command."""
     r = lab(repo_root, f"lab.{script}", "--help", timeout=120)
@@ -81,3 +82,10 @@ def test_core_bench_times_every_path(repo_root, tmp_path):
     assert [(x["rows"], x["kind"]) for x in rows] == [(1, "1 row"), (6, "tree")]
     assert all(x["transformers ms"] > 0 and x["core eager ms"] > 0 and "core compiled ms" not in x for x in rows)
     assert r.stdout.startswith("| threads | kind | rows | transformers ms | core eager ms |")
+
+
+def test_read_floor_measures_a_bandwidth(repo_root):
+    r = lab(repo_root, "lab.read_floor", "--no-model", "--mb", "64", "--repeats", "2", timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["read_GBps_1core"] > 0 and set(out) == {"read_GBps_1core"}

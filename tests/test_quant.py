@@ -103,6 +103,26 @@ def test_a_row_does_not_depend_on_the_other_rows(kind):
         assert torch.equal(mod(x[r - 1:r]), full[r - 1:r])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_head_rows_equal_the_one_row_product(threads):
+    """The Q8_0 output head reads its weights once for a verify of up to 5 rows (one kernel per row
+    count): each of its rows must be the 1-row, 1-thread product bit for bit, at 1 and 2 threads.
+    A kernel that summed a row in another order would change the last bits of some logits."""
+    out_f = quant.PARALLEL_MIN_OUT + 3 * quant.TILE + 5  # big enough for threads, a padded last tile
+    mod = GGUFLinear(blocks(out_f, 576, "Q8_0", np.random.default_rng(11)), "Q8_0", 576)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.cat([mod(x[i:i + 1]) for i in range(5)])
+        torch.set_num_threads(threads)
+        for r in range(1, 6):
+            assert torch.equal(mod(x[:r]), one[:r]), r
+            assert torch.equal(mod(x[5 - r:]), one[5 - r:]), r
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_result_does_not_depend_on_the_thread_count():
     """A verifier and a speculator running on different numbers of cores must compute the same
     logits bit for bit (a kernel that splits sums across threads would break this)."""

@@ -19,7 +19,10 @@ registers; each row adds four inputs per pass, ``a + (x0 w0 + x1 w1 + x2 w2 + x3
 kernels are compiled without reassociation, so the sums happen in that order: a row's result
 is the same whatever the other rows are and however many there are (a verification of k + 1
 tokens computes the very products of k + 1 one-token steps), and the same at any thread count
-(threads split the tiles; one thread computes a tile).  Row groups of 4, then 2, then 1.
+(threads split the tiles; one thread computes a tile).  Q4 rows go in groups of 4, then 2, then 1;
+Q8_0 rows (the output head, which a verify of k + 1 <= 5 rows reads once) in groups of up to 5.
+The compiled target calls these kernels through an opaque op (``quant.gguf_mm``) at run time, so
+a change here needs no new AOTInductor package.
 """
 
 from __future__ import annotations
@@ -189,6 +192,25 @@ def _q8_r2(x, q, d, m, acc, r0, t, dv, mv):  # pragma: no cover - compiled
 
 
 @njit(**_opts)
+def _q8_r3(x, q, d, m, acc, r0, t, dv, mv):  # pragma: no cover - compiled
+    a, c, e = acc[r0], acc[r0 + 1], acc[r0 + 2]
+    for b in range(q.shape[1]):
+        _widen(d[t, b], dv)
+        for k in range(0, BLOCK, 4):
+            kx = b * BLOCK + k
+            q0, q1, q2, q3 = q[t, b, k], q[t, b, k + 1], q[t, b, k + 2], q[t, b, k + 3]
+            x0, x1, x2, x3 = x[r0, kx], x[r0, kx + 1], x[r0, kx + 2], x[r0, kx + 3]
+            y0, y1, y2, y3 = x[r0 + 1, kx], x[r0 + 1, kx + 1], x[r0 + 1, kx + 2], x[r0 + 1, kx + 3]
+            u0, u1, u2, u3 = x[r0 + 2, kx], x[r0 + 2, kx + 1], x[r0 + 2, kx + 2], x[r0 + 2, kx + 3]
+            for j in range(TILE):
+                s = dv[j]
+                w0, w1, w2, w3 = s * np.float32(q0[j]), s * np.float32(q1[j]), s * np.float32(q2[j]), s * np.float32(q3[j])
+                _add4(a, j, x0, x1, x2, x3, w0, w1, w2, w3)
+                _add4(c, j, y0, y1, y2, y3, w0, w1, w2, w3)
+                _add4(e, j, u0, u1, u2, u3, w0, w1, w2, w3)
+
+
+@njit(**_opts)
 def _q8_r4(x, q, d, m, acc, r0, t, dv, mv):  # pragma: no cover - compiled
     a, c, e, g = acc[r0], acc[r0 + 1], acc[r0 + 2], acc[r0 + 3]
     for b in range(q.shape[1]):
@@ -207,6 +229,29 @@ def _q8_r4(x, q, d, m, acc, r0, t, dv, mv):  # pragma: no cover - compiled
                 _add4(c, j, y0, y1, y2, y3, w0, w1, w2, w3)
                 _add4(e, j, u0, u1, u2, u3, w0, w1, w2, w3)
                 _add4(g, j, v0, v1, v2, v3, w0, w1, w2, w3)
+
+
+@njit(**_opts)
+def _q8_r5(x, q, d, m, acc, r0, t, dv, mv):  # pragma: no cover - compiled
+    a, c, e, g, h = acc[r0], acc[r0 + 1], acc[r0 + 2], acc[r0 + 3], acc[r0 + 4]
+    for b in range(q.shape[1]):
+        _widen(d[t, b], dv)
+        for k in range(0, BLOCK, 4):
+            kx = b * BLOCK + k
+            q0, q1, q2, q3 = q[t, b, k], q[t, b, k + 1], q[t, b, k + 2], q[t, b, k + 3]
+            x0, x1, x2, x3 = x[r0, kx], x[r0, kx + 1], x[r0, kx + 2], x[r0, kx + 3]
+            y0, y1, y2, y3 = x[r0 + 1, kx], x[r0 + 1, kx + 1], x[r0 + 1, kx + 2], x[r0 + 1, kx + 3]
+            u0, u1, u2, u3 = x[r0 + 2, kx], x[r0 + 2, kx + 1], x[r0 + 2, kx + 2], x[r0 + 2, kx + 3]
+            v0, v1, v2, v3 = x[r0 + 3, kx], x[r0 + 3, kx + 1], x[r0 + 3, kx + 2], x[r0 + 3, kx + 3]
+            z0, z1, z2, z3 = x[r0 + 4, kx], x[r0 + 4, kx + 1], x[r0 + 4, kx + 2], x[r0 + 4, kx + 3]
+            for j in range(TILE):
+                s = dv[j]
+                w0, w1, w2, w3 = s * np.float32(q0[j]), s * np.float32(q1[j]), s * np.float32(q2[j]), s * np.float32(q3[j])
+                _add4(a, j, x0, x1, x2, x3, w0, w1, w2, w3)
+                _add4(c, j, y0, y1, y2, y3, w0, w1, w2, w3)
+                _add4(e, j, u0, u1, u2, u3, w0, w1, w2, w3)
+                _add4(g, j, v0, v1, v2, v3, w0, w1, w2, w3)
+                _add4(h, j, z0, z1, z2, z3, w0, w1, w2, w3)
 
 
 # --- drivers: every tile, rows in groups of 4, 2, 1 ----------------------------------------------
@@ -242,10 +287,14 @@ def _tile_q8(x, q, d, y, t):  # pragma: no cover - compiled
     acc = np.zeros((rows, TILE), np.float32)
     dv = np.empty(TILE, np.float32)
     r0 = 0
-    while r0 < rows:
-        n = _groups(rows, r0)
-        if n == 4:
+    while r0 < rows:  # a verify of up to 5 rows in one pass over the weights
+        n = min(rows - r0, 5)
+        if n == 5:
+            _q8_r5(x, q, d, d, acc, r0, t, dv, dv)
+        elif n == 4:
             _q8_r4(x, q, d, d, acc, r0, t, dv, dv)
+        elif n == 3:
+            _q8_r3(x, q, d, d, acc, r0, t, dv, dv)
         elif n == 2:
             _q8_r2(x, q, d, d, acc, r0, t, dv, dv)
         else:
