@@ -23,7 +23,8 @@ def lab(repo_root, *args: str, env: dict[str, str] | None = None, timeout: float
                           env={**os.environ, **(env or {})})
 
 
-@pytest.mark.parametrize("script", ["cpu_perf", "core_bench", "tp_bench", "gpucheck", "gpucheck_engine", "quant_bench", "sampling_cost"])
+@pytest.mark.parametrize("script", ["cpu_perf", "core_bench", "tp_bench", "gpucheck", "gpucheck_engine", "quant_bench", "sampling_cost",
+                                    "accept_probe", "accept_runs"])
 def test_each_script_runs_from_the_repository_root(repo_root, script):
     """Its imports resolve (the product as ``ssd_chat``, its lab siblings relatively) and its usage names the command."""
     r = lab(repo_root, f"lab.{script}", "--help", timeout=120)
@@ -81,3 +82,25 @@ def test_core_bench_times_every_path(repo_root, tmp_path):
     assert [(x["rows"], x["kind"]) for x in rows] == [(1, "1 row"), (6, "tree")]
     assert all(x["transformers ms"] > 0 and x["core eager ms"] > 0 and "core compiled ms" not in x for x in rows)
     assert r.stdout.startswith("| threads | kind | rows | transformers ms | core eager ms |")
+
+
+@pytest.mark.slow
+@needs_packaged
+def test_acceptance_scripts_on_the_packaged_model(repo_root, tmp_path):
+    """The probe's proposals and the decoders' acceptance figures, on one held-out prompt."""
+    probe, runs = tmp_path / "probe.json", tmp_path / "runs.json"
+    r = lab(repo_root, "lab.accept_probe", "--prompts", "1", "-n", "6", "--json", str(probe))
+    assert r.returncode == 0, r.stderr
+    got = json.loads(probe.read_text())
+    acc = got["expected_acceptance"]
+    assert got["positions"] == 6 and all(0.0 <= a <= 1.0 for a in acc.values())
+    assert any(name.startswith("as shipped") for name in acc)
+    r = lab(repo_root, "lab.accept_runs", "--modes", "sd,ssd", "--prompts", "1", "-n", "12", "--json", str(runs))
+    assert r.returncode == 0, r.stderr
+    got = json.loads(runs.read_text())
+    for mode in ("sd", "ssd"):
+        for setting in ("greedy", "defaults"):
+            fig = got[f"{mode} {setting}"]
+            assert fig["rounds"] > 0 and 1.0 <= fig["tokens_per_verify"] <= 1 + got["k"]
+            assert len(fig["per_position"]) == got["k"]
+            assert ("cache_hits" in fig) == (mode == "ssd")
