@@ -24,7 +24,7 @@ def lab(repo_root, *args: str, env: dict[str, str] | None = None, timeout: float
 
 
 @pytest.mark.parametrize("script", ["cpu_perf", "core_bench", "tp_bench", "gpucheck", "gpucheck_engine", "quant_bench", "sampling_cost",
-                                    "core_rows", "read_floor"])
+                                    "core_rows", "read_floor", "accept_probe", "accept_runs"])
 def test_each_script_runs_from_the_repository_root(repo_root, script):
     """Its imports resolve (the product as ``ssd_chat``, its lab siblings relatively) and its usage names the command."""
     r = lab(repo_root, f"lab.{script}", "--help", timeout=120)
@@ -89,3 +89,25 @@ def test_read_floor_measures_a_bandwidth(repo_root):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["read_GBps_1core"] > 0 and set(out) == {"read_GBps_1core"}
+
+
+@pytest.mark.slow
+@needs_packaged
+def test_acceptance_scripts_on_the_packaged_model(repo_root, tmp_path):
+    """The probe's proposals and the decoders' acceptance figures, on one held-out prompt."""
+    probe, runs = tmp_path / "probe.json", tmp_path / "runs.json"
+    r = lab(repo_root, "lab.accept_probe", "--prompts", "1", "-n", "6", "--json", str(probe))
+    assert r.returncode == 0, r.stderr
+    got = json.loads(probe.read_text())
+    acc = got["expected_acceptance"]
+    assert got["positions"] == 6 and all(0.0 <= a <= 1.0 for a in acc.values())
+    assert any(name.startswith("as shipped") for name in acc)
+    r = lab(repo_root, "lab.accept_runs", "--modes", "sd,ssd", "--prompts", "1", "-n", "12", "--json", str(runs))
+    assert r.returncode == 0, r.stderr
+    got = json.loads(runs.read_text())
+    for mode in ("sd", "ssd"):
+        for setting in ("greedy", "defaults"):
+            fig = got[f"{mode} {setting}"]
+            assert fig["rounds"] > 0 and 1.0 <= fig["tokens_per_verify"] <= 1 + got["k"]
+            assert len(fig["per_position"]) == got["k"]
+            assert ("cache_hits" in fig) == (mode == "ssd")
