@@ -416,9 +416,45 @@ class TestPanel:
             await wait_until(pilot, lambda: app.chat_view.ready)
             await app.chat_view.submit("q")
             await wait_until(pilot, lambda: backend.blocked.is_set())
-            await wait_until(pilot, lambda: app.chat_view.panel.live and app.chat_view.panel.stats is not None and app.chat_view.panel.stats.rounds > 0)
-            assert app.chat_view.panel.stats == app.chat_view.current.metrics.stats(app.chat_view.current.last_t_s)
+            # the panel is drawn at most every PANEL_S while streaming: held, it catches up with every applied event
+            await wait_until(pilot, lambda: app.chat_view.panel.live and app.chat_view.panel.stats is not None and app.chat_view.panel.stats.rounds > 0
+                             and not app.chat_view.current.pending and not app.chat_view.inbox)
+            await wait_until(pilot, lambda: app.chat_view.panel.stats == app.chat_view.current.metrics.stats(app.chat_view.current.last_t_s))
             await pilot.press("escape")
+
+    @pytest.mark.asyncio
+    async def test_frames_space_out_when_drawing_costs_more_than_its_share(self, monkeypatch):
+        """While a reply streams, the app draws at most UI_SHARE of a core: a frame that costs 10 ms of CPU
+        is followed by the next about 10 ms / UI_SHARE later, not after one FRAME_S."""
+        import ssd_chat.tui.replies as replies_module
+
+        cpu = [0.0]
+        monkeypatch.setattr(replies_module.time, "process_time", lambda: cpu[0])
+        apply = replies_module.ReplyActions._apply_pending
+        frames: list[float] = []
+
+        async def costly(self):
+            if self.current is not None and self.current.pending:
+                frames.append(time.monotonic())
+                cpu[0] += 0.010 if costs[0] else 0.0
+            await apply(self)
+
+        monkeypatch.setattr(replies_module.ReplyActions, "_apply_pending", costly)
+        words = [f" w{i}" for i in range(300)]
+        for cost in (True, False):
+            costs, frames[:] = [cost], []
+            backend = FakeBackend([[Token(i, w, "target", 0.01 * i) for i, w in enumerate(words)]
+                                   + [Done("eos", "".join(words), tuple(range(300)), Metrics("ar").stats(3.0))]],
+                                  mode="ar", delay=0.01)
+            app = ChatApp(backend)
+            async with app.run_test(size=(140, 45)) as pilot:
+                await wait_until(pilot, lambda: app.chat_view.ready)
+                await app.chat_view.submit("q")
+                await wait_until(pilot, lambda: app.chat_view.current.finished, timeout=30)
+                assert replies_text(app) == ["".join(words)]
+            gaps = [b - a for a, b in zip(frames, frames[1:-1])]  # the last one is the end's, at once
+            expected = min(replies_module.MAX_FRAME_S, 0.010 / replies_module.UI_SHARE) if cost else 0.1
+            assert len(gaps) >= 3 and sorted(gaps)[len(gaps) // 2] == pytest.approx(expected, rel=0.4), (cost, gaps)
 
     def test_speedups_name_their_source(self):
         events = ssd_events(WORDS)

@@ -12,6 +12,7 @@ dialogs, owns the keys and quits.
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Iterable
 from typing import Any
 
@@ -48,7 +49,7 @@ def sim_note(info: dict) -> str:
     return f" · SIMULATED {info['simulated']}" if info.get("simulated") else ""
 
 
-FRAME_S = 0.1  # screen updates while streaming: 10 per second
+FRAME_S = 0.1  # screen updates while streaming: 10 per second at most (replies.UI_SHARE)
 
 
 class ChatView(ModelActions, BranchActions, RerunActions, AttachActions, ReplyActions, CompareActions, ChatActions, Widget):
@@ -96,6 +97,7 @@ class ChatView(ModelActions, BranchActions, RerunActions, AttachActions, ReplyAc
         self._quitting = False
         self._shown_warning: str | None = None
         self._flush_lock = asyncio.Lock()
+        self.inbox: collections.deque[tuple[int, Event]] = collections.deque()  # (turn, event) from the reply's worker
         self.chat, self.panel = ChatLog(id="chat"), MetricsPanel(id="panel")
         self.cache, self.prompt = CacheView(id="cache"), PromptInput(id="prompt")
 
@@ -137,7 +139,7 @@ class ChatView(ModelActions, BranchActions, RerunActions, AttachActions, ReplyAc
             self.panel.set_measured(b)
         self.cache.token_text = self._lookup_text
         self.prompt.focus()
-        self._frames = self.set_interval(FRAME_S, self._flush_pending, pause=True)  # runs only while a reply streams
+        self._frames = self.set_interval(FRAME_S, self._frame, pause=True)  # runs only while a reply streams
         self.set_interval(2.0, self._compile_progress)
 
     def _compile_progress(self) -> None:

@@ -1,9 +1,10 @@
 """Sending a prompt and showing its reply: the part of :class:`~ssd_chat.tui.chat_view.ChatView` that owns a turn.
 
 The reply runs in a thread worker over the chat's :class:`~ssd_chat.session.Session`, which keeps the
-conversation; the worker only posts events.  Token text is coalesced and written to the screen by a
-10 Hz timer, so hundreds of tokens per second cost ~10 Markdown appends per second.  The turn's end
-(Done or Error) is posted after the session has taken the turn into its history.
+conversation; the worker only queues events (:attr:`ChatView.inbox`).  Tokens and rounds wait there for
+the 10 Hz frame timer, so hundreds of tokens per second cost ~10 Markdown appends per second and no
+wake-up of the UI's event loop each; any other event (a notice, the end) wakes it at once.  The turn's
+end (Done or Error) is queued after the session has taken the turn into its history.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ from .figures import baseline_from_reply, ran_as
 from .widgets.chat_log import AssistantMessage
 
 SAVE_EVERY_S = 1.0  # a streaming reply is saved this often (a crash keeps what streamed)
+PANEL_S = 0.5  # the panel and the cache view while a reply streams: a Rich table each, drawn twice a second
+# While a reply streams, the app draws at most this share of one core.  The decoder fills the cores, so
+# drawing time is taken from it (a frame that delays one of its threads delays the whole step): frames
+# come every FRAME_S where they are cheap, less often where they are not (MAX_FRAME_S apart at most).
+UI_SHARE = 0.02
+MAX_FRAME_S = 0.5
 
 
 async def settle(worker: Any, timeout_s: float) -> bool:
@@ -55,7 +62,11 @@ class Turn:
     finished: bool = False
     status: str = "streaming"
     last_save: float = 0.0
+    last_panel: float = 0.0
+    panel_behind: bool = False  # events applied that the panel does not show yet
+    ui_clock: tuple[float, float] = (0.0, 0.0)  # (wall, process CPU) at the last frame
     last_t_s: float = 0.0
+    rounds: list[tuple[Round, str | None]] = field(default_factory=list)  # not yet in the panel
 
 
 @dataclass
@@ -149,28 +160,42 @@ class ReplyActions:
     def _emit(self, turn: int, ev: Event) -> None:
         if self.recorder is not None:
             self.recorder.event(ev)
-        self.post_message(self.ReplyEvent(turn, ev))
+        self.inbox.append((turn, ev))  # a deque: appended here, drained on the UI's loop, in order
+        if not isinstance(ev, (Token, Round)):
+            self.post_message(self.ReplyEvent(turn, ev))
+
+    def _take_inbox(self) -> list[Event]:
+        """The current turn's queued events, in order (another turn's, left by a reply stopped with Esc, go)."""
+        t, events = self.current, []
+        while self.inbox:
+            turn, ev = self.inbox.popleft()
+            if t is not None and turn == t.index:
+                events.append(ev)
+        return events
 
     # -- receiving -----------------------------------------------------------------------
     async def on_chat_view_reply_event(self, msg: Any) -> None:
+        if msg.turn == -1 and isinstance(msg.event, Notice):  # not part of a reply
+            await self._warn(msg.event.message)
+            return
+        await self._receive()
         t = self.current
-        ev = msg.event
-        if msg.turn == -1 and isinstance(ev, Notice):  # not part of a reply
-            await self._warn(ev.message)
-            return
-        if t is None or msg.turn != t.index:
-            return
-        if self._quitting:
-            return
-        if t.status != "streaming":  # stopped with Esc: only the final text matters (Done.text is authoritative)
-            if isinstance(ev, (Done, Error)) and ev.text.startswith(t.text) and len(ev.text) > len(t.text):
-                t.text = ev.text
-                await t.widget.finish(ev.text, t.status, t.widget._meta_text)
-                self.history.update_message(t.message_id, ev.text, t.status)
-            return
-        t.pending.append(ev)
-        if isinstance(ev, (Done, Error)):
+        if t is not None and t.pending and isinstance(t.pending[-1], (Done, Error)):
             await self._flush_pending()
+
+    async def _receive(self) -> None:
+        """Move the inbox's events to the current turn's pending list."""
+        t = self.current
+        for ev in self._take_inbox():
+            if t is None or self._quitting:
+                return
+            if t.status != "streaming":  # stopped with Esc: only the final text matters (Done.text is authoritative)
+                if isinstance(ev, (Done, Error)) and ev.text.startswith(t.text) and len(ev.text) > len(t.text):
+                    t.text = ev.text
+                    await t.widget.finish(ev.text, t.status, t.widget._meta_text)
+                    self.history.update_message(t.message_id, ev.text, t.status)
+                continue
+            t.pending.append(ev)
 
     async def _flush_pending(self) -> None:
         """Apply pending events to the screen (called 10 times a second and at the end of a reply).
@@ -180,16 +205,33 @@ class ReplyActions:
         while the reply is finished, then saving the message back as "streaming".  One at a time.
         """
         async with self._flush_lock:
+            await self._receive()
             await self._apply_pending()
+
+    async def _frame(self) -> None:
+        """The frame timer's tick (every FRAME_S while a reply streams): draw, unless the app's CPU time since
+        the last frame is more than UI_SHARE of the time since (MAX_FRAME_S apart at most)."""
+        t = self.current
+        if t is None:
+            return
+        now, cpu = time.monotonic(), time.process_time()
+        since, used = now - t.ui_clock[0], cpu - t.ui_clock[1]
+        if t.ui_clock[0] and since < min(MAX_FRAME_S, used / UI_SHARE):
+            return
+        t.ui_clock = (now, cpu)
+        await self._flush_pending()
 
     async def _apply_pending(self) -> None:
         t = self.current
-        if t is None or t.status != "streaming" or not t.pending:
+        if t is None or t.status != "streaming":
+            return
+        if not t.pending:  # a pause in the stream: the panel catches up with what was applied
+            if t.panel_behind and time.monotonic() - t.last_panel >= PANEL_S:
+                self._show_panel(t, time.monotonic())
             return
         await self._check_recorder()
         events, t.pending = t.pending, []
         pieces: list[tuple[str, str]] = []
-        rounds: list[tuple[Round, str | None]] = []
         notices: list[Notice] = []
         end: Done | Error | None = None
         for ev in events:
@@ -201,7 +243,7 @@ class ReplyActions:
                 t.last_t_s = ev.t_s
             elif isinstance(ev, Round):
                 t.metrics.add(ev)
-                rounds.append((ev, self._token_text.get(ev.bonus_id) if ev.bonus_id is not None else None))
+                t.rounds.append((ev, self._token_text.get(ev.bonus_id) if ev.bonus_id is not None else None))
                 self._seen_ids.update(c for _, cands in (ev.predicted or ()) for c in cands)
                 if ev.bonus_id is not None:
                     self._seen_ids.add(ev.bonus_id)
@@ -212,12 +254,14 @@ class ReplyActions:
             elif isinstance(ev, (Done, Error)):
                 end = ev
         # The panel and the cache view are updated before the first await, so no other task ever sees
-        # metrics that already hold this batch next to a panel that does not.
-        if rounds:
-            self.panel.add_rounds([r for r, _ in rounds])
-            self.cache.add_rounds(rounds)
-        if end is None:
-            self.panel.show(t.metrics.stats(t.last_t_s), live=True)
+        # them half way through a batch; while the reply streams, at most every PANEL_S.
+        now = time.monotonic()
+        if end is None and now - t.last_panel >= PANEL_S:
+            self._show_panel(t, now)
+        else:
+            t.panel_behind = True
+        if end is not None:
+            self._push_rounds(t)
         for ev in notices:  # before this batch's text: a notice ("compiling ... in the background") precedes the work
             if ev.mode is not None:
                 self._show_mode(t.metrics.label)
@@ -226,7 +270,6 @@ class ReplyActions:
             await t.widget.append(pieces)
             t.text = t.widget.text
         if end is None:
-            now = time.monotonic()
             if now - t.last_save >= SAVE_EVERY_S:
                 t.last_save = now
                 self.history.update_message(t.message_id, t.text, "streaming")
@@ -246,8 +289,20 @@ class ReplyActions:
             await self.chat.add_notice(f"the reply failed: {end.message} (what streamed is kept)", "error")
             await self._finish(t, end.text or t.text, "error", f"error: {end.message}")
 
+    def _show_panel(self, t: Turn, now: float) -> None:
+        t.last_panel, t.panel_behind = now, False
+        self._push_rounds(t)
+        self.panel.show(t.metrics.stats(t.last_t_s), live=True)
+
+    def _push_rounds(self, t: Turn) -> None:
+        if t.rounds:
+            self.panel.add_rounds([r for r, _ in t.rounds])
+            self.cache.add_rounds(t.rounds)
+            t.rounds.clear()
+
     async def _finish(self, t: Turn, text: str, status: str, meta: str) -> None:
         """The reply is over (done, stopped or failed): keep it everywhere.  ``finished`` is set last."""
+        self._push_rounds(t)
         t.status, t.text = status, text
         self.history.update_message(t.message_id, text, status)
         await t.widget.finish(text, status, meta)
@@ -268,6 +323,7 @@ class ReplyActions:
             return
         t.stop.set()
         self.script.clear()
+        await self._receive()
         pending = [e for e in t.pending if not isinstance(e, (Done, Error))]
         done = next((e for e in t.pending if isinstance(e, (Done, Error))), None)
         t.pending = pending
