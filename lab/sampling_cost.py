@@ -8,7 +8,10 @@ machine slows them alike), and the median is reported in ms:
 * SD and SSD's verifier: the rows' penalties, p and the acceptance test against the greedy outcome
   (one argmax), and the target's k+1-row forward;
 * the draft's draws: one penalized draw per draft token (SD, the fallback) and one per tree depth
-  over B branches (the speculator), against the argmax, and the draft's one-row forward.
+  over B branches (the speculator's own :func:`treedraw.draw_depth`: penalized in place and put
+  back, q' kept on its top-k support), against the argmax, and the draft's one-row forward;
+* the speculator's q' per round: the k depths' supports stacked and the served branch's k rows made
+  dense (what it sends; under greedy nothing).
 
     python -m lab.sampling_cost [--threads 1] [--reps 100] [--k K] [--branches B]
 """
@@ -23,7 +26,10 @@ import torch
 from ssd_chat.engine.config import EngineConfig
 from ssd_chat.engine.decode.penalties import Penalties
 from ssd_chat.engine.decode.sampling import draw_draft, greedy_outcome, logits_to_probs, make_generator, sample_next, verify
+from ssd_chat.engine.decode.support import as_dense, stack
 from ssd_chat.engine.engine import Engine
+from ssd_chat.engine.speculate.channel import Settings
+from ssd_chat.engine.speculate.treedraw import draw_depth
 
 T, TOP_K, TOP_P, REP = 0.8, 40, 0.9, 1.1
 
@@ -64,6 +70,8 @@ def main() -> None:
     dtoks = torch.tensor(drafts)
     prefixes = [chain[:2 + b % k] for b in range(a.branches)]
     drawn = torch.tensor(chain[:2]).repeat(a.branches, 1)
+    settings = Settings(T, TOP_K, TOP_P, 0, 1.0, REP)
+    depth_qs = [draw_depth(tree, pen, prefixes, drawn, settings, gen)[1] for _ in range(k)]
 
     def fwd(runner, n, ids):
         runner.append(ids)
@@ -80,7 +88,8 @@ def main() -> None:
         "draw_greedy": lambda: int(dlogits.argmax()),
         "draw_sample": lambda: int(draw_draft(pen.rows(dlogits[None], drafts[:1], 2)[0], T, TOP_K, TOP_P, gen)[0]),
         "tree_draw_greedy": lambda: tree.argmax(dim=-1),
-        "tree_draw_sample": lambda: draw_draft(pen.apply(tree, prefixes, drawn), T, TOP_K, TOP_P, gen),
+        "tree_draw_sample": lambda: draw_depth(tree, pen, prefixes, drawn, settings, gen),
+        "tree_q_round": lambda: as_dense(stack(depth_qs, 1)[a.branches - 1]),
     }
     times: dict[str, list[float]] = {name: [] for name in pieces}
     for _ in range(a.reps):
@@ -100,6 +109,7 @@ def main() -> None:
         "ssd_verifier": (med["verify_sample"] - med["verify_greedy"]) / verify_step,
         "sd_round": sd_extra / sd_round,
         "tree_depth_vs_draft_forward": (med["tree_draw_sample"] - med["tree_draw_greedy"]) / med["draft_forward_1"],
+        "tree_q_round_vs_draft_forward": med["tree_q_round"] / med["draft_forward_1"],
     }
     print(f"sampling over greedy, as a share of the greedy step (threads={a.threads}, k={k}, branches={a.branches}):")
     for name, x in share.items():

@@ -12,7 +12,8 @@ the target distribution); the draft's rows only change the acceptance rate.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -95,20 +96,51 @@ class Penalties:
         Returns ``logits`` itself when no penalty is set."""
         if not self.active:
             return logits
-        seen, counts, ids = self._tensors(logits)
-        x = logits.float()
-        flat = x.reshape(-1, x.shape[-1])
-        out = flat.clone()
+        out = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        self._penalize(out.view(-1, out.shape[-1]), prefixes, drawn, drawn_valid)
+        return out
+
+    @contextmanager
+    def applied(self, logits: Tensor, prefixes: Sequence[Sequence[int]] | None = None, drawn: Tensor | None = None,
+                drawn_valid: Tensor | None = None) -> Iterator[Tensor]:
+        """:meth:`apply` done in place on float32 ``logits`` [R, V], which get their values back, bit for
+        bit, when the block ends (a copy of another type or shape otherwise).  The speculator's tree
+        depth: a fresh [R, V] copy costs more than its draw on a CPU (page faults, and a second copy for
+        the top-k to read from memory instead of the cache)."""
+        if not self.active or logits.dtype != torch.float32 or logits.dim() != 2:
+            yield self.apply(logits, prefixes, drawn, drawn_valid)
+            return
+        with torch.inference_mode():  # in-place on the caller's tensor, whichever mode it was made in
+            undo = self._penalize(logits, prefixes, drawn, drawn_valid)
+        try:
+            yield logits
+        finally:
+            with torch.inference_mode():
+                for cols, raw in undo:  # raw values: where a column repeats, every copy holds the same
+                    if cols.dim() == 1:
+                        logits[:, cols] = raw
+                    else:
+                        logits.scatter_(1, cols, raw)
+
+    def _penalize(self, flat: Tensor, prefixes: Sequence[Sequence[int]] | None, drawn: Tensor | None,
+                  drawn_valid: Tensor | None) -> list[tuple[Tensor, Tensor]]:
+        """Penalize ``flat`` [R, V] float32 in place; returns the (columns, raw values) it overwrote."""
+        seen, counts, ids = self._tensors(flat)
         fix = lambda raw, s, c: apply_penalties(raw, s, c, self.repetition, self.frequency, self.presence)  # noqa: E731
-        if ids.numel():  # every committed id: seen, with its reply count
-            out[:, ids] = fix(flat[:, ids], torch.ones_like(ids, dtype=torch.bool), counts[ids])
+        undo: list[tuple[Tensor, Tensor]] = []
         extra = _extra(prefixes, drawn, drawn_valid, flat.shape[0], flat.shape[-1], flat.device)
-        if extra is not None:  # recomputed from the raw logits with the row's own count on top, so never twice
+        if extra is not None:  # read before the committed ids are rewritten: they are fixed from the raw logits
+            undo.append((extra[0], flat.gather(1, extra[0])))
+        if ids.numel():  # every committed id: seen, with its reply count
+            raw = flat[:, ids]
+            flat[:, ids] = fix(raw, torch.ones_like(ids, dtype=torch.bool), counts[ids])
+            undo.append((ids, raw))
+        if extra is not None:  # the row's own count on top of the reply's, so never twice
             toks, valid = extra
             own = ((toks[:, :, None] == toks[:, None, :]) & valid[:, None, :]).sum(-1).float()  # [R, m]
             c = counts[toks] + own
-            out.scatter_(1, toks, fix(flat.gather(1, toks), seen[toks] | (c > 0), c))
-        return out.reshape(x.shape)
+            flat.scatter_(1, toks, fix(undo[0][1], seen[toks] | (c > 0), c))
+        return undo
 
     def rows(self, logits: Tensor, chain: Sequence[int] = (), start: int = 0) -> Tensor:
         """Penalized ``logits`` [R, V] where row r follows the committed tokens + ``chain[:start + r]``

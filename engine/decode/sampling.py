@@ -105,18 +105,20 @@ def sample(probs: Tensor, gen: torch.Generator) -> Tensor:
 
 
 def draw_draft(logits: Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator,
-               saguaro_c: float = 1.0, num_top: int = 0) -> tuple[Tensor, Tensor | None]:
+               saguaro_c: float = 1.0, num_top: int = 0, dense: bool = True) -> tuple[Tensor, Tensor | Support | None]:
     """Draft tokens, one per row of ``logits`` [..., V], and the q' they were drawn from: the draft's
     distribution under the sampling settings, Saguaro-reshaped over its ``num_top`` most likely tokens
     when ``saguaro_c`` < 1.  Greedy: the argmax, and None for q' (a point mass).  The one draw of SD's
-    drafts, the speculator's and the in-process fallback's; the tokens stay on the device."""
+    drafts, the speculator's and the in-process fallback's; the tokens stay on the device.
+    ``dense=False`` returns q' as its :class:`Support` where it has one (the speculator's tree keeps
+    B x k of them and sends one branch's k rows: a [B, V] row set per depth costs more than its draw)."""
     if temperature == 0.0:
         return logits.argmax(dim=-1), None
     sup = _support(logits, temperature, top_k, top_p)
     if sup is not None:
         if saguaro_c < 1.0 and num_top > 0:
             sup = sup.saguaro(saguaro_c, num_top)
-        return sup.sample(gen), sup.dense()
+        return sup.sample(gen), (sup.dense() if dense else sup)
     q = _dense(logits, temperature, top_k, top_p)
     if saguaro_c < 1.0 and num_top > 0:
         q = saguaro_reshape(q, saguaro_c, num_top)

@@ -54,12 +54,30 @@ class Support:
         out = self.probs * scale
         return Support(self.ids, out / out.sum(dim=-1, keepdim=True), self.vocab)
 
+    def __getitem__(self, i) -> "Support":
+        """The distributions at index ``i`` of the leading dims."""
+        return Support(self.ids[i], self.probs[i], self.vocab)
+
+
+def stack(qs: list[Tensor | Support], dim: int) -> Tensor | Support:
+    """Distributions (dense [..., V] or on their support) stacked along ``dim`` of the leading dims:
+    on the support when every one has it (they share top-k, so their widths agree), else dense."""
+    if all(isinstance(q, Support) for q in qs):
+        return Support(torch.stack([q.ids for q in qs], dim), torch.stack([q.probs for q in qs], dim), qs[0].vocab)  # type: ignore[union-attr]
+    return torch.stack([as_dense(q) for q in qs], dim)
+
+
+def as_dense(q: Tensor | Support) -> Tensor:
+    """``q`` as [..., V] float32."""
+    return q.dense() if isinstance(q, Support) else q
+
 
 def top_support(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Support | None:
     """The distributions of the (penalized) ``logits`` [..., V] float32 at ``temperature`` > 0 under
     top-k then top-p, or None where this path does not apply: top-k off, or a tie across the k-th
-    place (both need the dense path).  The tie test reads one bool: on the CPU that costs nothing;
-    the caller keeps other devices on the dense path, which never waits for the device.
+    place (both need the dense path).  The tie test is one read of k bools: on the CPU that costs
+    nothing; the caller keeps other devices on the dense path, which never waits for the device.
+    Where no two of the k values are equal, topk's descending order is the dense path's order.
 
     Only the k + 1 largest are divided by the temperature: division keeps the order (equal logits stay
     equal, and unequal ones may become equal), so they are the k + 1 largest of the scaled logits,
@@ -67,16 +85,18 @@ def top_support(logits: Tensor, temperature: float, top_k: int, top_p: float) ->
     vocab = logits.shape[-1]
     if not 0 < top_k < vocab:
         return None
-    vals, ids = topk(logits, top_k + 1)
+    vals, ids = topk(logits, top_k + 1)  # by descending value
     vals = vals / temperature
-    if on_host((vals[..., top_k] == vals[..., top_k - 1]).any(), "tie check"):
+    # equal neighbours at each place, in any row: one read answers both questions below
+    eq = on_host((vals[..., 1:] == vals[..., :-1]).reshape(-1, top_k).any(dim=0), "tie check")
+    if eq[-1]:
         return None
     vals, ids = vals[..., :top_k], ids[..., :top_k]
-    # the dense path's order: descending logit, equal logits by ascending id (topk leaves ties unordered)
-    by_id = ids.argsort(dim=-1)
-    ids, vals = ids.gather(-1, by_id), vals.gather(-1, by_id)
-    vals, by_val = vals.sort(dim=-1, descending=True, stable=True)
-    ids = ids.gather(-1, by_val)
+    if any(eq):  # the dense path's order: equal logits by ascending id (topk leaves ties unordered)
+        by_id = ids.argsort(dim=-1)
+        ids, vals = ids.gather(-1, by_id), vals.gather(-1, by_id)
+        vals, by_val = vals.sort(dim=-1, descending=True, stable=True)
+        ids = ids.gather(-1, by_val)
     probs = torch.softmax(vals, dim=-1)
     if top_p < 1.0:
         drop = (probs.cumsum(dim=-1) - probs) >= top_p  # the mass before the token already reaches top_p

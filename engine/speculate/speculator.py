@@ -42,13 +42,15 @@ import torch
 from ..decode.host import read
 from ..decode.penalties import Penalties
 from ..decode.sampling import draw_draft, make_generator
+from ..decode.support import Support, as_dense, stack
 from ..drafts.drafter import fit_vocab
 from ..model.forward import Forwards
 from .channel import Reply, Settings
 from .fanout import FanOut
 from .ngram import NGRAM_WINDOW, common_prefix as _common_prefix, ngram_next as _ngram_next
+from .treedraw import draw_depth
 
-Entry = tuple[tuple[int, ...], torch.Tensor | None]  # (k tokens, q' rows [k, V] or None for point masses)
+Entry = tuple[tuple[int, ...], torch.Tensor | Support | None]  # (k tokens, q' rows [k, V] or on their support, None: point masses)
 
 
 @dataclass
@@ -146,7 +148,7 @@ class Speculator:
         self.tree, self.predicted = {}, ()  # the cache holds one round only
         last = (self.spec, self.spec_hit, self.spec_fallback)
         if entry is not None:  # a hit: the reply goes out first, the bookkeeping after it (:meth:`_settle`)
-            tokens, q = entry
+            tokens, q = entry[0], (None if entry[1] is None else as_dense(entry[1]))
             self._later = (k_prev, bonus, verify_s, last, tokens)
             self.spec, self.spec_hit, self.spec_fallback = tokens, True, None
             return Reply(req, tokens, q is not None, True, None, 0.0, predicted, build_s, self.step_s), q
@@ -283,10 +285,10 @@ class Speculator:
             self._cands = (js, cands, got)
         return list(zip(js, got or []))
 
-    def _tree(self, L: int, js: list[int], cands: torch.Tensor, hit_list: list[int], abort: Callable[[], bool]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def _tree(self, L: int, js: list[int], cands: torch.Tensor, hit_list: list[int], abort: Callable[[], bool]) -> tuple[torch.Tensor, torch.Tensor | Support | None] | None:
         """Draft k tokens for B branches at once; branch b is ``ctx + [bonus, d_1..d_{j_b}, c_b]``
         (``cands`` [B] on the device: nothing here reads it back).
-        Returns tokens [B, k] and q' [B, k, V] (None under greedy), or None if aborted."""
+        Returns tokens [B, k] and q' [B, k, V] or on its support (None under greedy), or None if aborted."""
         k, dev, B = self.k, self.device, len(js)
         base = self.runner.length  # L + k + 1: prefix + glue
         x = cands.to(dev)
@@ -297,7 +299,7 @@ class Speculator:
         mask = cols[None, :] <= L + torch.tensor(js, device=dev)[:, None]  # [B, base + kB]: the prefix and glue up to L + j_b
         own = torch.arange(B, device=dev)
         toks = torch.empty(B, k, dtype=torch.long, device=dev)
-        qs: list[torch.Tensor] = []
+        qs: list[torch.Tensor | Support] = []
         depth_logits: list[torch.Tensor] = []
         # each branch is penalized for its own prefix: [bonus, d_1..d_j, c] and its tree tokens so far
         prefixes = [[self.pending, *self.spec[:j]] for j in js]  # type: ignore[index]  # + c_b, on the device
@@ -310,15 +312,15 @@ class Speculator:
             positions = [L + 1 + d + j for j in js]  # RoPE positions of the hypothesised sequences
             logits = fit_vocab(self.runner.step(x, positions, list(range(lo, lo + B)), mask[:, : lo + B]).logits, self.vocab)  # [B, V]
             depth_logits.append(logits)
-            if self.pen.active:
-                logits = self.pen.apply(logits, prefixes, torch.cat([first, toks[:, :d]], dim=1))
-            x, q = self._draw(logits, hit_list[d] if hit_list else 0)
+            fan = hit_list[d] if hit_list else 0
+            drawn = torch.cat([first, toks[:, :d]], dim=1) if self.pen.active else None
+            x, q = draw_depth(logits, self.pen, prefixes, drawn, self.settings, self.gen, fan + 1 if fan > 0 else 0)
             toks[:, d] = x
             if q is not None:
                 qs.append(q)
         # keep the scratch region: on a hit the winning branch's KV and logits replace the glue forward
         self._scratch = _Scratch(base, B, {}, depth_logits)  # its index once the candidates are read
-        return toks, (torch.stack(qs, dim=1) if qs else None)
+        return toks, (stack(qs, 1) if qs else None)
 
     def _settle(self) -> None:
         """The bookkeeping a hit leaves for after its reply has gone out: the outcome, then the branch's KV."""
@@ -351,7 +353,7 @@ class Speculator:
         """Tokens [n] for logits [n, V] and the q' [n, V] they were drawn from (None under greedy),
         Saguaro-reshaped over the top ``fan + 1`` (the candidates a bonus can come from)."""
         s = self.settings
-        return draw_draft(logits, s.temperature, s.top_k, s.top_p, self.gen, s.saguaro_c, fan + 1 if fan > 0 else 0)
+        return draw_draft(logits, s.temperature, s.top_k, s.top_p, self.gen, s.saguaro_c, fan + 1 if fan > 0 else 0)  # type: ignore[return-value]
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         """Append ``ids`` to the draft's sequence (dropping a tree's scratch rows); logits [len(ids), V]."""
