@@ -248,7 +248,8 @@ def answer(server: Server, prompt: str, values: dict[str, Any], explicit: set[st
         out = {"text": text, "token_ids": ids, "mode": s.get("mode"), "mode_label": s.get("mode_label"), "mode_reason": s.get("mode_reason"),
                "target": server.card["ssd"]["config"]["target"], "draft": s.get("draft"), "forward": s.get("forward"),
                "draft_forward": s.get("draft_forward"), "precision": s.get("precision"),
-               "finish_reason": final["choices"][0]["finish_reason"], "sampling": s.get("sampling"),
+               # the engine's reason ("eos"), not OpenAI's ("stop" for an EOS too)
+               "finish_reason": s.get("reason") or final["choices"][0]["finish_reason"], "sampling": s.get("sampling"),
                "stats": {k: s.get(k) for k in STATS_SHOWN}, "server": server.url}
         sys.stdout.write(json.dumps(out, ensure_ascii=False) + "\n")
     else:

@@ -61,7 +61,7 @@ class Reply:
             "per_position_acceptance": list(s.per_position_acceptance) if s.per_position_acceptance is not None else None,
             "tok_per_s": s.tok_per_s, "ttft_s": s.ttft_s, "elapsed_s": s.elapsed_s,
             "queue_s": (job.started_s - job.arrived_s) if job.started_s is not None else None, "notices": self.notices,
-            "path": s.path, **self.setup(),
+            "path": s.path, "reason": done.reason, **self.setup(),  # reason: the engine's (eos, stop, length), as `ask --json` names it
         }
 
     def setup(self) -> dict[str, Any]:

@@ -186,6 +186,26 @@ def test_ask_uses_a_running_server_it_finds(tiny_chat_dir):
         assert r.returncode == 1 and "cannot reach" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_ask_through_a_server_names_the_engines_finish_reason(tiny_chat_dir):
+    """A reply that ends at an EOS says "eos" through a server too (OpenAI's finish_reason says "stop"),
+    and the server's ssd_stats carry the reason, as the rest of a local answer's block."""
+    target = str(tiny_chat_dir)
+    base = Engine.load(EngineConfig(target=target, mode="ar"))
+    app = create_app(base, SamplingParams(max_new_tokens=64))
+    args = ("ask", "--json", "--target", target, "-n", "6", "--temperature", "0", "hi")
+    with running(app) as url:
+        first = json.loads(cli(*args[:1], "--server", url, *args[1:]).stdout)
+        assert first["finish_reason"] == "length" and len(first["token_ids"]) == 6
+        status, _h, out = post(f"{url}/v1/chat/completions", {"messages": MSG, "max_tokens": 2})
+        assert status == 200 and out["ssd_stats"]["reason"] == "length" and out["choices"][0]["finish_reason"] == "length"
+        end = first["token_ids"][3]
+        base.target.eos_ids = frozenset({*base.target.eos_ids, end})  # the same reply now ends at an EOS
+        r = cli(*args[:1], "--server", url, *args[1:])
+        assert r.returncode == 0, r.stderr
+        served = json.loads(r.stdout)
+        assert served["finish_reason"] == "eos" and served["token_ids"] == first["token_ids"][:first["token_ids"].index(end)]
+
+
 def test_serve_in_a_pty_answers_and_stops_on_ctrl_c(tiny_chat_dir, tmp_path):
     pexpect = pytest.importorskip("pexpect")
     child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "serve", "--target", str(tiny_chat_dir), "--port", "0"],

@@ -361,3 +361,59 @@ def test_a_request_the_tree_cannot_answer_stops_the_tree(pair):
         sp.build(lambda msg=msg: stops_tree(msg, sp.building))
         assert (sp.tree == {}) == stops, msg
         assert sp.building == frozenset(sp.tree) or stops
+
+
+@pytest.mark.parametrize("others", [0, 1])
+def test_the_prompt_runs_on_ar_threads_before_the_verifier_is_pinned(pair, monkeypatch, others):
+    """The bulk of SSD's TTFT, the prompt's eager forward, runs on the threads the caller (AR) computes
+    with, unpinned and before the speculator is asked to prefill, when no other process runs (else on
+    the verifier's share, where a busy core cannot stall it); the last prompt row and the rounds run
+    on the verifier's pinned share.  Greedy tokens equal AR's either way."""
+    import dataclasses
+    import os
+
+    from ssd_chat.engine import threads as threads_mod
+    from ssd_chat.engine.model import runner as kv
+    from ssd_chat.engine.speculate import proposers
+
+    target, draft = pair
+    dec = ssd(target, draft, k=2)
+    calls = []
+    for cls in (kv.CoreRunner, kv.Runner):
+        def append(self, ids, *a, _orig=cls.append, **kw):
+            calls.append(("forward", len(ids), kw.get("logits", "all"), torch.get_num_threads(), os.sched_getaffinity(0)))
+            return _orig(self, ids, *a, **kw)
+        monkeypatch.setattr(cls, "append", append)
+    begin = proposers.RemoteProposer.begin
+    monkeypatch.setattr(proposers.RemoteProposer, "begin", lambda self, *a: (calls.append(("begin",)), begin(self, *a))[1])
+    monkeypatch.setattr(threads_mod, "others_running", lambda: others)
+    mine = os.sched_getaffinity(0)
+    dec.plan = dataclasses.replace(dec.plan, target_cores=(min(mine),), target_threads=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _, done = run(dec, PROMPTS[2], max_new_tokens=20)
+    finally:
+        torch.set_num_threads(threads)
+        dec.close()
+    verifier = (1, {min(mine)})
+    assert calls[0] == ("forward", len(PROMPTS[2]) - 1, "none", *((2, mine) if others == 0 else verifier))
+    assert calls[1] == ("begin",)
+    assert all(c[3:] == verifier for c in calls[2:]), calls  # the last prompt row and the rounds: the verifier's
+    assert done.token_ids == ar_ids(target, PROMPTS[2], max_new_tokens=20)
+
+
+def test_others_running_reads_the_machines_runnable_threads(monkeypatch):
+    """The least of a few reads of /proc/loadavg's running count, less the caller; None if unreadable."""
+    import io
+
+    from ssd_chat.engine import threads
+
+    reads = iter(["0.50 0.40 0.30 4/120 999\n", "0.50 0.40 0.30 3/120 999\n", "0.50 0.40 0.30 5/121 999\n"])
+    monkeypatch.setattr(threads, "open", lambda path: io.StringIO(next(reads)), raising=False)
+    assert threads.others_running() == 2
+    monkeypatch.setattr(threads, "open", lambda path: io.StringIO("garbage"), raising=False)
+    assert threads.others_running() is None
+    monkeypatch.undo()
+    n = threads.others_running()  # this machine's, for real (Linux)
+    assert n is None or n >= 0

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .. import threads
 from ..cpu import fastlinear
 from ..drafts.drafter import vocab_size
 from ..drafts.shipped import check_draft_for_mode
@@ -201,17 +202,24 @@ class SSDDecoder(Decoder):
         elif self.plan.shared and not self._told_shared:
             self._told_shared = True
             yield Notice("SSD: verifier and speculator share one device, so they cannot overlap", "info")
+        target = self.engine.target
+        runner = target.forwards.runner("target", cfg.compile, (self.k + 1,), target.device)
+        # the prompt first, on the threads AR computes with (every core, as AR's prefill) when no other
+        # process holds one: on the verifier's one core it was most of the TTFT, and the speculator has
+        # nothing to draft before the first token
+        with contextlib.nullcontext() if threads.free_for(torch.get_num_threads()) else pinned(self.plan.target_cores, self.plan.target_threads):
+            forward.feed(runner, prompt_ids)
         with contextlib.ExitStack() as pins:
             if spec is not None:
                 pins.enter_context(pinned(self.plan.target_cores, self.plan.target_threads))
                 try:
-                    spec.begin(prompt_ids, settings)  # the draft's prefill overlaps the target's
+                    spec.begin(prompt_ids, settings)  # the draft's prefill overlaps the last row and the first token
                 except SpeculatorError as e:
                     self._drop_worker(str(e))
                     spec = None
                     pins.close()
                     yield self._switch(metrics, f"{e}; {self._local_mode_name()} in this process", 0)
-            st = yield from self._prefill(prompt_ids, r)
+            st = yield from self._prefill(prompt_ids, r, runner)
             if spec is None:
                 spec = self._local(st.seq, settings)
             spec.request(-1, st.pending, 0.0)  # the first round's drafts
@@ -231,12 +239,12 @@ class SSDDecoder(Decoder):
         if metrics.num_rounds:
             metrics.sd_estimate_s = (metrics.t_first or metrics.prefill_s) + st.sd_s
 
-    def _prefill(self, prompt_ids: list[int], r: Reply) -> Generator[Event, None, _Reply]:
-        """The target's prefill; it samples the first token itself (spec §2.8)."""
+    def _prefill(self, prompt_ids: list[int], r: Reply, runner: kv.ModelRunner) -> Generator[Event, None, _Reply]:
+        """The end of the target's prefill (``runner`` has been fed all but the last prompt token,
+        :func:`forward.feed`); it samples the first token itself (spec §2.8)."""
         target, params, builder, metrics = self.engine.target, r.params, r.builder, r.metrics
         gen = make_generator(params.seed, target.device)
-        runner = target.forwards.runner("target", self.engine.config.compile, (self.k + 1,), target.device)
-        logits = forward.prefill(runner, prompt_ids)
+        logits = forward.last(runner, prompt_ids)
         metrics.prefill_s = time.perf_counter() - r.t0
         pen = Penalties.of(params, prompt_ids)
         pending = sample_next(pen.apply(logits), params.temperature, params.top_k, params.top_p, gen)

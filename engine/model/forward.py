@@ -143,9 +143,20 @@ def _effective(compile: str, name: str, model: torch.nn.Module) -> str:
 
 def prefill(runner: Any, ids: list[int]) -> torch.Tensor:
     """Feed a prompt; the logits after its last token.  Every decoder computes a prompt this way: all
-    but the last token in one forward (eager: :meth:`core.Core._forward`), the last as a decode-time
-    row, which SD's first verify also computes as its row 0.  With row-invariant forwards (the
-    compiled CPU core) AR, SD and SSD then see the very same numbers."""
+    but the last token in one forward (eager: :meth:`core.Core._forward`; :func:`feed`), the last as a
+    decode-time row (:func:`last`), which SD's first verify also computes as its row 0.  With
+    row-invariant forwards (the compiled CPU core) AR, SD and SSD then see the very same numbers."""
+    feed(runner, ids)
+    return last(runner, ids)
+
+
+def feed(runner: Any, ids: list[int]) -> None:
+    """All but the last token of a prompt, in one eager forward on the calling thread's torch threads
+    (SSD runs it on AR's threads, before pinning its verifier to its one core: the bulk of its TTFT)."""
     if len(ids) > 1:
         runner.append(ids[:-1], logits="none")
+
+
+def last(runner: Any, ids: list[int]) -> torch.Tensor:
+    """The prompt's last token as a decode-time row, after :func:`feed`: the logits of the first new token."""
     return runner.append(ids[-1:]).logits[-1]

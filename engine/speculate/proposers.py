@@ -110,7 +110,7 @@ class RemoteProposer:
         return out
 
     def begin(self, prompt_ids: list[int], settings: Settings) -> None:
-        self.channel.send(Begin(tuple(prompt_ids), settings))  # the draft's prefill overlaps the target's
+        self.channel.send(Begin(tuple(prompt_ids), settings))  # the draft's prefill overlaps the target's last prompt row
 
     def request(self, k_prev: int, bonus: int, verify_s: float) -> None:
         try:
