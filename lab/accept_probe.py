@@ -21,7 +21,9 @@ from typing import Callable
 
 import torch
 
-T, TOP_K, TOP_P, REP = 0.8, 40, 0.9, 1.1
+from ssd_chat.engine.load.gen_defaults import CHAT_DEFAULT
+
+T, TOP_K, TOP_P, REP = (CHAT_DEFAULT[k] for k in ("temperature", "top_k", "top_p", "repetition_penalty"))
 
 
 def _rules() -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:

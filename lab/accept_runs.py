@@ -14,8 +14,9 @@ import argparse
 import json
 import sys
 
-SETTINGS = {"greedy": dict(temperature=0.0, repetition_penalty=1.0),
-            "defaults": dict(temperature=0.8, top_p=0.9, top_k=40, repetition_penalty=1.1)}
+from ssd_chat.engine.load.gen_defaults import CHAT_DEFAULT
+
+SETTINGS = {"greedy": dict(temperature=0.0, repetition_penalty=1.0), "defaults": dict(CHAT_DEFAULT)}
 
 
 def summary(m) -> dict:

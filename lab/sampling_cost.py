@@ -28,10 +28,11 @@ from ssd_chat.engine.decode.penalties import Penalties
 from ssd_chat.engine.decode.sampling import draw_draft, greedy_outcome, logits_to_probs, make_generator, sample_next, verify
 from ssd_chat.engine.decode.support import as_dense, stack
 from ssd_chat.engine.engine import Engine
+from ssd_chat.engine.load.gen_defaults import CHAT_DEFAULT
 from ssd_chat.engine.speculate.channel import Settings
 from ssd_chat.engine.speculate.treedraw import draw_depth
 
-T, TOP_K, TOP_P, REP = 0.8, 40, 0.9, 1.1
+T, TOP_K, TOP_P, REP = (CHAT_DEFAULT[k] for k in ("temperature", "top_k", "top_p", "repetition_penalty"))
 
 
 def main() -> None:
