@@ -11,7 +11,8 @@ float32 one; the rest is float64.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -70,3 +71,21 @@ def probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float
 def _weights(x: list[float], ids: list[int]) -> dict[int, float]:
     m = max(x[i] for i in ids)
     return {i: math.exp(x[i] - m) for i in ids}
+
+
+def agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """An engine distribution equals the reference one: the same support, the same mass to float32's precision."""
+    return torch.equal(got > 0, want > 0) and torch.allclose(got.double(), want, atol=1e-6, rtol=1e-4)
+
+
+def cases(n: int, seed: int, make: Callable[[random.Random], dict],
+          reference: Callable[[dict], tuple[torch.Tensor, float]]) -> list[dict]:
+    """``n`` random cases from ``make``, each with its reference distribution as ``"want"``; only those whose
+    top-p boundary is more than 1e-5 away, where float32 and float64 walks cannot disagree on the nucleus."""
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        c = make(rng)
+        c["want"], margin = reference(c)
+        if margin > 1e-5:
+            out.append(c)
+    return out

@@ -59,22 +59,7 @@ def _reference(c: dict, penalized=ref.penalized, probs=ref.probs) -> tuple[torch
     return torch.stack(out), margin
 
 
-def _agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return torch.equal(got > 0, want > 0) and torch.allclose(got.double(), want, atol=1e-6, rtol=1e-4)
-
-
-def _cases(n: int, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    cases = []
-    while len(cases) < n:
-        c = _case(rng, rng.choice([64, 300, 300, support.BLOCK * 170]))
-        c["want"], margin = _reference(c)
-        if margin > 1e-5:  # float32 and float64 walks cannot disagree on the nucleus
-            cases.append(c)
-    return cases
-
-
-CASES = _cases(100)
+CASES = ref.cases(100, 0, lambda rng: _case(rng, rng.choice([64, 300, 300, support.BLOCK * 170])), _reference)
 
 
 def test_the_fast_sampler_gives_the_reference_distribution():
@@ -82,14 +67,14 @@ def test_the_fast_sampler_gives_the_reference_distribution():
     for i, c in enumerate(CASES):
         got = _engine(c)
         want = c["want"]
-        assert _agrees(got, want), (i, {k: v for k, v in c.items() if k not in ("logits", "want")})
+        assert ref.agrees(got, want), (i, {k: v for k, v in c.items() if k not in ("logits", "want")})
         if c["temperature"] > 0:
             pen = Penalties(*c["pen"], prompt=c["prompt"])
             pen.add(c["reply"])
             rows = pen.rows(c["logits"], c["chain"], c["start"])
             fast += support.top_support(rows.float(), c["temperature"], c["top_k"], c["top_p"]) is not None
             tok, q = draw_draft(rows, c["temperature"], c["top_k"], c["top_p"], make_generator(i))
-            assert _agrees(q, want) and bool((want.gather(-1, tok[:, None]) > 0).all())
+            assert ref.agrees(q, want) and bool((want.gather(-1, tok[:, None]) > 0).all())
             assert want[0, sample_next(rows[0], c["temperature"], c["top_k"], c["top_p"], make_generator(i))] > 0
     assert 20 < fast < len(CASES) - 20  # both the support path and the dense one were checked
 
@@ -163,7 +148,7 @@ def _top_p_counts_the_token_itself(logits, temperature, top_k=0, top_p=1.0):
                                  dict(probs=_top_k_drops_ties), dict(probs=_top_p_counts_the_token_itself)],
                          ids=["penalty-per-occurrence", "top-p-before-temperature", "top-k-drops-ties", "top-p-boundary"])
 def test_the_comparison_rejects_planted_bugs(bug):
-    assert any(not _agrees(_engine(c), _reference(c, **bug)[0]) for c in CASES)
+    assert any(not ref.agrees(_engine(c), _reference(c, **bug)[0]) for c in CASES)
 
 
 # -- the pieces ----------------------------------------------------------------------------------------
