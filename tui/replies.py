@@ -164,15 +164,6 @@ class ReplyActions:
         if not isinstance(ev, (Token, Round)):
             self.post_message(self.ReplyEvent(turn, ev))
 
-    def _take_inbox(self) -> list[Event]:
-        """The current turn's queued events, in order (another turn's, left by a reply stopped with Esc, go)."""
-        t, events = self.current, []
-        while self.inbox:
-            turn, ev = self.inbox.popleft()
-            if t is not None and turn == t.index:
-                events.append(ev)
-        return events
-
     # -- receiving -----------------------------------------------------------------------
     async def on_chat_view_reply_event(self, msg: Any) -> None:
         if msg.turn == -1 and isinstance(msg.event, Notice):  # not part of a reply
@@ -184,11 +175,13 @@ class ReplyActions:
             await self._flush_pending()
 
     async def _receive(self) -> None:
-        """Move the inbox's events to the current turn's pending list."""
+        """Move the inbox's events, in order, to the current turn's pending list (another turn's, left by a
+        reply stopped with Esc, go)."""
         t = self.current
-        for ev in self._take_inbox():
-            if t is None or self._quitting:
-                return
+        while self.inbox:
+            turn, ev = self.inbox.popleft()
+            if t is None or turn != t.index or self._quitting:
+                continue
             if t.status != "streaming":  # stopped with Esc: only the final text matters (Done.text is authoritative)
                 if isinstance(ev, (Done, Error)) and ev.text.startswith(t.text) and len(ev.text) > len(t.text):
                     t.text = ev.text
@@ -198,7 +191,7 @@ class ReplyActions:
             t.pending.append(ev)
 
     async def _flush_pending(self) -> None:
-        """Apply pending events to the screen (called 10 times a second and at the end of a reply).
+        """Apply pending events to the screen (from the frame timer, and at once for a notice or the end).
 
         Textual runs an interval's callback in the timer's own task, so the frame timer and the handler
         of the final event could otherwise interleave at an await: a frame still writing its tokens
@@ -225,9 +218,10 @@ class ReplyActions:
         t = self.current
         if t is None or t.status != "streaming":
             return
+        now = time.monotonic()
         if not t.pending:  # a pause in the stream: the panel catches up with what was applied
-            if t.panel_behind and time.monotonic() - t.last_panel >= PANEL_S:
-                self._show_panel(t, time.monotonic())
+            if t.panel_behind and now - t.last_panel >= PANEL_S:
+                self._show_panel(t, now)
             return
         await self._check_recorder()
         events, t.pending = t.pending, []
@@ -254,14 +248,13 @@ class ReplyActions:
             elif isinstance(ev, (Done, Error)):
                 end = ev
         # The panel and the cache view are updated before the first await, so no other task ever sees
-        # them half way through a batch; while the reply streams, at most every PANEL_S.
-        now = time.monotonic()
-        if end is None and now - t.last_panel >= PANEL_S:
-            self._show_panel(t, now)
-        else:
-            t.panel_behind = True
-        if end is not None:
-            self._push_rounds(t)
+        # them half way through a batch; while the reply streams, at most every PANEL_S (the end shows
+        # its own figures, and _finish its rounds).
+        if end is None:
+            if now - t.last_panel >= PANEL_S:
+                self._show_panel(t, now)
+            else:
+                t.panel_behind = True
         for ev in notices:  # before this batch's text: a notice ("compiling ... in the background") precedes the work
             if ev.mode is not None:
                 self._show_mode(t.metrics.label)

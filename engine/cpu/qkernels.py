@@ -254,7 +254,7 @@ def _q8_r5(x, q, d, m, acc, r0, t, dv, mv):  # pragma: no cover - compiled
                 _add4(h, j, z0, z1, z2, z3, w0, w1, w2, w3)
 
 
-# --- drivers: every tile, rows in groups of 4, 2, 1 ----------------------------------------------
+# --- drivers: every tile, rows in groups (Q4: 4, 2, 1; Q8_0: up to 5) -----------------------------
 
 
 @njit(inline="always", **_opts)
