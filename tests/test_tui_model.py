@@ -91,6 +91,12 @@ def notices(app) -> list[str]:
     return [n.text for n in app.query(Notice)]
 
 
+async def notices_with(pilot, app, text: str) -> list[str]:
+    """The chat's notices that contain ``text``, once there is one."""
+    await wait_until(pilot, lambda: any(text in n for n in notices(app)))
+    return [n for n in notices(app) if text in n]
+
+
 async def type_line(pilot, app, text: str) -> None:
     app.chat_view.prompt.set_text(text)
     await pilot.press("enter")
@@ -109,8 +115,7 @@ async def test_model_alone_lists_the_local_models_and_the_one_in_use(tmp_path):
     async with app.run_test(size=(140, 45)) as pilot:
         await wait_until(pilot, lambda: app.chat_view.ready)
         await type_line(pilot, app, "/model")
-        await wait_until(pilot, lambda: any("models on this machine" in n for n in notices(app)))
-        text = [n for n in notices(app) if "models on this machine" in n][0]
+        text = (await notices_with(pilot, app, "models on this machine"))[0]
         assert "in use: smollm2-1.7b" in text
         assert "HuggingFaceTB/SmolLM2-360M-Instruct (smollm2-360m)" in text
         (line,) = [ln for ln in text.splitlines() if "SmolLM2-1.7B" in ln]
@@ -124,11 +129,10 @@ async def test_a_name_not_available_is_refused_in_one_line_and_nothing_changes(t
     async with app.run_test(size=(140, 45)) as pilot:
         await wait_until(pilot, lambda: app.chat_view.ready)
         await type_line(pilot, app, "/model llama-3-8b")
-        await wait_until(pilot, lambda: any("cannot switch" in n for n in notices(app)))
-        (msg,) = [n for n in notices(app) if "cannot switch" in n]
+        (msg,) = await notices_with(pilot, app, "cannot switch")
         assert "\n" not in msg and "not in the local Hugging Face cache" in msg and "download meta-llama/Llama-3.1-8B-Instruct" in msg
         await type_line(pilot, app, "/model no-such-model")
-        await wait_until(pilot, lambda: any("unknown model 'no-such-model'" in n for n in notices(app)))
+        await notices_with(pilot, app, "unknown model 'no-such-model'")
         assert not isinstance(app.screen, ConfirmDialog)
         assert len(built) == 1 and app.backend is built[0] and not built[0].closed and app.chat_view.ready
 
@@ -191,7 +195,7 @@ async def test_refused_while_a_reply_streams(tmp_path):
         await app.chat_view.submit("long one")
         await wait_until(pilot, lambda: built[0].blocked.is_set())
         await type_line(pilot, app, "/model smollm2-360m")
-        await wait_until(pilot, lambda: any("a reply is streaming" in n for n in notices(app)))
+        await notices_with(pilot, app, "a reply is streaming")
         assert not isinstance(app.screen, ConfirmDialog) and len(built) == 1 and not built[0].closed
         await pilot.press("escape")
         await wait_until(pilot, lambda: app.chat_view.current.finished)
