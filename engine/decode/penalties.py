@@ -130,7 +130,8 @@ class Penalties:
         undo: list[tuple[Tensor, Tensor]] = []
         extra = _extra(prefixes, drawn, drawn_valid, flat.shape[0], flat.shape[-1], flat.device)
         if extra is not None:  # read before the committed ids are rewritten: they are fixed from the raw logits
-            undo.append((extra[0], flat.gather(1, extra[0])))
+            extra_raw = flat.gather(1, extra[0])
+            undo.append((extra[0], extra_raw))
         if ids.numel():  # every committed id: seen, with its reply count
             raw = flat[:, ids]
             flat[:, ids] = fix(raw, torch.ones_like(ids, dtype=torch.bool), counts[ids])
@@ -139,7 +140,7 @@ class Penalties:
             toks, valid = extra
             own = ((toks[:, :, None] == toks[:, None, :]) & valid[:, None, :]).sum(-1).float()  # [R, m]
             c = counts[toks] + own
-            flat.scatter_(1, toks, fix(undo[0][1], seen[toks] | (c > 0), c))
+            flat.scatter_(1, toks, fix(extra_raw, seen[toks] | (c > 0), c))
         return undo
 
     def rows(self, logits: Tensor, chain: Sequence[int] = (), start: int = 0) -> Tensor:
