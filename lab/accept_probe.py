@@ -51,8 +51,8 @@ def probe(num_prompts: int, n: int, seed: int) -> dict:
     from ssd_chat.engine.drafts.drafter import drafter, fit_vocab, vocab_size
     from ssd_chat.engine.drafts.feature import is_feature_draft
     from ssd_chat.engine.model import runner as kv
-    from ssd_chat.loading import load_engine
-    from ssd_chat.options import settings
+    from ssd_chat.chat.loading import load_engine
+    from ssd_chat.cli.options import settings
     from ssd_chat.train.prompts import load_prompts, prompt_ids
 
     engine = load_engine(settings({"mode": "sd"}), progress_to_stderr=False)

@@ -35,8 +35,8 @@ def run(modes: list[str], num_prompts: int, n: int, k: int | None) -> dict:
     from ssd_chat.engine.events import Error
     from ssd_chat.engine.metrics import Metrics
     from ssd_chat.engine.params import SamplingParams
-    from ssd_chat.loading import load_engine
-    from ssd_chat.options import settings
+    from ssd_chat.chat.loading import load_engine
+    from ssd_chat.cli.options import settings
     from ssd_chat.train.prompts import load_prompts, prompt_ids
 
     values = settings({"mode": modes[0], **({"k": k} if k else {})})

@@ -9,8 +9,8 @@ import shutil
 
 from test_models import cli, tiny_dir  # noqa: F401 - tiny_dir: a fixture (a tiny model, context 512)
 
-from ssd_chat import attach
-from ssd_chat.code_blocks import blocks
+from ssd_chat.chat import attach
+from ssd_chat.chat.code_blocks import blocks
 
 CODE = "def add(a, b):\n    return a + b\n"
 

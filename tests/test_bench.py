@@ -171,7 +171,7 @@ def test_preset_gpu_without_a_gpu_is_a_one_line_error():
 
 
 def test_dry_run_prints_the_plan_before_loading(monkeypatch):
-    from ssd_chat.bench import command
+    from ssd_chat.cli import bench as command
 
     monkeypatch.setattr(command, "_estimate", lambda *a, **k: 0)  # the estimate loads the models: tested below
     r = CliRunner().invoke(app, ["bench", "--dry-run", "--limit", "2", "--protocol", "paper"])
@@ -545,7 +545,7 @@ def test_the_estimate_scales_a_probe_of_each_configuration(tiny_pair):
 
 
 def test_dry_run_prints_an_estimate_and_does_not_run_the_bench(tiny_dir, monkeypatch):
-    from ssd_chat.bench import command
+    from ssd_chat.cli import bench as command
 
     def no_race(*a, **k):
         raise AssertionError("--dry-run ran the bench")

@@ -164,7 +164,7 @@ def test_ask_notes_a_reply_cut_at_max_new_tokens(tiny_dir):
 
 
 def test_no_length_note_at_eos_or_a_stop():
-    from ssd_chat.server_client import length_note
+    from ssd_chat.server.client import length_note
 
     assert length_note("length", 64, 64) == "ssd-chat: stopped at --max-new-tokens 64; raise -n for more"
     assert length_note("eos", 10, 64) is None and length_note("stop", 64, 64) is None

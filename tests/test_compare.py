@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from ssd_chat import compare as cmp
+from ssd_chat.chat import compare as cmp
 from ssd_chat.engine import Engine, EngineConfig
 from ssd_chat.engine.load import models
 from ssd_chat.engine.events import Done, Token
 from ssd_chat.engine.metrics import Metrics
-from ssd_chat.backend import EngineBackend
+from ssd_chat.chat.backend import EngineBackend
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_models import cli, save_tiny  # noqa: E402

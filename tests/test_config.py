@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from ssd_chat import config
+from ssd_chat.chat import settings as config
 from ssd_chat.cli import app
 
 

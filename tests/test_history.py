@@ -6,8 +6,8 @@ import json
 import sqlite3
 
 from ssd_chat.engine.events import Stats
-from ssd_chat.history import History, data_dir, default_db_path
-from ssd_chat.history_schema import MIGRATIONS, migrate
+from ssd_chat.history.store import History, data_dir, default_db_path
+from ssd_chat.history.schema import MIGRATIONS, migrate
 
 
 def stats(**kw) -> Stats:
@@ -158,7 +158,7 @@ def test_chats_commands_list_export_delete(tmp_path):
 
 
 def test_demo_prompts_are_packaged():
-    from ssd_chat.demo import demo_prompts
+    from ssd_chat.chat.demo import demo_prompts
 
     prompts = demo_prompts()
     assert len(prompts) >= 3 and any(p.startswith("/mode") for p in prompts)

@@ -14,8 +14,8 @@ import sqlite3
 from typer.testing import CliRunner
 
 from ssd_chat.cli import app as cli
-from ssd_chat.history import History
-from ssd_chat.history_schema import MIGRATIONS
+from ssd_chat.history.store import History
+from ssd_chat.history.schema import MIGRATIONS
 from pathlib import Path
 
 V4 = Path(__file__).parent / "data" / "history_v4.db"

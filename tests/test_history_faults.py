@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_tui import FakeBackend, replies_text, ssd_events, wait_until  # noqa: E402
 
 from ssd_chat.cli import app as cli_app  # noqa: E402
-from ssd_chat.history import History, HistoryError  # noqa: E402
+from ssd_chat.history.store import History, HistoryError  # noqa: E402
 from ssd_chat.tui.app import ChatApp  # noqa: E402
 
 
@@ -317,7 +317,7 @@ def test_a_database_locked_mid_session_in_a_real_terminal(tmp_path):
     pexpect = pytest.importorskip("pexpect")
     from test_recorder import replay_saving_chats, shipped
 
-    from ssd_chat.recorder import read
+    from ssd_chat.chat.recorder import read
 
     source = next(p for p in shipped() if len(read(p).turns) >= 3)
     turns = len(read(source).turns)

@@ -19,8 +19,8 @@ from test_history_faults import chat_db  # noqa: E402
 from test_tui import FakeBackend, replies_text, ssd_events, wait_until  # noqa: E402
 
 from ssd_chat.cli import app as cli_app  # noqa: E402
-from ssd_chat.history import History  # noqa: E402
-from ssd_chat.history_files import Pending  # noqa: E402
+from ssd_chat.history.store import History  # noqa: E402
+from ssd_chat.history.files import Pending  # noqa: E402
 from ssd_chat.tui.app import ChatApp  # noqa: E402
 
 
@@ -207,7 +207,7 @@ def test_the_apps_own_write_sequence_across_a_lock_loses_no_turn(tmp_path):
 def _replayable() -> list[Path]:
     from test_recorder import shipped
 
-    from ssd_chat.recorder import read
+    from ssd_chat.chat.recorder import read
 
     return [p for p in shipped() if len(read(p).turns) >= 3]
 
@@ -223,7 +223,7 @@ def test_locked_then_free_again_in_a_real_terminal(tmp_path, source):
     pexpect = pytest.importorskip("pexpect")
     from test_recorder import replay_saving_chats
 
-    from ssd_chat.recorder import read
+    from ssd_chat.chat.recorder import read
 
     turns = len(read(source).turns)
     db = tmp_path / "h.db"

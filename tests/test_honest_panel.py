@@ -94,7 +94,7 @@ async def test_the_panel_says_why_auto_chose_the_mode():
 
 def test_engine_backend_reports_the_reason_only_while_the_mode_is_unchanged(tiny_target, tiny_draft):
     from ssd_chat.engine import Engine, EngineConfig
-    from ssd_chat.backend import EngineBackend
+    from ssd_chat.chat.backend import EngineBackend
 
     b = EngineBackend({})
     b.engine = Engine(EngineConfig(mode="ar"), tiny_target, tiny_draft, mode_reason="AR: why")
@@ -124,7 +124,7 @@ def test_describe_says_where_ssd_runs_without_starting_the_speculator(tiny_targe
 
 
 def test_engine_config_from_settings_takes_its_own_fields():
-    from ssd_chat.config import resolve
+    from ssd_chat.chat.settings import resolve
     from ssd_chat.engine import EngineConfig
 
     values, _ = resolve({"mode": "sd", "k": 4, "temperature": 0.7, "record": "x.jsonl"})

@@ -12,7 +12,7 @@ import pytest
 from serving import running
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.engine.load import models
-from ssd_chat.server import create_app
+from ssd_chat.server.app import create_app
 
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("tenacity")  # lm-eval's [api] extra: what its API models need

@@ -27,7 +27,7 @@ def test_the_wheel_ships_code_and_assets_not_measurements(repo_root, tmp_path):
     assert r.returncode == 0, r.stderr
     names = zipfile.ZipFile(next(out.glob("*.whl"))).namelist()
     # one module of every installed package, the package's own folder and nothing else at the top
-    for want in ("ssd_chat/cli.py", "ssd_chat/bench/runner.py", "ssd_chat/engine/engine.py", "ssd_chat/tui/app.py",
+    for want in ("ssd_chat/cli/__init__.py", "ssd_chat/bench/runner.py", "ssd_chat/engine/engine.py", "ssd_chat/tui/app.py",
                  "ssd_chat/train/loop.py", "ssd_chat/tui/widgets/__init__.py", "ssd_chat/assets/__init__.py",
                  "ssd_chat/tui/app.tcss", "ssd_chat/assets/demo/01_hello.txt", "ssd_chat/assets/prompts/chat.jsonl",
                  "ssd_chat/assets/drafts/smollm2-135m-instruct/draft.safetensors",

@@ -167,12 +167,14 @@ def test_a_misspelt_placement_is_a_usage_error_before_anything_loads(monkeypatch
     """Exit 2 in one line from the settings check: no model loads (ask) and the app never opens."""
     from typer.testing import CliRunner
 
-    from ssd_chat import cli, tui_launch
+    from ssd_chat import cli
+    from ssd_chat.cli import ask
+    from ssd_chat.cli import chat as tui_launch
 
     def never(*_a, **_k):
         raise AssertionError("got past the settings check")
 
-    monkeypatch.setattr(cli, "load_engine", never)
+    monkeypatch.setattr(ask, "load_engine", never)
     monkeypatch.setattr(tui_launch, "launch", never)
     r = CliRunner().invoke(cli.app, [*command[:1], option, value, *command[1:]])
     assert r.exit_code == 2, r.output
@@ -183,8 +185,9 @@ def test_a_misspelt_placement_in_the_environment_names_the_variable(monkeypatch)
     from typer.testing import CliRunner
 
     from ssd_chat import cli
+    from ssd_chat.cli import ask
 
-    monkeypatch.setattr(cli, "load_engine", lambda *_a, **_k: pytest.fail("loaded"))
+    monkeypatch.setattr(ask, "load_engine", lambda *_a, **_k: pytest.fail("loaded"))
     monkeypatch.setenv("SSD_CHAT_TARGET_DEVICE", "cuda:0;cuda:1")
     r = CliRunner().invoke(cli.app, ["ask", "hi"])
     assert r.exit_code == 1 and r.stderr.count("\n") == 1

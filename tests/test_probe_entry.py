@@ -10,7 +10,7 @@ import time
 import pytest
 from serving import tiny_chat_dir  # noqa: F401
 
-from ssd_chat.config import engine_config, resolve
+from ssd_chat.chat.settings import engine_config, resolve
 from ssd_chat.engine import Engine, EngineConfig
 from ssd_chat.engine.decode import probe
 from ssd_chat.engine.decode import probe_store as ps
@@ -63,8 +63,8 @@ def test_the_measurer_dies_with_the_engine_and_stores_nothing(tiny_chat_dir, cac
 
 @pytest.mark.parametrize("figures,mode", [((30.0, 25.0, 36.0), "ssd"), ((47.7, 35.0, 35.8), "ar")])
 def test_the_app_ask_and_serve_run_the_mode_the_record_gives(figures, mode, tiny_chat_dir, cache):  # noqa: F811
-    from ssd_chat.backend import EngineBackend
-    from ssd_chat.loading import load_engine
+    from ssd_chat.chat.backend import EngineBackend
+    from ssd_chat.chat.loading import load_engine
 
     values, _ = resolve({"target": str(tiny_chat_dir), "draft": "layers:1", "target_device": "cpu", "dtype": "float32"})
     ar, sd, ssd = figures

@@ -108,8 +108,8 @@ def test_demo_replay_in_a_pty_plays_a_shipped_recording_and_saves_no_chat(tmp_pa
     """`ssd-chat demo --replay FILE --speed X`: no model, prompts type themselves, each recorded reply is
     drawn (its prompts and the last reply), and the user's saved chats (here one, made before) get nothing: a replay is not the user's chat."""
     from ssd_chat.engine.events import Done
-    from ssd_chat.history import History
-    from ssd_chat.recorder import read
+    from ssd_chat.history.store import History
+    from ssd_chat.chat.recorder import read
 
     rec = read(path)
     last = [e for e in rec.turns[-1].events if isinstance(e, Done)][0].text

@@ -16,7 +16,7 @@ pexpect = pytest.importorskip("pexpect")
 from test_models import tiny_dir  # noqa: E402,F401 - a fixture
 from test_pty import last_reply, screen_text  # noqa: E402
 
-from ssd_chat import attach  # noqa: E402
+from ssd_chat.chat import attach  # noqa: E402
 
 HOSTILE = "title \x1b]0;pwned\x07 and \x1b[2J cleared? [bold]markup[/bold]\n"
 

@@ -30,7 +30,7 @@ APP = """
 import json, sys
 sys.path.insert(0, {tests!r})
 from test_tui import FakeBackend, ssd_events
-from ssd_chat.history import History
+from ssd_chat.history.store import History
 from ssd_chat.tui.app import ChatApp
 
 quit_app = ChatApp.action_quit

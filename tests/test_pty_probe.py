@@ -115,7 +115,7 @@ def measurers(pid: int) -> list[psutil.Process]:
     out = []
     for p in psutil.Process(pid).children(recursive=True):
         try:
-            if "ssd_chat.measure" in " ".join(p.cmdline()):
+            if "ssd_chat.chat.measure" in " ".join(p.cmdline()):
                 out.append(p)
         except psutil.Error:
             continue
@@ -123,7 +123,7 @@ def measurers(pid: int) -> list[psutil.Process]:
 
 
 def packaged_fields():
-    from ssd_chat.config import engine_config, resolve
+    from ssd_chat.chat.settings import engine_config, resolve
     from ssd_chat.engine.load import preflight
 
     values, _ = resolve({})

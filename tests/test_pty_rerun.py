@@ -16,7 +16,7 @@ import pytest
 pexpect = pytest.importorskip("pexpect")
 
 from ssd_chat.engine.load import models  # noqa: E402
-from ssd_chat.history import History, HistoryError  # noqa: E402
+from ssd_chat.history.store import History, HistoryError  # noqa: E402
 from test_pty import screen_text  # noqa: E402
 
 F5 = "\x1b[15~"

@@ -111,7 +111,7 @@ def test_the_app_runs_ssd_with_a_speculator_process(tmp_path):
 
 def test_the_demo_runs_ssd_with_a_speculator_process(tmp_path):
     """`ssd-chat demo` types its scripted prompts; its SSD turns run on a speculator with cache hits."""
-    from ssd_chat.demo import demo_prompts
+    from ssd_chat.chat.demo import demo_prompts
 
     n = len([p for p in demo_prompts() if not p.startswith("/")])
     screen, saved, seen, helpers, status = run_app(

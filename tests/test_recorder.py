@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from ssd_chat.cli import app as cli_app
 from ssd_chat.engine.events import Done, Round, Token
-from ssd_chat.recorder import Recorder, RecordingError, read, replay
+from ssd_chat.chat.recorder import Recorder, RecordingError, read, replay
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_tui import AssistantMessage, UserMessage, plain, ssd_events, wait_until  # noqa: E402
@@ -97,7 +97,7 @@ def test_demo_replay_of_a_bad_file_is_one_line(tmp_path):
 @pytest.mark.asyncio
 async def test_replay_in_the_app_types_prompts_and_shows_recorded_rounds(tmp_path):
     from ssd_chat.tui.app import ChatApp
-    from ssd_chat.backend import ReplayBackend
+    from ssd_chat.chat.backend import ReplayBackend
 
     e1, e2 = ssd_events(WORDS, hits=[True, False]), ssd_events(["Fine", "."], hits=[False])
     make_recording(tmp_path / "r.jsonl", [("first question", e1), ("second", e2)])
@@ -125,9 +125,9 @@ def shipped() -> list[Path]:
 # The real app on a recorded session that keeps its chat in the history file ``argv[1]`` (``demo --replay``
 # keeps none): what the history fault tests drive in a real terminal, with no model to load.
 REPLAY_SAVING_CHATS = """import sys
-from ssd_chat.backend import ReplayBackend
-from ssd_chat.recorder import read
-from ssd_chat.tui_launch import launch
+from ssd_chat.chat.backend import ReplayBackend
+from ssd_chat.chat.recorder import read
+from ssd_chat.cli.chat import launch
 sys.exit(launch({"db": sys.argv[1]}, backend=ReplayBackend(read(sys.argv[2]), float(sys.argv[3])), type_delay_s=0.0))
 """
 
@@ -159,7 +159,7 @@ def test_shipped_recordings_are_real_ssd_runs_with_hits_and_misses():
 @pytest.mark.asyncio
 async def test_shipped_recording_plays_in_the_app():
     from ssd_chat.tui.app import ChatApp
-    from ssd_chat.backend import ReplayBackend
+    from ssd_chat.chat.backend import ReplayBackend
 
     path = next(p for p in shipped() if read(p).info.get("mode") == "ssd")
     rec = read(path)

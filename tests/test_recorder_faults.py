@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ssd_chat.cli import app as cli_app
-from ssd_chat.recorder import Recorder, RecordingError, read
+from ssd_chat.chat.recorder import Recorder, RecordingError, read
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_recorder import WORDS, make_recording, shipped  # noqa: E402

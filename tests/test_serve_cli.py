@@ -16,8 +16,8 @@ import pytest
 from serving import get, open_stream, post, read_data_events, running, tiny_chat_dir, wait_until  # noqa: F401
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.engine.load import models
-from ssd_chat.server import create_app
-from ssd_chat.server_client import servers_dir, write_state
+from ssd_chat.server.app import create_app
+from ssd_chat.server.client import servers_dir, write_state
 from test_models import cli
 
 psutil = pytest.importorskip("psutil")
@@ -240,7 +240,7 @@ def test_ctrl_c_while_serves_measurer_runs_stops_it_and_leaves_no_process(tmp_pa
         child.expect("serving smollm2-135m-gguf \\(ar\\)")
 
         def measurers():
-            return [p for p in psutil.Process(child.pid).children(recursive=True) if "ssd_chat.measure" in " ".join(p.cmdline())]
+            return [p for p in psutil.Process(child.pid).children(recursive=True) if "ssd_chat.chat.measure" in " ".join(p.cmdline())]
 
         wait_until(measurers, 60)
         kids = psutil.Process(child.pid).children(recursive=True)
@@ -275,7 +275,7 @@ def test_torchs_no_cuda_runtime_warning_is_not_printed(quiet, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the warning is logged only without a CUDA runtime")
     code = ("import logging, sys\n"
-            + ("from ssd_chat.loading import quiet_libraries; quiet_libraries()\n" if quiet else "")
+            + ("from ssd_chat.chat.loading import quiet_libraries; quiet_libraries()\n" if quiet else "")
             + "import torch.utils.cpp_extension as c\n"
             + "c._find_cuda_home()\n"  # what its import runs on a CUDA build of torch
             + "logging.getLogger('torch.utils.cpp_extension').warning('a real warning')\n")

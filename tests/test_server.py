@@ -12,7 +12,7 @@ import pytest
 from serving import get, open_stream, post, read_data_events, running, tiny_chat_dir, wait_until  # noqa: F401
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.engine.events import Done
-from ssd_chat.server import create_app
+from ssd_chat.server.app import create_app
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.usefixtures("one_thread")

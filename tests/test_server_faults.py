@@ -13,7 +13,7 @@ import pytest
 
 from serving import get, post, running, tiny_chat_dir, wait_until  # noqa: F401
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
-from ssd_chat.server import create_app
+from ssd_chat.server.app import create_app
 from test_server import MSG, engine, loaded  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -173,6 +173,6 @@ def test_health_says_degraded_when_ssd_is_given_up(loaded):
         assert status == 200 and health["status"] == "degraded" and health["mode"] == "ssd"
         assert "speculator" in health["reason"] and "as SD" in health["reason"]
         assert ask_mode(url) == (200, "sd")  # still answering, as SD
-        from ssd_chat.server_client import model_card
+        from ssd_chat.server.client import model_card
 
         assert model_card(url)["id"] == e.config.target  # `ask` still uses it: the replies are exact, only slower

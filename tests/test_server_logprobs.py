@@ -9,7 +9,7 @@ import torch
 
 from serving import post, running, tiny_chat_dir  # noqa: F401
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
-from ssd_chat.server import create_app
+from ssd_chat.server.app import create_app
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,8 +12,8 @@ from test_tui import FakeBackend, ssd_events, wait_until
 from typer.testing import CliRunner
 
 from ssd_chat.cli import app as cli_app
-from ssd_chat.history import History
-from ssd_chat.history_schema import MIGRATIONS
+from ssd_chat.history.store import History
+from ssd_chat.history.schema import MIGRATIONS
 from ssd_chat.tui.app import ChatApp
 from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
 

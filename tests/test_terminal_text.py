@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from ssd_chat.cli import app as cli_app
-from ssd_chat.history import History
-from ssd_chat.terminal import for_stream, printable
+from ssd_chat.history.store import History
+from ssd_chat.chat.terminal import for_stream, printable
 
 pexpect = pytest.importorskip("pexpect")
 

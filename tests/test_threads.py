@@ -89,8 +89,8 @@ def test_call_runs_on_a_thread_of_its_own_with_the_count_and_raises_here(restore
 def test_the_servers_engine_thread_computes_on_the_remembered_count(restore, monkeypatch):
     from types import SimpleNamespace
 
-    from ssd_chat.server_metrics import ServerMetrics
-    from ssd_chat.server_worker import END, EngineWorker
+    from ssd_chat.server.metrics import ServerMetrics
+    from ssd_chat.server.engine_thread import END, EngineWorker
 
     threads._compute.clear()
     torch.set_num_threads(2)

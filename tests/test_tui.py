@@ -12,9 +12,9 @@ import pytest
 
 from ssd_chat.engine.events import Done, Error, Event, Notice, Round, Token
 from ssd_chat.engine.metrics import Metrics
-from ssd_chat.history import History
+from ssd_chat.history.store import History
 from ssd_chat.tui.app import ChatApp
-from ssd_chat.backend import Backend
+from ssd_chat.chat.backend import Backend
 from ssd_chat.tui.figures import Baseline, panel_values, speedup_vs
 from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
 from ssd_chat.tui.widgets.settings_dialog import SettingsDialog
@@ -264,7 +264,7 @@ class TestSession:
     async def test_the_app_keeps_its_conversation_in_a_session(self):
         """As in `ask` and the demo: the Session builds what the backend is asked and keeps each turn."""
         from ssd_chat.engine.load.chat import messages_for
-        from ssd_chat.session import Session
+        from ssd_chat.chat.session import Session
 
         backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"])])
         app = ChatApp(backend, settings={"system": "be brief"})

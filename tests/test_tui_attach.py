@@ -10,9 +10,9 @@ from test_tui import FakeBackend, ssd_events, wait_until
 from test_tui_rerun import chat, notices, saved
 
 from conftest import as_loaded, tiny_llama
-from ssd_chat import attach
+from ssd_chat.chat import attach
 from ssd_chat.engine import Engine, EngineConfig
-from ssd_chat.history import History
+from ssd_chat.history.store import History
 from ssd_chat.tui.app import ChatApp
 from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
 

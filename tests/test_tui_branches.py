@@ -8,7 +8,7 @@ import pytest
 from test_tui import FakeBackend, ssd_events, wait_until
 from test_tui_rerun import chat, on_screen
 
-from ssd_chat.history import History
+from ssd_chat.history.store import History
 from ssd_chat.tui.app import ChatApp
 from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
 

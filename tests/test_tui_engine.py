@@ -11,7 +11,7 @@ import pytest
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.engine.events import Done
 from ssd_chat.tui.app import ChatApp
-from ssd_chat.backend import EngineBackend
+from ssd_chat.chat.backend import EngineBackend
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_tui import AssistantMessage, plain, wait_until  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_tui import FakeBackend, plain, ssd_events, wait_until  # noqa: E402
 
-from ssd_chat.history import History  # noqa: E402
+from ssd_chat.history.store import History  # noqa: E402
 from ssd_chat.tui.app import ChatApp  # noqa: E402
 
 # each of these is bad markup ([/] closes nothing) or markup that would act ([link], [@click])

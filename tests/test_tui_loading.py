@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_tui import ssd_events, wait_until  # noqa: E402
 
 from ssd_chat.tui.app import ChatApp  # noqa: E402
-from ssd_chat.backend import EngineBackend  # noqa: E402
+from ssd_chat.chat.backend import EngineBackend  # noqa: E402
 from ssd_chat.tui.widgets.settings_dialog import SettingsDialog  # noqa: E402
 
 
@@ -160,7 +160,7 @@ async def test_a_history_warning_from_the_start_is_shown_once(tmp_path):
     """A database that cannot open (here: its folder is a file) is said once, at start, not again at the first prompt."""
     from test_tui import FakeBackend
 
-    from ssd_chat.history import History
+    from ssd_chat.history.store import History
 
     (tmp_path / "not-a-folder").write_text("")
     history = History(tmp_path / "not-a-folder" / "h.db")

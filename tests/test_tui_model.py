@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_tui import FakeBackend, ssd_events, wait_until  # noqa: E402
 
-from ssd_chat.history import History  # noqa: E402
+from ssd_chat.history.store import History  # noqa: E402
 from ssd_chat.tui.app import ChatApp  # noqa: E402
 from ssd_chat.tui.switch_model import target_values  # noqa: E402
 from ssd_chat.tui.widgets.chat_log import Notice, UserMessage  # noqa: E402

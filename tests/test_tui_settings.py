@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from serving import tiny_chat_dir  # noqa: E402,F401
 from test_tui import FakeBackend, plain, ssd_events, wait_until  # noqa: E402
 
-from ssd_chat.backend import EngineBackend  # noqa: E402
+from ssd_chat.chat.backend import EngineBackend  # noqa: E402
 from ssd_chat.engine import Engine, EngineConfig  # noqa: E402
 from ssd_chat.tui.app import ChatApp  # noqa: E402
 from ssd_chat.tui.widgets.settings_dialog import SettingsDialog  # noqa: E402

@@ -10,8 +10,8 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from ssd_chat import cli as cli_module
-from ssd_chat import config
+from ssd_chat.cli import ask as ask_module
+from ssd_chat.chat import settings as config
 from ssd_chat.cli import app
 from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.params import SEED_MAX, SamplingParams
@@ -24,7 +24,7 @@ def no_load(monkeypatch):
     def refuse(values):
         raise AssertionError("weights were loaded")
 
-    monkeypatch.setattr(cli_module, "load_engine", refuse)
+    monkeypatch.setattr(ask_module, "load_engine", refuse)
 
 
 @pytest.mark.parametrize("kwargs, needle", [

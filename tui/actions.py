@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..backend import readable
-from ..config import SAMPLING_KEYS
+from ..chat.backend import readable
+from ..chat.settings import SAMPLING_KEYS
 from ..engine import threads
-from ..history import HistoryError, data_dir, metrics_line
+from ..history.store import HistoryError, data_dir, metrics_line
 from .changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
 
 

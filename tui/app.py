@@ -19,11 +19,11 @@ from textual.message import Message
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Header
 
-from ..backend import Backend, readable
+from ..chat.backend import Backend, readable
 from ..engine import threads, workers
 from ..engine.events import Notice
-from ..history import History
-from ..terminal import printable
+from ..history.store import History
+from ..chat.terminal import printable
 from . import signals
 from .actions import HELP
 from .chat_view import ChatView

@@ -2,7 +2,7 @@
 behind ``/attach``, ``c`` on a focused message and ``/save``.
 
 ``/attach FILE`` stages a text file (read and counted now, with the target's tokenizer once it has
-loaded); the next message sent carries it, as ``ask -a`` does (:mod:`ssd_chat.attach`), and the
+loaded); the next message sent carries it, as ``ask -a`` does (:mod:`ssd_chat.chat.attach`), and the
 saved chat keeps that full turn.  ``/attach`` lists what is staged and ``/attach clear`` drops it.
 ``c`` on a focused message copies its next fenced block; ``/save N FILE`` writes block N of the last
 reply to a file, refusing to overwrite one unless ``--force`` is given.
@@ -13,10 +13,10 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from .. import attach
-from ..code_blocks import blocks
+from ..chat import attach
+from ..chat.code_blocks import blocks
 from ..engine import threads
-from ..terminal import printable
+from ..chat.terminal import printable
 from .widgets.chat_log import CopyBlock
 
 ATTACH_HELP = "/attach lists them, /attach clear drops them"

@@ -2,7 +2,7 @@
 each message's place among its siblings ("‹ 2/3 ›") and switches between them (←/→ on a message
 focused with Shift+Tab).
 
-The saved chat is a tree (:mod:`ssd_chat.history_tree`): regenerate and edit add a sibling there
+The saved chat is a tree (:mod:`ssd_chat.history.tree`): regenerate and edit add a sibling there
 (:mod:`.rerun`) and nothing is dropped.  Switching makes the chosen sibling the chat's current branch in
 the store, then shows that branch from the store and continues it: the next reply's context is the
 branch on screen, and ``--resume`` opens it.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..history import HistoryError
+from ..history.store import HistoryError
 from .replies import settle
 from .widgets.chat_log import BranchStep
 

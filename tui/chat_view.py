@@ -1,6 +1,6 @@
 """The chat: one widget that owns the conversation, its transcript, the prompt box and the side panel.
 
-:class:`ChatView` holds a :class:`~ssd_chat.session.Session` (as ``ask`` and the demo do) and the
+:class:`ChatView` holds a :class:`~ssd_chat.chat.session.Session` (as ``ask`` and the demo do) and the
 state of the reply in progress.  Its behaviour is written by role in one module each:
 :mod:`.replies` (a prompt and its streaming reply, Esc), :mod:`.actions` (new chat, settings, saved
 chats, slash commands), :mod:`.rerun` (regenerate, edit and re-run), :mod:`.branches` (the
@@ -23,12 +23,12 @@ from textual.message import Message
 from textual.widget import Widget
 from textual.widgets import Static
 
-from ..backend import Backend
-from ..config import sampling_settings
+from ..chat.backend import Backend
+from ..chat.settings import sampling_settings
 from ..engine.events import Event
-from ..history import History
-from ..session import Session
-from ..terminal import printable
+from ..history.store import History
+from ..chat.session import Session
+from ..chat.terminal import printable
 from .actions import ChatActions
 from .attaching import AttachActions
 from .branches import BranchActions

@@ -1,8 +1,8 @@
 """Ctrl+G in the app: the prompt in the box (or the last one sent) answered greedily in AR, SD and
-SSD in turn, :data:`ssd_chat.compare.DEFAULT_REPEATS` times over, on the loaded models, each run's
+SSD in turn, :data:`ssd_chat.chat.compare.DEFAULT_REPEATS` times over, on the loaded models, each run's
 figures as it ends, then whether every output is identical and the speedups measured on that
 prompt (median, spread, physical bound).  Part of
-:class:`~ssd_chat.tui.chat_view.ChatView`; the loop itself is :func:`ssd_chat.compare.run`.
+:class:`~ssd_chat.tui.chat_view.ChatView`; the loop itself is :func:`ssd_chat.chat.compare.run`.
 
 The comparison is not part of the conversation: nothing is added to the chat's messages or history.
 """
@@ -16,11 +16,11 @@ from typing import Any
 from textual import work
 from textual.message import Message
 
-from .. import compare as cmp
+from ..chat import compare as cmp
 from ..engine import threads
 from ..engine.load.chat import messages_for
 from ..engine.params import SamplingParams
-from ..backend import readable
+from ..chat.backend import readable
 from .figures import Baseline, baseline_from_reply
 from .replies import settle
 

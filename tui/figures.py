@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..engine.events import Stats
 from ..engine.metrics import over_ar_bound, ssd_over_sd_bound
-from ..stats import fmt, ran_as
+from ..chat.stats import fmt, ran_as
 
 
 @dataclass(frozen=True, slots=True)

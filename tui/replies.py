@@ -1,6 +1,6 @@
 """Sending a prompt and showing its reply: the part of :class:`~ssd_chat.tui.chat_view.ChatView` that owns a turn.
 
-The reply runs in a thread worker over the chat's :class:`~ssd_chat.session.Session`, which keeps the
+The reply runs in a thread worker over the chat's :class:`~ssd_chat.chat.session.Session`, which keeps the
 conversation; the worker only queues events (:attr:`ChatView.inbox`).  Tokens and rounds wait there for
 the 10 Hz frame timer, so hundreds of tokens per second cost ~10 Markdown appends per second and no
 wake-up of the UI's event loop each; any other event (a notice, the end) wakes it at once.  The turn's
@@ -22,9 +22,9 @@ from ..engine import threads
 from ..engine.events import Done, Error, Event, Notice, Round, Token
 from ..engine.metrics import Metrics
 from ..engine.params import SamplingParams
-from ..history import LEAF, metrics_line
-from ..session import Session
-from ..backend import readable, sampling_of
+from ..history.store import LEAF, metrics_line
+from ..chat.session import Session
+from ..chat.backend import readable, sampling_of
 from .figures import baseline_from_reply, ran_as
 from .widgets.chat_log import AssistantMessage
 

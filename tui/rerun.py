@@ -17,7 +17,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from ..engine.params import SamplingParams
-from ..history import LEAF, HistoryError
+from ..history.store import LEAF, HistoryError
 from .replies import Branch, settle
 from .widgets.chat_log import AssistantMessage, UserMessage
 

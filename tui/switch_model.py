@@ -10,8 +10,8 @@ import os
 import re
 from typing import Any
 
-from ..backend import readable
-from ..terminal import printable
+from ..chat.backend import readable
+from ..chat.terminal import printable
 from .replies import settle
 from .widgets.confirm_dialog import ConfirmDialog
 

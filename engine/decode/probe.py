@@ -13,7 +13,7 @@ that other work shared the cores with (``Load.busy``) are kept as such, and ``au
 
 Who measures (:func:`settle`'s ``measure``): ``"now"`` (``ssd-chat config measure`` and the background
 measurer), ``"background"`` (the app and ``serve``: with no record they run AR and start a measurer
-process at the lowest priority, ``ssd_chat.measure``, whose record the next start uses), ``"no"`` (``ask``
+process at the lowest priority, ``ssd_chat.chat.measure``, whose record the next start uses), ``"no"`` (``ask``
 and the rest: the record, else AR).
 """
 
@@ -329,14 +329,14 @@ def _later(config: EngineConfig, fields: dict[str, Any], path: Path | None) -> t
 
 def start_measurer(later: tuple[EngineConfig, int]) -> subprocess.Popen | None:
     """A process that measures the modes at the lowest priority and stores the record, dying with this one
-    (``ssd_chat.measure``); it inherits the key's lock.  None if it cannot start."""
+    (``ssd_chat.chat.measure``); it inherits the key's lock.  None if it cannot start."""
     import json
 
     from ..workers import popen
 
     config, fd = later
     try:
-        return popen([sys.executable, "-m", "ssd_chat.measure", str(os.getpid()), json.dumps(asdict(config), default=str)],
+        return popen([sys.executable, "-m", "ssd_chat.chat.measure", str(os.getpid()), json.dumps(asdict(config), default=str)],
                      {ps.LOCK_FD: str(fd)} if fd >= 0 else {}, (fd,) if fd >= 0 else ())
     except OSError:
         return None

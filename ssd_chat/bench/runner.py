@@ -209,7 +209,7 @@ class ModelPool:
     """Loads each model once per device (on CPU: once) and hands them to the plans."""
 
     def __init__(self, values: dict[str, Any], plans: list[Plan], progress: Callable[[str], None] | None = None) -> None:
-        from ..config import engine_config
+        from ..chat.settings import engine_config
         from ..engine import Engine
         from ..engine.engine import default_draft
 

@@ -21,7 +21,7 @@ This package imports the engine; the engine never imports it.
 
 from __future__ import annotations
 
-from .config import Example, Features, ProgressFn, TrainConfig, TrainResult
+from .spec import Example, Features, ProgressFn, TrainConfig, TrainResult
 from .data import choose_vocab, generate, load_data, with_top1, work_dir
 from .features import heldout_metrics as feature_heldout_metrics
 from .features import losses as feature_losses

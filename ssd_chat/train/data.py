@@ -18,7 +18,7 @@ from ..engine.config import cache_dir
 from ..engine.drafts.model import shared_hash
 from ..engine.model.layout import hidden_of, output_module, parts
 from ..engine.load.models import LoadedModel
-from .config import Example, Features, ProgressFn, TrainConfig, _no_progress
+from .spec import Example, Features, ProgressFn, TrainConfig, _no_progress
 from .prompts import prompt_ids, write_prompts
 
 

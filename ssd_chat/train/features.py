@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import Example, Features
+from .spec import Example, Features
 from .layers import kl_loss, teacher_logits
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..engine.drafts.model import ReducedHead
 from ..engine.model.layout import hidden_of, output_module, parts, shallow
-from .config import Example, Features
+from .spec import Example, Features
 
 
 def tail(draft: nn.Module) -> nn.Module:

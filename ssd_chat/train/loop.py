@@ -19,7 +19,7 @@ from ..engine.drafts.feature import FeatureDraft, check_fuse_layer
 from ..engine.load.models import LoadedModel
 from . import features as features_
 from . import layers
-from .config import Example, Features, ProgressFn, TrainConfig, TrainResult, _no_progress
+from .spec import Example, Features, ProgressFn, TrainConfig, TrainResult, _no_progress
 from .data import choose_vocab, load_data, with_top1, work_dir
 from .folder import save
 from .prompts import load_prompts

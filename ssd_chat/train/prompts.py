@@ -12,7 +12,7 @@ import torch
 from ..engine.load import chat
 from ..engine.errors import ModelError, ParamError
 from ..engine.load.models import LoadedModel
-from .config import ProgressFn, _no_progress
+from .spec import ProgressFn, _no_progress
 
 PROMPT_TEMPERATURE = 0.9  # of the prompts the target writes itself (--self-prompts)
 

@@ -17,7 +17,7 @@ from textual.message import Message
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
-from ...terminal import printable
+from ...chat.terminal import printable
 from ..coloured import coloured
 
 
@@ -73,7 +73,7 @@ class UserMessage(Static, can_focus=True):
     def __init__(self, text: str) -> None:
         super().__init__(Text(printable(text)), classes="message user", markup=False)
         self.text = text
-        self.message_id: int | None = None  # the saved message (ssd_chat/history_tree.py)
+        self.message_id: int | None = None  # the saved message (ssd_chat/history/tree.py)
         self.branch = ""
 
     def set_branch(self, place: tuple[int, int] | None) -> None:

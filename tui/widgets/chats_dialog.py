@@ -13,8 +13,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Label, OptionList
 from textual.widgets.option_list import Option
 
-from ...history import HistoryError
-from ...terminal import printable
+from ...history.store import HistoryError
+from ...chat.terminal import printable
 from .confirm_dialog import ConfirmDialog
 
 

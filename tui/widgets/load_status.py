@@ -13,7 +13,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Label, ProgressBar
 
-from ...terminal import printable
+from ...chat.terminal import printable
 
 
 class LoadStatus(Vertical):

@@ -11,7 +11,7 @@ from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
 
 from ...engine.events import Round, Stats
-from ...terminal import printable
+from ...chat.terminal import printable
 from ..figures import Baseline, panel_values
 
 LABELS = [

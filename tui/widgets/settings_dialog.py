@@ -12,10 +12,10 @@ from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select
 
-from ...config import SAMPLING_KEYS, EngineConfig
+from ...chat.settings import SAMPLING_KEYS, EngineConfig
 from ...engine.speculate.fanout import DEFAULT_FAN_OUT
 from ...engine.params import SamplingParams
-from ...terminal import printable
+from ...chat.terminal import printable
 from ..changes import ENGINE_CHANGES, FIELDS, MODES, check_engine, parse_settings
 
 
