@@ -150,7 +150,7 @@ def test_ask_through_a_server_sends_the_penalties_it_was_given(monkeypatch, caps
     """`ask` answered by a running server forwards the sampling settings the user set, penalties included."""
     import io
 
-    from ssd_chat.server.app import client as server_client
+    from ssd_chat.server import client as server_client
 
     sent = {}
     done = {"choices": [{"delta": {"content": "ok"}, "token_ids": [5], "finish_reason": "stop"}], "ssd_stats": {}}
