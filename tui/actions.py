@@ -1,18 +1,31 @@
-"""Between-reply actions of the chat (:class:`ChatActions`): new chat, copy, system prompt, settings (mode /
-k / fan-out / temperature without reloading models), resuming and exporting saved chats, token colours.
-The controller calls them (slash commands are dispatched there); the app opens the dialogs that lead here.
+"""Between-reply actions of the chat, called by its controller (which dispatches the slash commands); the app
+opens the dialogs that lead here.
+
+:class:`ChatActions`: new chat, copy, system prompt, settings (mode / k / fan-out / temperature without
+reloading models), resuming and exporting saved chats, token colours.
+
+:class:`Attachments`: ``/attach FILE`` stages a text file (read and counted now, with the target's tokenizer
+once it has loaded); the next message sent carries it, as ``ask -a`` does (:mod:`ssd_chat.attach`), and the
+saved chat keeps that full turn.  ``/attach`` lists what is staged and ``/attach clear`` drops it.  ``c`` on a
+focused message copies its next fenced block; ``/save N FILE`` writes block N of the last reply to a file,
+refusing to overwrite one unless ``--force`` is given.
 """
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
+from .. import attach
 from ..backend import readable
+from ..code_blocks import blocks
 from ..config import SAMPLING_KEYS
 from ..engine import threads
 from ..history import HistoryError, data_dir, metrics_line
+from ..terminal import printable
 from .widgets.changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
+from .widgets.chat_log import CopyBlock
 
 
 HELP = """Keys: Enter send · Shift+Enter / Ctrl+J new line · ↑/↓ prompt history · Esc stop the reply ·
@@ -39,18 +52,7 @@ class ChatActions:
         self.ctl, self.view = ctl, ctl.view
         self.clipboard_text: str | None = None
 
-    async def new_chat(self) -> bool:
-        """A new conversation (False: a reply streams, nothing changed)."""
-        c, v = self.ctl, self.view
-        if c.streaming():
-            v.notify("stop the reply first (Esc)", severity="warning")
-            return False
-        await self._clear()
-        c.session, c.conversation_id = c.new_session(c.system), None
-        await v.chat.add_notice("new chat")
-        return True
-
-    async def _clear(self) -> None:
+    async def clear(self) -> None:
         """An empty transcript, panel and cache view, and no reply in progress (a new or a resumed chat)."""
         await self.view.chat.clear()
         self.ctl.current = None
@@ -61,21 +63,21 @@ class ChatActions:
     def copy_reply(self) -> None:
         text = self.ctl.session.last("assistant")
         if text is None:
-            self.view.notify("no reply to copy yet")
+            self.view.app.notify("no reply to copy yet")
             return
-        self.copy(text)
-        self.view.notify(f"copied the last reply ({len(text)} characters)")
+        self.copy(text, f"the last reply ({len(text)} characters)")
 
-    def copy(self, text: str) -> None:
+    def copy(self, text: str, what: str) -> None:
         self.clipboard_text = text
         self.view.app.copy_to_clipboard(text)
+        self.view.app.notify(f"copied {what}")
 
     async def set_system(self, value: str) -> None:
         """A system prompt for the replies from here on: a message at this point of the chat, saved as one
         (the replies before it did not see it, and a resumed chat or an export shows it here)."""
         c = self.ctl
         if (value or None) == c.system:
-            self.view.notify("the system prompt is unchanged")
+            self.view.app.notify("the system prompt is unchanged")
             return
         if c.conversation_id is None and all(m["role"] == "system" for m in c.session.messages):
             c.session.messages = [{"role": "system", "content": value}] if value else []  # nothing said yet: the start's
@@ -95,7 +97,7 @@ class ChatActions:
                 return False
             c.pending_settings.update(changes)
             # a toast: the chat gets the lasting notice when the setting applies (apply_pending)
-            self.view.notify(f"the model is still loading; {desc} will apply once it is ready")
+            self.view.app.notify(f"the model is still loading; {desc} will apply once it is ready")
             return True
         if c.streaming():
             await chat.add_notice("settings change between replies: stop this one first (Esc)", "warning")
@@ -132,7 +134,6 @@ class ChatActions:
         await self.apply_settings(changes)
 
     async def settings_command(self, name: str, arg: str) -> None:
-        """``/mode ssd``, ``/k 4``, ``/temp 0.7`` ...: one setting typed as a command."""
         if not arg and SLASH_KEYS[name] != "fan_out":
             await self.view.chat.add_notice(f"usage: /{name} VALUE", "warning")
             return
@@ -158,7 +159,7 @@ class ChatActions:
         if conv is None:
             await v.chat.add_notice(f"no saved chat with id {conversation_id} (see `ssd-chat chats list`)", "error")
             return False
-        await self._clear()
+        await self.clear()
         c.conversation_id, c.session = conv.id, c.new_session(None, [])
         await v.chat.add_notice(f"resumed chat {conv.id}: {conv.title}")
         await self.render_saved(saved)
@@ -190,7 +191,7 @@ class ChatActions:
         """Write this chat with its metrics to ``<data dir>/exports/chat-<id>.<md|jsonl>``; returns the path."""
         cid, v = self.ctl.conversation_id, self.view
         if cid is None:
-            v.notify("nothing to export yet", severity="warning")
+            v.app.notify("nothing to export yet", severity="warning")
             return None
         try:
             text = self.ctl.history.export(cid, "jsonl" if fmt == "jsonl" else "md")
@@ -198,13 +199,128 @@ class ChatActions:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text, encoding="utf-8")
         except (KeyError, OSError, HistoryError) as e:
-            v.notify(f"could not export: {e}", severity="error")
+            v.app.notify(f"could not export: {e}", severity="error")
             return None
-        v.notify(f"exported to {out}")
+        v.app.notify(f"exported to {out}")
         return out
 
     def toggle_colour(self) -> None:
         c = self.ctl
         c.colour = not c.colour
         self.view.chat.set_colour(c.colour)
-        self.view.notify("token colours " + ("on: green = accepted draft tokens, orange = target (bonus) tokens" if c.colour else "off"))
+        self.view.app.notify("token colours " + ("on: green = accepted draft tokens, orange = target (bonus) tokens" if c.colour else "off"))
+
+
+ATTACH_HELP = "/attach lists them, /attach clear drops them"
+SAVE_USAGE = "usage: /save N FILE [--force] (block N of the last reply; /save alone lists its blocks)"
+
+
+class Attachments:
+    """``staged`` holds the files /attach staged for the next message, with their token counts; ``ctl`` is the chat's controller."""
+
+    def __init__(self, ctl: Any) -> None:
+        self.ctl, self.view = ctl, ctl.view
+        self.staged: list[tuple[Any, int | None]] = []
+
+    # -- /attach -------------------------------------------------------------------------
+    async def command(self, arg: str) -> None:
+        chat = self.view.chat
+        if not arg:
+            if not self.staged:
+                await chat.add_notice("nothing attached · /attach FILE puts a text file in your next message")
+            else:
+                await chat.add_notice(f"attached to your next message: {self._listed()} · /attach clear drops them")
+            return
+        if arg == "clear":
+            n, self.staged = len(self.staged), []
+            self._show_staged()
+            await chat.add_notice(f"dropped {n} attached file{'' if n == 1 else 's'}" if n else "nothing was attached")
+            return
+        if len(arg) > 1 and arg[0] == arg[-1] and arg[0] in "'\"":
+            arg = arg[1:-1]  # a quoted path
+        try:
+            a = attach.read(arg)
+        except attach.AttachError as e:
+            await chat.add_notice(str(e), "error")
+            return
+        try:
+            counted = await threads.in_thread(threads.count(), self.ctl.backend.count_tokens, a.block()) if self.ctl.ready else None
+        except Exception:  # noqa: BLE001 - not counted: the reply's own context check still applies
+            counted = None
+        n, context = counted if counted is not None else (None, None)
+        if n is not None:
+            known = [(b, m) for b, m in self.staged if m is not None]
+            try:
+                attach.check_fits([*known, (a, n)], context, self.ctl.backend.info().get("target") or "the model")
+            except attach.AttachError as e:
+                await chat.add_notice(str(e), "error")
+                return
+        self.staged.append((a, n))
+        self._show_staged()
+        size = f"{n:,} tokens" if n is not None else f"{len(a.text):,} characters"
+        await chat.add_notice(f"attached {a.shown} ({size}): it goes with your next message · {ATTACH_HELP}")
+
+    def _listed(self) -> str:
+        return ", ".join(f"{a.shown} ({n:,} tokens)" if n is not None else a.shown for a, n in self.staged)
+
+    def _show_staged(self) -> None:
+        """The chip under the prompt box: what the next message carries."""
+        self.view.prompt.border_subtitle = f"attached: {', '.join(a.shown for a, _ in self.staged)}" if self.staged else None
+
+    def take(self, text: str) -> str:
+        """The turn to send for ``text``: the staged files, then the text; they are sent once."""
+        if not self.staged:
+            return text
+        files, self.staged = [a for a, _ in self.staged], []
+        self._show_staged()
+        return attach.turn(files, text)
+
+    # -- one code block at a time ------------------------------------------------------------
+    def copy_block(self, msg: CopyBlock) -> None:
+        w = msg.message
+        found = blocks(w.text)
+        if not found:
+            self.view.app.notify("no code block in this message")
+            return
+        w.block_index = (w.block_index + 1) % len(found)
+        b = found[w.block_index]
+        self.ctl.actions.copy(b.code, f"block {w.block_index + 1}/{len(found)} ({b.describe()})")
+
+    async def save_block(self, arg: str) -> None:
+        chat = self.view.chat
+        reply = self.ctl.session.last("assistant")
+        found = blocks(reply) if reply else []
+        try:
+            args = shlex.split(arg)
+        except ValueError as e:
+            await chat.add_notice(f"{SAVE_USAGE}: {e}", "warning")
+            return
+        force = "--force" in args
+        args = [x for x in args if x != "--force"]
+        if not args:
+            listed = " · ".join(f"{i} {b.describe()}" for i, b in enumerate(found, 1))
+            await chat.add_notice(f"the last reply's code blocks: {listed}" if found else "the last reply has no code block")
+            return
+        if len(args) != 2 or not (args[0].isascii() and args[0].isdigit()):
+            await chat.add_notice(SAVE_USAGE, "warning")
+            return
+        n, path = int(args[0]), Path(args[1]).expanduser()
+        if not found:
+            await chat.add_notice("the last reply has no code block to save", "warning")
+            return
+        if not 1 <= n <= len(found):
+            await chat.add_notice(f"no block {n}: the last reply has {len(found)} (/save 1 to /save {len(found)})", "warning")
+            return
+        b, shown = found[n - 1], printable(args[1], one_line=True)
+        if path.is_dir():
+            await chat.add_notice(f"cannot save to {shown}: it is a directory", "error")
+            return
+        if path.exists() and not force:
+            await chat.add_notice(f"{shown} exists: add --force to overwrite it", "warning")
+            return
+        try:
+            path.write_text(b.code, encoding="utf-8")
+        except OSError as e:
+            await chat.add_notice(f"cannot save to {shown}: {e.strerror or e}", "error")
+            return
+        await chat.add_notice(f"saved block {n}/{len(found)} ({b.describe()}) to {shown}")

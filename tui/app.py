@@ -25,7 +25,6 @@ from ..engine.events import Notice
 from ..history import History
 from ..terminal import printable
 from . import signals
-from .actions import HELP
 from .chat_view import ChatView
 from .replies import ReplyEvent
 from .widgets.chat_log import AssistantMessage, BranchStep, CopyBlock
@@ -262,7 +261,7 @@ class ChatApp(App[int]):
         yield SystemCommand("Export chat as JSONL", "With each reply's metrics, to the data dir's exports/", lambda: ctl.actions.export_chat("jsonl"))
         yield SystemCommand("Toggle token colours", "Colour accepted draft vs target tokens (Ctrl+T)", self.action_toggle_colour)
         yield SystemCommand("Stop reply", "Stop the reply and keep what streamed (Esc)", self.action_stop)
-        yield SystemCommand("Help", "Keys and commands", lambda: self.run_worker(self.chat_view.chat.add_notice(HELP)))
+        yield SystemCommand("Help", "Keys and commands", lambda: self.run_worker(ctl.command("/help")))
         yield SystemCommand("Regenerate last reply", "Decode the last reply again with the current settings; the old one stays as a branch (F5)",
                             self.action_regenerate)
         yield SystemCommand("Edit your last message", "Put it back in the box; Enter re-runs the chat from it "

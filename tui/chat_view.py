@@ -1,7 +1,6 @@
 """The chat on screen: a thin widget that composes the transcript, prompt box, panel and cache view, and
 forwards keys and messages to its :class:`~ssd_chat.tui.controller.ChatController` (Textual dispatches
-``on_*`` handlers to widgets only), which owns the conversation and does the work.
-"""
+``on_*`` handlers to widgets only), which owns the conversation and does the work."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from collections.abc import Iterable
 from operator import attrgetter
 from typing import Any
 
-from textual import events, on
+from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widget import Widget
@@ -29,7 +28,7 @@ from .widgets.prompt_input import PromptInput
 
 
 def controlled(path: str) -> Any:
-    """The controller's attribute ``path`` (dotted), read and written through the view, where the app and the tests find the chat's state."""
+    """The controller's attribute ``path`` (dotted), read and written through the view: where the tests find the chat's state."""
     owner, _, name = path.rpartition(".")
     at = attrgetter(owner) if owner else (lambda ctl: ctl)
     return property(lambda view: getattr(at(view.controller), name), lambda view, value: setattr(at(view.controller), name, value))
@@ -38,9 +37,9 @@ def controlled(path: str) -> Any:
 class ChatView(Widget):
     """Transcript + prompt on the left, live speculation panel and cache view on the right."""
 
-    ready, current, session, messages = controlled("ready"), controlled("current"), controlled("session"), controlled("session.messages")
-    conversation_id, params, system = controlled("conversation_id"), controlled("params"), controlled("system")
-    switching, load_error, _reply_worker = controlled("switching"), controlled("load_error"), controlled("replies.worker")
+    ready, current, session, messages = map(controlled, ("ready", "current", "session", "session.messages"))
+    conversation_id, params, system, switching = map(controlled, ("conversation_id", "params", "system", "switching"))
+    load_error, _reply_worker, submit = map(controlled, ("load_error", "replies.worker", "submit"))  # submit: as Enter
 
     def __init__(self, backend: Backend, history: History, *, settings: dict[str, Any], recorder: Any = None,
                  script: Iterable[str] = (), type_delay_s: float = 0.03, baselines: Iterable[Baseline] = ()) -> None:
@@ -50,10 +49,6 @@ class ChatView(Widget):
         self.cache, self.prompt = CacheView(id="cache"), PromptInput(id="prompt")
         self.controller = ChatController(self, backend, history, settings=settings, recorder=recorder, script=script,
                                          type_delay_s=type_delay_s)
-
-    async def submit(self, text: str) -> None:
-        """As Enter in the prompt box."""
-        await self.controller.submit(text)
 
     def compose(self) -> ComposeResult:
         with Vertical(id="main"):
@@ -76,14 +71,8 @@ class ChatView(Widget):
         self.set_interval(2.0, ctl.compile_progress)
         await ctl.rerun.refresh_hint()
 
-    def notify(self, message: str, *, title: str = "", severity: Any = "information", timeout: float | None = None,
-               markup: bool = False) -> None:
-        """Plain text unless asked, as the app's (a widget's notify defaults to markup)."""
-        self.app.notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
-
     # -- messages: forwarded to the part that handles them ----------------------------------
-    @on(PromptInput.Submitted)
-    async def on_prompt_submitted(self, event: PromptInput.Submitted) -> None:
+    async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         await self.controller.submit(event.text)
 
     async def on_prompt_input_complete(self, event: PromptInput.Complete) -> None:
@@ -103,7 +92,9 @@ class ChatView(Widget):
         await self.controller.branches.step(msg)
 
     async def on_user_message_edit_requested(self, msg: UserMessage.EditRequested) -> None:
-        await self.controller.rerun.on_edit_requested(msg)
+        widgets = list(self.chat.query(UserMessage))
+        if msg.message in widgets:
+            await self.controller.rerun.start_edit(widgets.index(msg.message))
 
     def on_copy_block(self, msg: CopyBlock) -> None:
         self.controller.attach.copy_block(msg)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from textual.message import Message
@@ -24,16 +24,15 @@ from .replies import settle
 from .widgets.figures import Baseline, baseline_from_reply
 
 
+@dataclass
 class CompareRun(Message, bubble=False):
-    def __init__(self, run: cmp.Run) -> None:
-        super().__init__()
-        self.run = run
+    run: cmp.Run
 
 
+@dataclass
 class CompareDone(Message, bubble=False):
-    def __init__(self, result: cmp.Comparison | None, error: str | None) -> None:
-        super().__init__()
-        self.result, self.error = result, error
+    result: cmp.Comparison | None
+    error: str | None
 
 
 class Comparison:
@@ -133,9 +132,3 @@ class Comparison:
             runs = result.of(last.mode)
             shown = min(runs, key=lambda r: abs(r.tok_per_s - med)) if runs and med is not None else last
             panel.show(shown.done.stats, live=False, measured=dict(self.same_prompt))
-
-    async def halt(self) -> None:
-        """Esc / quit: stop the comparison at the next token and wait for the engine to be back."""
-        if self.stop is not None:
-            self.stop.set()
-        await settle(self.worker, 15)

@@ -1,11 +1,9 @@
-"""The chat's controller: the conversation behind :class:`~ssd_chat.tui.chat_view.ChatView`, no widget itself.
-
-:class:`ChatController` owns the session, the history, the backend and the reply in progress, and the
-parts that act on them, each a plain object holding this controller: :class:`.Replies` (a prompt and its
-streaming reply), :class:`.Rerun` (regenerate, edit), :class:`.Branches` (←/→), :class:`.Attachments`
-(``/attach``, code blocks), :class:`.Comparison` (Ctrl+G), :class:`.ModelSwitch` (``/model``) and
-:class:`.ChatActions` (new chat, settings, saved chats).  What a key or a command does is written here
-once, top-down: :meth:`submit` is one Enter, :meth:`command` every slash command, :meth:`stop` Esc.
+"""The chat's controller, no widget: :class:`ChatController` owns the session, history, backend and the reply in
+progress, and the parts that act on them, plain objects holding it: :class:`.Replies` (a prompt and its
+streaming reply), :class:`.Rerun` and :class:`.Branches` (regenerate, edit; ←/→), :class:`.ChatActions` and
+:class:`.Attachments` (between replies; files in, code blocks out), :class:`.Comparison` (Ctrl+G) and
+:class:`.ModelSwitch` (``/model``).  What a key or a command does is written here once, top-down: :meth:`submit`
+is one Enter, :meth:`command` every slash command, :meth:`stop` Esc.
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ from ..config import sampling_settings
 from ..history import History
 from ..session import Session
 from ..terminal import printable
-from .actions import HELP, ChatActions
-from .attaching import Attachments
+from .actions import HELP, Attachments, ChatActions
 from .comparing import Comparison
 from .replies import Replies, Turn, settle
 from .rerun import Branches, Rerun
@@ -47,9 +44,8 @@ class ChatController:
         self.engine_changes: dict[str, Any] = {}  # mode / k / fan-out changed since the load: a /model switch keeps them
         self.quitting = False
         self._shown_warning: str | None = None
-        self.replies, self.rerun, self.branches = Replies(self), Rerun(self), Branches(self)
+        self.replies, self.rerun, self.branches, self.actions = Replies(self), Rerun(self), Branches(self), ChatActions(self)
         self.attach, self.compare, self.models = Attachments(self), Comparison(self), ModelSwitch(self)
-        self.actions = ChatActions(self)
 
     # -- the conversation: a Session over the backend --------------------------------------
     def new_session(self, system: str | None, messages: list[dict[str, str]] | None = None) -> Session:
@@ -92,7 +88,10 @@ class ChatController:
         elif name in ("regen", "regenerate"):
             await self.rerun.regenerate()
         elif name == "edit":
-            await self.rerun.edit_command(arg)
+            if arg and not (arg.isascii() and arg.isdigit() and int(arg) >= 1):
+                await self.view.chat.add_notice(f"usage: /edit [N], N counting your messages from 1; got '{arg}'", "warning")
+            else:
+                await self.rerun.start_edit(int(arg) - 1 if arg else None)
         elif name == "attach":
             await self.attach.command(arg)
         elif name == "save":
@@ -120,15 +119,23 @@ class ChatController:
 
     async def stop(self) -> None:
         """Esc: stop the reply or the comparison; with nothing running, cancel an edit in progress."""
-        if self.rerun.editing is not None and not self.streaming() and self.compare.stop is None:
-            self.rerun.cancel_edit()
+        if (ed := self.rerun.editing) is not None and not self.streaming() and self.compare.stop is None:
+            self.rerun.end_edit()  # the box gets back what it held before the edit
+            self.view.prompt.set_text(ed.draft)
+            self.view.prompt.focus()
+            self.view.app.notify("edit cancelled")
             return
         if self.compare.stop is not None:
             self.compare.stop.set()
         await self.replies.stop()
 
     async def new_chat(self) -> None:
-        if await self.actions.new_chat():
+        if self.streaming():
+            self.view.app.notify("stop the reply first (Esc)", severity="warning")
+        else:
+            await self.actions.clear()
+            self.session, self.conversation_id = self.new_session(self.system), None
+            await self.view.chat.add_notice("new chat")
             self.rerun.end_edit()
         await self.rerun.refresh_hint()
 
@@ -190,7 +197,9 @@ class ChatController:
         if self.current is not None and self.current.status == "streaming":
             await self.stop()
         await settle(self.replies.worker, 15)
-        await self.compare.halt()
+        if self.compare.stop is not None:  # the comparison stops at its next token; the engine is back in its mode after
+            self.compare.stop.set()
+        await settle(self.compare.worker, 15)
         if self.recorder is not None:
             vocab = {i: s for i in sorted(self.replies.seen_ids) if (s := self.lookup_text(i)) is not None}
             if vocab:
@@ -203,7 +212,7 @@ class ChatController:
 
     async def warn(self, message: str) -> None:
         await self.view.chat.add_notice("warning: " + message, "warning")
-        self.view.notify(message, severity="warning", timeout=8)
+        self.view.app.notify(message, severity="warning", timeout=8)
 
     async def check_recorder(self) -> None:
         r = self.recorder

@@ -50,12 +50,12 @@ async def settle(worker: Any, timeout_s: float) -> bool:
     return worker is not None and worker.is_running
 
 
+@dataclass
 class ReplyEvent(Message, bubble=False):
     """An engine event of reply ``turn`` (-1: a warning from loading), posted by a worker thread."""
 
-    def __init__(self, turn: int, event: Event) -> None:
-        super().__init__()
-        self.turn, self.event = turn, event
+    turn: int
+    event: Event
 
 
 @dataclass
@@ -110,10 +110,10 @@ class Replies:
             if c.load_error:
                 await v.chat.add_notice(c.load_error, "warning")
             else:  # a toast: a line in the chat would outlast the load it is about
-                v.notify("the model is still loading; your prompt stays in the box", severity="warning")
+                v.app.notify("the model is still loading; your prompt stays in the box", severity="warning")
             return
         if c.streaming():
-            v.notify("a reply is still streaming — Esc stops it", severity="warning")
+            v.app.notify("a reply is still streaming — Esc stops it", severity="warning")
             return
         if c.switching is not None:
             await v.chat.add_notice(f"still switching to {c.switching}; your prompt stays in the box", "warning")

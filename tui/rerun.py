@@ -44,13 +44,12 @@ class Rerun:
         self.editing: Editing | None = None
 
     async def refresh_hint(self) -> None:
-        chat = self.view.chat
-        hints = list(chat.query(".hint"))  # the line an empty chat shows; it goes when the first message is sent
-        empty = not chat.query(UserMessage)
+        hints = list(self.view.chat.query(".hint"))  # the line an empty chat shows; it goes when the first message is sent
+        empty = not self.view.chat.query(UserMessage)
         if empty and not hints:
-            await chat.mount(Static(HINT, classes="hint", markup=False))
+            await self.view.chat.mount(Static(HINT, classes="hint", markup=False))
         elif not empty and hints:
-            await chat.remove_children(hints)
+            await self.view.chat.remove_children(hints)
 
     def edit_open(self, text: str) -> bool:
         """Whether ``text`` sent now re-runs the chat from the message being edited (a stale edit ends here)."""
@@ -59,8 +58,7 @@ class Rerun:
             return False
         if ed.session is not self.ctl.session or ed.index >= len(self.view.chat.query(UserMessage)):
             self.end_edit()  # the chat it belonged to is gone: a plain message
-            return False
-        return True
+        return self.editing is not None
 
     async def can_rerun(self) -> bool:
         """What :meth:`Replies.send` checks before it sends, checked before anything is cut."""
@@ -72,7 +70,7 @@ class Rerun:
             await chat.add_notice(c.load_error or "the model is still loading; try again when it is ready", "warning")
             return False
         if c.streaming():
-            self.view.notify("a reply is still streaming — Esc stops it", severity="warning")
+            self.view.app.notify("a reply is still streaming — Esc stops it", severity="warning")
             return False
         if c.switching is not None:
             await chat.add_notice(f"still switching to {c.switching}; try again after that", "warning")
@@ -117,20 +115,19 @@ class Rerun:
         for value in later_system:  # set after the reply regenerated: it applies from the message sent again
             c.session.set_system(value)
             branch.parent = c.history.add_message(c.conversation_id, "system", value, parent=branch.parent)
+        draft = v.prompt.text  # regenerate leaves what is being typed in the box
         if edited:
             self.end_edit()
             if index == 0:  # the first prompt names the chat
                 c.history.set_title(c.conversation_id, text)
             await v.chat.add_notice(f"re-running from your message {index + 1}, edited: the chat as it was "
                                     "stays as a branch (Shift+Tab to the message, ←/→ switch)")
-            await c.replies.send(text, branch)
         else:
-            draft = v.prompt.text  # regenerate leaves what is being typed in the box
             await v.chat.add_notice("regenerating the last reply with the current settings "
                                     "(the previous one stays as a branch: Shift+Tab to the reply, ←/→ switch)")
-            await c.replies.send(text, branch)
-            if draft.strip():
-                v.prompt.set_text(draft)
+        await c.replies.send(text, branch)
+        if not edited and draft.strip():
+            v.prompt.set_text(draft)
         await self.refresh_hint()
 
     def _parent_of(self, question: UserMessage) -> Any:
@@ -179,28 +176,9 @@ class Rerun:
         v.prompt.border_title = f"editing your message {index + 1} of {len(texts)} · Enter re-runs the chat from it · Esc cancels"
         v.prompt.focus()
 
-    async def edit_command(self, arg: str) -> None:
-        if arg and not (arg.isascii() and arg.isdigit() and int(arg) >= 1):
-            await self.view.chat.add_notice(f"usage: /edit [N], N counting your messages from 1; got '{arg}'", "warning")
-            return
-        await self.start_edit(int(arg) - 1 if arg else None)
-
     def end_edit(self) -> None:
         self.editing = None
         self.view.prompt.border_title = None
-
-    def cancel_edit(self) -> None:
-        """Esc with nothing streaming: the box gets back what it held before the edit."""
-        draft = self.editing.draft
-        self.end_edit()
-        self.view.prompt.set_text(draft)
-        self.view.prompt.focus()
-        self.view.notify("edit cancelled")
-
-    async def on_edit_requested(self, msg: UserMessage.EditRequested) -> None:
-        widgets = list(self.view.chat.query(UserMessage))
-        if msg.message in widgets:
-            await self.start_edit(widgets.index(msg.message))
 
 
 class Branches:
@@ -223,7 +201,7 @@ class Branches:
         c, v = self.ctl, self.view
         w: Any = msg.widget
         if c.streaming() or c.compare.stop is not None:
-            v.notify("a reply is still streaming — Esc stops it; then switch branches", severity="warning")
+            v.app.notify("a reply is still streaming — Esc stops it; then switch branches", severity="warning")
             return
         if c.rerun.editing is not None:
             await v.chat.add_notice("finish the edit first (Enter re-runs it, Esc cancels it)", "warning")
@@ -233,11 +211,11 @@ class Branches:
             return
         cid = c.conversation_id
         if cid is None or w.message_id is None or not w.branch:
-            v.notify("this message has no other branches (F5 or an edit makes one)")
+            v.app.notify("this message has no other branches (F5 or an edit makes one)")
             return
         to = c.history.switch(cid, w.message_id, msg.by)
         if to is None:
-            v.notify("no branch before this one" if msg.by < 0 else "no branch after this one")
+            v.app.notify("no branch before this one" if msg.by < 0 else "no branch after this one")
             return
         try:
             saved = c.history.messages(cid)

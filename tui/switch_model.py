@@ -79,9 +79,6 @@ class ModelSwitch:
         self.ctl, self.view = ctl, ctl.view
         self.names: list[str] | None = None  # what Tab completes /model NAME to
 
-    def current_target(self) -> str:
-        return str(self.view.app.values.get("target") or self.ctl.backend.info().get("target") or "?")
-
     async def command(self, arg: str) -> None:
         """``/model`` lists the local models; ``/model NAME`` asks, then switches the target."""
         chat = self.view.chat
@@ -144,15 +141,16 @@ class ModelSwitch:
 
     async def list_models(self) -> None:
         try:
+            target = str(self.view.app.values.get("target") or self.ctl.backend.info().get("target") or "?")
             found = await asyncio.to_thread(local_models)
-            mine = await asyncio.to_thread(in_use, found, self.current_target())
+            mine = await asyncio.to_thread(in_use, found, target)
         except Exception as e:  # noqa: BLE001
             await self.view.chat.add_notice(f"cannot list the local models: {readable(e)}", "error")
             return
         from ..engine.load.store import human
 
         self.names = completions(found)
-        lines = [f"in use: {self.current_target()}", "models on this machine (ssd-chat models list):"]
+        lines = [f"in use: {target}", "models on this machine (ssd-chat models list):"]
         for m in found:
             aliases = f" ({', '.join(m.aliases)})" if m.aliases else ""
             lines.append(f"  {m.name}{aliases} · {human(m.size)}" + ("  ← in use" if m is mine else ""))
@@ -169,15 +167,15 @@ class ModelSwitch:
             try:
                 self.names = completions(await asyncio.to_thread(local_models))
             except Exception as e:  # noqa: BLE001
-                v.notify(f"cannot list the local models: {readable(e)}", severity="error")
+                v.app.notify(f"cannot list the local models: {readable(e)}", severity="error")
                 return
         matches = [n for n in self.names if n.lower().startswith(prefix.lower())]
         if not matches:
-            v.notify(f"no local model starts with '{prefix}' (/model lists them)", severity="warning")
+            v.app.notify(f"no local model starts with '{prefix}' (/model lists them)", severity="warning")
             return
         if v.prompt.text != event.text:  # typed on meanwhile
             return
         common = os.path.commonprefix(matches)
         v.prompt.set_text("/model " + (common if len(common) >= len(prefix) else prefix))
         if len(matches) > 1:
-            v.notify("  ".join(matches), title="local models")
+            v.app.notify("  ".join(matches), title="local models")
