@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ssd_chat.engine.events import Done
-from ssd_chat.tui.figures import Baseline, baseline_from_reply, panel_values
+from ssd_chat.tui.widgets.figures import Baseline, baseline_from_reply, panel_values
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_tui import WORDS, FakeBackend, plain, ssd_events, wait_until  # noqa: E402

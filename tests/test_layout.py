@@ -184,3 +184,59 @@ def test_the_cycle_check_sees_an_import_inside_a_function(tmp_path):
     assert cycles({"app": pkg}, ("app",)) == [["app.bench", "app.cli"]]
     (pkg / "bench.py").write_text("from .options import Target\n")
     assert cycles({"app": pkg}, ("app",)) == []
+
+
+def project_bases(packages: dict[str, Path], pkg: str) -> dict[str, list[str]]:
+    """Class (module.Class) -> its bases that are classes of the project, for every class in ``pkg``'s files: a
+    base is the project's when its name is defined as a class in one of the installed packages."""
+    defined = {n.name for f in checked_files(packages, tuple(packages)) for n in ast.walk(ast.parse(f.read_text(encoding="utf-8")))
+               if isinstance(n, ast.ClassDef)}
+    out = {}
+    for f in checked_files(packages, tuple(p for p in packages if p == pkg or p.startswith(pkg + "."))):
+        for n in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(n, ast.ClassDef):
+                names = [ast.unparse(b).rpartition(".")[2] for b in n.bases]
+                out[f"{module_name(f, packages)}.{n.name}"] = [b for b in names if b in defined and b != "object"]
+    return out
+
+
+def folder_cycles(packages: dict[str, Path], folders: tuple[str, ...]) -> list[str]:
+    """The ``folders`` that reach themselves through imports, each module counting as the innermost folder that holds it."""
+    def folder(mod: str) -> str | None:
+        return max((p for p in folders if mod == p or mod.startswith(p + ".")), key=len, default=None)
+
+    graph: dict[str, set[str]] = {p: set() for p in folders}
+    for f in checked_files(packages, folders):
+        src = folder(module_name(f, packages))
+        graph[src] |= {d for m in imports_of(f, packages) if (d := folder(m)) not in (None, src)}
+
+    def reached(a: str) -> set[str]:
+        seen, todo = set(), [a]
+        while todo:
+            todo += [d for d in graph[todo.pop()] if d not in seen and not seen.add(d)]
+        return seen
+
+    return sorted(a for a in folders if a in reached(a))
+
+
+def test_the_chat_view_is_composed_and_its_widgets_import_nothing_above_them():
+    """No mixins in tui/: a class has at most one base of the project's (its behaviour is in objects it calls,
+    in an order written in one place, not in a base-class list), and tui/widgets does not import tui/."""
+    mixed = {c: b for c, b in project_bases(PACKAGES, "ssd_chat.tui").items() if len(b) > 1}
+    assert mixed == {}
+    assert folder_cycles(PACKAGES, ("ssd_chat.tui", "ssd_chat.tui.widgets")) == []
+
+
+def test_the_composition_checks_see_a_mixin_and_a_folder_cycle(tmp_path):
+    app, widgets = tmp_path / "app", tmp_path / "app" / "widgets"
+    widgets.mkdir(parents=True)
+    for d in (app, widgets):
+        (d / "__init__.py").write_text("")
+    (app / "parts.py").write_text("class Replies:\n    pass\n\nclass Rerun:\n    pass\n")
+    (app / "view.py").write_text("from .parts import Replies, Rerun\nfrom .widgets.log import Log\n\nclass View(Rerun, Replies, object):\n    pass\n")
+    (widgets / "log.py").write_text("class Log:\n    def draw(self):\n        from ..parts import Replies\n")
+    packages = {"app": app, "app.widgets": widgets}
+    assert {c: b for c, b in project_bases(packages, "app").items() if b} == {"app.view.View": ["Rerun", "Replies"]}
+    assert folder_cycles(packages, ("app", "app.widgets")) == ["app", "app.widgets"]
+    (widgets / "log.py").write_text("class Log:\n    pass\n")
+    assert folder_cycles(packages, ("app", "app.widgets")) == []

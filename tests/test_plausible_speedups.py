@@ -12,7 +12,7 @@ import pytest
 from ssd_chat.chat import compare as cmp
 from ssd_chat.engine.events import Done, Round, Stats, Token
 from ssd_chat.engine.metrics import Metrics, over_ar_bound, ssd_over_sd_bound
-from ssd_chat.tui.figures import Baseline, baseline_from_reply, baselines_from_bench, panel_values, speedup_vs
+from ssd_chat.tui.widgets.figures import Baseline, baseline_from_reply, baselines_from_bench, panel_values, speedup_vs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,7 +15,7 @@ from ssd_chat.engine.metrics import Metrics
 from ssd_chat.history.store import History
 from ssd_chat.tui.app import ChatApp
 from ssd_chat.chat.backend import Backend
-from ssd_chat.tui.figures import Baseline, panel_values, speedup_vs
+from ssd_chat.tui.widgets.figures import Baseline, panel_values, speedup_vs
 from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
 from ssd_chat.tui.widgets.settings_dialog import SettingsDialog
 
@@ -150,7 +150,7 @@ class TestSend:
         async with app.run_test(size=(140, 45)) as pilot:
             await wait_until(pilot, lambda: app.chat_view.ready)
             await app.chat_view.submit("q")
-            app.chat_view._frames.pause()
+            app.chat_view.controller.replies.frames.pause()
             t = app.chat_view.current
             gate = asyncio.Event()
             write = t.widget.append
@@ -161,11 +161,11 @@ class TestSend:
 
             t.widget.append = slow_append
             t.pending = [Token(1, "Hi", "draft", 0.01)]
-            frame = asyncio.create_task(app.chat_view._flush_pending())
+            frame = asyncio.create_task(app.chat_view.controller.replies.flush_pending())
             await asyncio.sleep(0.05)  # the frame now waits inside append
             t.widget.append = write
             t.pending.append(Done("eos", "Hi!", (1, 2), Metrics("ssd").stats(0.03)))
-            final = asyncio.create_task(app.chat_view._flush_pending())
+            final = asyncio.create_task(app.chat_view.controller.replies.flush_pending())
             await asyncio.sleep(0.05)
             gate.set()
             await asyncio.wait_for(asyncio.gather(frame, final), 10)
@@ -418,7 +418,7 @@ class TestPanel:
             await wait_until(pilot, lambda: backend.blocked.is_set())
             # the panel is drawn at most every PANEL_S while streaming: held, it catches up with every applied event
             await wait_until(pilot, lambda: app.chat_view.panel.live and app.chat_view.panel.stats is not None and app.chat_view.panel.stats.rounds > 0
-                             and not app.chat_view.current.pending and not app.chat_view.inbox)
+                             and not app.chat_view.current.pending and not app.chat_view.controller.replies.inbox)
             await wait_until(pilot, lambda: app.chat_view.panel.stats == app.chat_view.current.metrics.stats(app.chat_view.current.last_t_s))
             await pilot.press("escape")
 
@@ -430,16 +430,16 @@ class TestPanel:
 
         cpu = [0.0]
         monkeypatch.setattr(replies_module.time, "process_time", lambda: cpu[0])
-        apply = replies_module.ReplyActions._apply_pending
+        apply = replies_module.Replies.apply_pending
         frames: list[float] = []
 
         async def costly(self):
-            if self.current is not None and self.current.pending:
+            if self.ctl.current is not None and self.ctl.current.pending:
                 frames.append(time.monotonic())
                 cpu[0] += 0.010 if costs[0] else 0.0
             await apply(self)
 
-        monkeypatch.setattr(replies_module.ReplyActions, "_apply_pending", costly)
+        monkeypatch.setattr(replies_module.Replies, "apply_pending", costly)
         words = [f" w{i}" for i in range(300)]
         for cost in (True, False):
             costs, frames[:] = [cost], []
@@ -580,7 +580,7 @@ class TestSettings:
             await app.chat_view.submit("a")
             await wait_until(pilot, lambda: app.chat_view.current.finished)
             await pilot.press("ctrl+y")
-            assert app.chat_view.clipboard_text == "copy me"
+            assert app.chat_view.controller.actions.clipboard_text == "copy me"
             await pilot.press("ctrl+s")
             await pilot.pause()
             app.screen.query_one("#system-text").text = "You are terse."
@@ -664,7 +664,7 @@ def bench_report(tmp_path, ar: float, sd: float) -> Path:
 
 
 def test_baselines_from_a_bench_report(tmp_path):
-    from ssd_chat.tui.figures import baselines_from_bench
+    from ssd_chat.tui.widgets.figures import baselines_from_bench
 
     bs = {b.mode: b for b in baselines_from_bench(bench_report(tmp_path, 20.0, 40.0))}
     assert bs["ar"].tok_per_s == 20.0 and bs["sd"].tok_per_s == 40.0 and "equal" in bs["ar"].source
@@ -678,7 +678,7 @@ def test_baselines_from_a_bench_report(tmp_path):
 
 @pytest.mark.asyncio
 async def test_measured_baselines_make_the_speedups_measured(tmp_path):
-    from ssd_chat.tui.figures import baselines_from_bench
+    from ssd_chat.tui.widgets.figures import baselines_from_bench
 
     events = ssd_events(WORDS)
     tps = events[-1].stats.tok_per_s
@@ -761,12 +761,12 @@ async def test_export_from_the_app_writes_the_chat_with_metrics(tmp_path, monkey
     app = ChatApp(FakeBackend([ssd_events(["An", " answer"])]), history=History(tmp_path / "h.db"))
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_until(pilot, lambda: app.chat_view.ready)
-        assert app.chat_view.export_chat("md") is None  # nothing yet
+        assert app.chat_view.controller.actions.export_chat("md") is None  # nothing yet
         await app.chat_view.submit("a question")
         await wait_until(pilot, lambda: app.chat_view.current.finished)
-        md = app.chat_view.export_chat("md").read_text()
+        md = app.chat_view.controller.actions.export_chat("md").read_text()
         assert "a question" in md and "An answer" in md and "τ" in md
-        rows = [__import__("json").loads(x) for x in app.chat_view.export_chat("jsonl").read_text().splitlines()]
+        rows = [__import__("json").loads(x) for x in app.chat_view.controller.actions.export_chat("jsonl").read_text().splitlines()]
         assert rows[-1]["content"] == "An answer" and rows[-1]["metrics"]["mode"] == "ssd"
 
 

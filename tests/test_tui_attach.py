@@ -44,12 +44,12 @@ async def test_attach_stages_a_file_for_the_next_message_and_the_saved_chat_keep
         sent = f"File: {src}\n```python\n{CODE}```\n\nWhat does it do?"
         assert backend.calls[0] == [{"role": "user", "content": sent}]
         assert [w.text for w in app.query(UserMessage)] == [sent]
-        assert not view.prompt.border_subtitle and view.attachments == []
+        assert not view.prompt.border_subtitle and view.controller.attach.staged == []
         await chat(app, pilot, "And now?")  # sent once: the next message goes alone
         assert backend.calls[1][-1] == {"role": "user", "content": "And now?"}
         await view.submit("/attach " + str(src))
         await view.submit("/attach clear")
-        assert notices(app)[-1] == "dropped 1 attached file" and view.attachments == [] and not view.prompt.border_subtitle
+        assert notices(app)[-1] == "dropped 1 attached file" and view.controller.attach.staged == [] and not view.prompt.border_subtitle
         await pilot.press("ctrl+c")
     ((title, messages),) = saved(tmp_path / "h.db")
     assert title.startswith("What does it do?")  # named by what the user wrote, not by the file
@@ -72,7 +72,7 @@ async def test_attach_refuses_binary_missing_and_folders_in_one_line_and_shows_h
             await view.submit(f"/attach {tmp_path / name}")
             (last,) = [n for n in app.query("Notice")][-1:]
             assert why in last.text and "\n" not in last.text and last.has_class("-error"), last.text
-        assert view.attachments == []
+        assert view.controller.attach.staged == []
         await view.submit(f"/attach {tmp_path / 'hostile.txt'}")
         await chat(app, pilot, "hi")
         assert hostile.rstrip("\n") in backend.calls[0][-1]["content"]  # sent as it is
@@ -105,7 +105,7 @@ async def test_attach_counts_with_the_real_tokenizer_and_refuses_a_file_larger_t
         await view.submit(f"/attach {big}")
         n_big = attach.count(small_context.tokenizer, attach.read(str(big)).block())
         assert notices(app)[-1] == f"cannot attach {big}: it is {n_big:,} tokens, more than tiny-192's context of {WINDOW} tokens"
-        assert view.attachments == []
+        assert view.controller.attach.staged == []
         await view.submit(f"/attach {small}")
         n_small = attach.count(small_context.tokenizer, attach.read(str(small)).block())
         assert notices(app)[-1].startswith(f"attached {small} ({n_small} tokens)")
@@ -126,10 +126,10 @@ async def test_c_on_a_focused_reply_copies_one_code_block_at_a_time():
         await wait_until(pilot, lambda: isinstance(app.focused, AssistantMessage))
         await pilot.press("c")
         await wait_until(pilot, lambda: out)
-        assert view.clipboard_text == "x = 1\ny = 2\n" and out[-1] == "copied block 1/2 (python, 2 lines)"
+        assert view.controller.actions.clipboard_text == "x = 1\ny = 2\n" and out[-1] == "copied block 1/2 (python, 2 lines)"
         await pilot.press("c")
         await wait_until(pilot, lambda: len(out) == 2)
-        assert view.clipboard_text == "python x.py\n" and out[-1] == "copied block 2/2 (bash, 1 line)"
+        assert view.controller.actions.clipboard_text == "python x.py\n" and out[-1] == "copied block 2/2 (bash, 1 line)"
         await pilot.press("c")  # round again
         await wait_until(pilot, lambda: len(out) == 3)
         assert out[-1] == "copied block 1/2 (python, 2 lines)"
@@ -137,7 +137,7 @@ async def test_c_on_a_focused_reply_copies_one_code_block_at_a_time():
         await wait_until(pilot, lambda: isinstance(app.focused, UserMessage))
         await pilot.press("c")
         await wait_until(pilot, lambda: len(out) == 4)
-        assert out[-1] == "no code block in this message" and view.clipboard_text == "x = 1\ny = 2\n"
+        assert out[-1] == "no code block in this message" and view.controller.actions.clipboard_text == "x = 1\ny = 2\n"
         await pilot.press("ctrl+c")
 
 

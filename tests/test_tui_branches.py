@@ -136,18 +136,18 @@ async def test_one_focused_reply_takes_left_right_and_c_and_f5_leaves_staged_fil
         await pilot.press("f5")
         await wait_until(pilot, lambda: len(backend.calls) == 2 and view.current.finished)
         assert backend.calls[1] == [{"role": "user", "content": "a"}]  # the saved question, as it was
-        assert [a.shown for a, _ in view.attachments] == [str(src)]  # still staged
+        assert [a.shown for a, _ in view.controller.attach.staged] == [str(src)]  # still staged
         await focus_back_to(app, pilot, AssistantMessage, "```bash\nnew\n```\n")
         await pilot.press("c")
         await wait_until(pilot, lambda: out)
-        assert view.clipboard_text == "new\n"
+        assert view.controller.actions.clipboard_text == "new\n"
         await pilot.press("left")
         await wait_until(pilot, lambda: labels(app) == [("a", ""), (blocky[0], "‹ 1/2 ›")])
         assert isinstance(app.focused, AssistantMessage) and app.focused.text == blocky[0]
         await pilot.press("c")  # the switched-to reply's own block
-        await wait_until(pilot, lambda: view.clipboard_text == "old = 1\n")
+        await wait_until(pilot, lambda: view.controller.actions.clipboard_text == "old = 1\n")
         await chat(app, pilot, "b")
-        assert backend.calls[2][-1]["content"].startswith(f"File: {src}\n") and view.attachments == []
+        assert backend.calls[2][-1]["content"].startswith(f"File: {src}\n") and view.controller.attach.staged == []
         await pilot.press("ctrl+c")
 
 
@@ -165,7 +165,7 @@ async def test_the_palette_and_help_list_the_keys_of_a_focused_message(tmp_path)
         commands = {c.title: c for c in app.get_system_commands(app.screen)}
         await chat(app, pilot, "a")
         commands["Copy a code block"].callback()
-        await wait_until(pilot, lambda: view.clipboard_text == "y = 2\n")
+        await wait_until(pilot, lambda: view.controller.actions.clipboard_text == "y = 2\n")
         await pilot.press("f5")
         await wait_until(pilot, lambda: len(backend.calls) == 2 and view.current.finished)
         commands["Previous branch"].callback()

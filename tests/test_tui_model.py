@@ -142,7 +142,7 @@ async def test_switch_after_confirming_closes_the_old_backend_starts_a_new_chat_
     app, built = make(tmp_path)
     async with app.run_test(size=(140, 45)) as pilot:
         await wait_until(pilot, lambda: app.chat_view.ready)
-        await app.chat_view.apply_settings({"mode": "sd"})  # changed since the load: the switch keeps it
+        await app.chat_view.controller.actions.apply_settings({"mode": "sd"})  # changed since the load: the switch keeps it
         await app.chat_view.submit("hello")
         await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
         old_conv = app.chat_view.conversation_id
@@ -158,7 +158,7 @@ async def test_switch_after_confirming_closes_the_old_backend_starts_a_new_chat_
         assert built[0].close_calls == 1
         assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
         new = built[1]
-        assert app.backend is new and app.chat_view.backend is new
+        assert app.backend is new and app.chat_view.controller.backend is new
         assert new.values["target"] == "smollm2-360m" and new.values["mode"] == "sd"
         assert new.values["draft"] is None  # another model as draft: the new target's default
         assert new.child is not None and new.child.poll() is None  # loaded by the app's load path

@@ -9,7 +9,7 @@ from textual.widgets import Input
 
 from ssd_chat.history.store import History
 from ssd_chat.tui.app import ChatApp
-from ssd_chat.tui.changes import FIELDS, parse_settings
+from ssd_chat.tui.widgets.changes import FIELDS, parse_settings
 from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
 from ssd_chat.tui.widgets.confirm_dialog import ConfirmDialog
 from ssd_chat.tui.widgets.settings_dialog import SettingsDialog
@@ -127,7 +127,7 @@ class TestEdit:
             after = [("user", "first"), ("assistant", "one"), ("user", "second, edited"), ("assistant", "new")]
             assert on_screen(app) == after
             assert app.chat_view.messages == [{"role": r, "content": c} for r, c in after]
-            assert app.chat_view.editing is None and not app.chat_view.prompt.border_title
+            assert app.chat_view.controller.rerun.editing is None and not app.chat_view.prompt.border_title
             said = [n for n in notices(app) if "stays as a branch" in n]
             assert said and "re-running from your message 2" in said[0]
             assert [w.branch for w in app.chat_view.chat.query(UserMessage)] == ["", "‹ 2/2 ›"]
@@ -181,14 +181,14 @@ class TestEdit:
             assert any("usage: /edit [N]" in n for n in notices(app))
             assert any("no message 3: this chat has 2 of yours" in n for n in notices(app))
             await app.chat_view.submit("/edit")  # the last message
-            assert app.chat_view.prompt.text == "second" and app.chat_view.editing.index == 1
+            assert app.chat_view.prompt.text == "second" and app.chat_view.controller.rerun.editing.index == 1
             await pilot.press("escape")
-            assert app.chat_view.editing is None and app.chat_view.prompt.text == "" and len(backend.calls) == 2
+            assert app.chat_view.controller.rerun.editing is None and app.chat_view.prompt.text == "" and len(backend.calls) == 2
             app.chat_view.prompt.set_text("my draft")
             await next(c for c in app.get_system_commands(app.screen) if c.title == "Edit your last message").callback()
             assert app.chat_view.prompt.text == "second"
             await pilot.press("escape")  # the box gets back what was being typed
-            assert app.chat_view.editing is None and app.chat_view.prompt.text == "my draft" and len(backend.calls) == 2
+            assert app.chat_view.controller.rerun.editing is None and app.chat_view.prompt.text == "my draft" and len(backend.calls) == 2
             await app.chat_view.submit("/edit 1")
             app.chat_view.prompt.set_text("a new first")
             await pilot.press("enter")
@@ -209,9 +209,9 @@ class TestEdit:
             await chat(app, pilot, "first")
             cmd = next(c for c in app.get_system_commands(app.screen) if c.title == "Edit your last message")
             await cmd.callback()
-            assert app.chat_view.editing is not None and app.chat_view.prompt.text == "first"
+            assert app.chat_view.controller.rerun.editing is not None and app.chat_view.prompt.text == "first"
             await pilot.press("ctrl+n")
-            await wait_until(pilot, lambda: app.chat_view.editing is None and not app.query(UserMessage))
+            await wait_until(pilot, lambda: app.chat_view.controller.rerun.editing is None and not app.query(UserMessage))
             await chat(app, pilot, "elsewhere")
             assert backend.calls[1] == [{"role": "user", "content": "elsewhere"}]
         assert [t for t, _ in saved(tmp_path / "h.db")] == ["elsewhere", "first"]

@@ -1,19 +1,31 @@
-"""Between-reply actions of the chat: new chat, copy, system prompt, settings (mode / k / fan-out /
-temperature without reloading models), resuming and exporting saved chats, token colours and slash
-commands.  Part of :class:`~ssd_chat.tui.chat_view.ChatView`, whose state they use; the app opens the
-dialogs that lead here.
+"""Between-reply actions of the chat, called by its controller (which dispatches the slash commands); the app
+opens the dialogs that lead here.
+
+:class:`ChatActions`: new chat, copy, system prompt, settings (mode / k / fan-out / temperature without
+reloading models), resuming and exporting saved chats, token colours.
+
+:class:`Attachments`: ``/attach FILE`` stages a text file (read and counted now, with the target's tokenizer
+once it has loaded); the next message sent carries it, as ``ask -a`` does (:mod:`ssd_chat.chat.attach`), and the
+saved chat keeps that full turn.  ``/attach`` lists what is staged and ``/attach clear`` drops it.  ``c`` on a
+focused message copies its next fenced block; ``/save N FILE`` writes block N of the last reply to a file,
+refusing to overwrite one unless ``--force`` is given.
 """
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
+from ..chat import attach
 from ..chat.backend import readable
+from ..chat.code_blocks import blocks
 from ..chat.settings import SAMPLING_KEYS
 from ..engine import threads
 from ..history.store import HistoryError, data_dir, metrics_line
-from .changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
+from ..chat.terminal import printable
+from .widgets.changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
+from .widgets.chat_log import CopyBlock
 
 
 HELP = """Keys: Enter send · Shift+Enter / Ctrl+J new line · ↑/↓ prompt history · Esc stop the reply ·
@@ -34,189 +46,281 @@ def system_notice(value: str | None) -> str:
 
 
 class ChatActions:
-    """Actions and commands; ``self`` is the ChatView."""
+    """Actions between replies; ``ctl`` is the chat's controller."""
 
-    async def action_new_chat(self) -> None:
-        if self.current is not None and not self.current.finished:
-            self.notify("stop the reply first (Esc)", severity="warning")
-            return
-        await self.chat.clear()
-        self.session = self.new_session(self.system)
-        self.conversation_id = None
-        self.current = None
-        self.panel.reset()
-        self.panel.forget_replies()
-        self.cache.clear()
-        await self.chat.add_notice("new chat")
+    def __init__(self, ctl: Any) -> None:
+        self.ctl, self.view = ctl, ctl.view
+        self.clipboard_text: str | None = None
 
-    def last_reply(self) -> str | None:
-        return self.session.last("assistant")
+    async def clear(self) -> None:
+        """An empty transcript, panel and cache view, and no reply in progress (a new or a resumed chat)."""
+        await self.view.chat.clear()
+        self.ctl.current = None
+        self.view.panel.reset()
+        self.view.panel.forget_replies()
+        self.view.cache.clear()
 
-    def action_copy_reply(self) -> None:
-        text = self.last_reply()
+    def copy_reply(self) -> None:
+        text = self.ctl.session.last("assistant")
         if text is None:
-            self.notify("no reply to copy yet")
+            self.view.app.notify("no reply to copy yet")
             return
+        self.copy(text, f"the last reply ({len(text)} characters)")
+
+    def copy(self, text: str, what: str) -> None:
         self.clipboard_text = text
-        self.app.copy_to_clipboard(text)
-        self.notify(f"copied the last reply ({len(text)} characters)")
+        self.view.app.copy_to_clipboard(text)
+        self.view.app.notify(f"copied {what}")
 
     async def set_system(self, value: str) -> None:
         """A system prompt for the replies from here on: a message at this point of the chat, saved as one
         (the replies before it did not see it, and a resumed chat or an export shows it here)."""
-        if (value or None) == self.system:
-            self.notify("the system prompt is unchanged")
+        c = self.ctl
+        if (value or None) == c.system:
+            self.view.app.notify("the system prompt is unchanged")
             return
-        if self.conversation_id is None and all(m["role"] == "system" for m in self.messages):
-            self.messages = [{"role": "system", "content": value}] if value else []  # nothing said yet: the start's
+        if c.conversation_id is None and all(m["role"] == "system" for m in c.session.messages):
+            c.session.messages = [{"role": "system", "content": value}] if value else []  # nothing said yet: the start's
         else:
-            self.session.set_system(value)
-            self.history.set_system(self.conversation_id, value)
-        await self.chat.add_notice(system_notice(value))
+            c.session.set_system(value)
+            c.history.set_system(c.conversation_id, value)
+        await self.view.chat.add_notice(system_notice(value))
 
     async def apply_settings(self, changes: dict[str, Any]) -> bool:
         """Apply mode / k / fan-out (engine, no reload) and sampling settings from the next reply on.
         While the model loads they are remembered and applied once it is ready (:meth:`apply_pending`)."""
-        if not self.ready:
-            if self.load_error:
-                await self.chat.add_notice("settings cannot change: the model did not load (Ctrl+C quits)", "warning")
+        c, chat = self.ctl, self.view.chat
+        desc = ", ".join(f"{k.replace('_', '-')} {v if v is not None else 'default'}" for k, v in changes.items())
+        if not c.ready:
+            if c.load_error:
+                await chat.add_notice("settings cannot change: the model did not load (Ctrl+C quits)", "warning")
                 return False
-            self.pending_settings.update(changes)
-            desc = ", ".join(f"{k.replace('_', '-')} {v if v is not None else 'default'}" for k, v in changes.items())
+            c.pending_settings.update(changes)
             # a toast: the chat gets the lasting notice when the setting applies (apply_pending)
-            self.notify(f"the model is still loading; {desc} will apply once it is ready")
+            self.view.app.notify(f"the model is still loading; {desc} will apply once it is ready")
             return True
-        if self.current is not None and not self.current.finished:
-            await self.chat.add_notice("settings change between replies: stop this one first (Esc)", "warning")
+        if c.streaming():
+            await chat.add_notice("settings change between replies: stop this one first (Esc)", "warning")
             return False
         engine_changes = {k: v for k, v in changes.items() if k in ENGINE_CHANGES}
         sampling = {k: v for k, v in changes.items() if k in SAMPLING_KEYS}
         if engine_changes:
-            if self.switching is not None:
-                await self.chat.add_notice(f"still switching to {self.switching}; change settings after that", "warning")
+            if c.switching is not None:
+                await chat.add_notice(f"still switching to {c.switching}; change settings after that", "warning")
                 return False
-            self.switching = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in engine_changes.items())
+            c.switching = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in engine_changes.items())
             try:
-                await threads.in_thread(threads.count(), self.backend.reconfigure, **engine_changes)  # may derive a draft (seconds)
+                await threads.in_thread(threads.count(), c.backend.reconfigure, **engine_changes)  # may derive a draft (seconds)
             except Exception as e:  # noqa: BLE001 - shown, the old settings stay
-                await self.chat.add_notice(f"cannot change {', '.join(engine_changes)}: {readable(e)}", "error")
+                await chat.add_notice(f"cannot change {', '.join(engine_changes)}: {readable(e)}", "error")
                 return False
             finally:
-                self.switching = None
-            self.engine_changes.update(engine_changes)
-        self.params.update(sampling)
-        self._update_info()
-        desc = ", ".join(f"{k.replace('_', '-')} {v if v is not None else 'default'}" for k, v in changes.items())
+                c.switching = None
+            c.engine_changes.update(engine_changes)
+        c.params.update(sampling)
+        c.update_info()
         if changes.get("mode") == "auto":  # what auto chose here, and why (the panel's why line)
-            info = self.backend.info()
+            info = c.backend.info()
             desc = desc.replace("mode auto", f"mode auto ({(info.get('mode') or '?').upper()} on this machine)", 1)
             if info.get("mode_reason"):
                 desc += f" — {info['mode_reason']}"
-        await self.chat.add_notice(f"from the next reply: {desc}")
+        await chat.add_notice(f"from the next reply: {desc}")
         return True
 
     async def apply_pending(self) -> None:
         """The settings changed while the model loaded, now that it is ready."""
-        changes, self.pending_settings = self.pending_settings, {}
-        self.switching = None  # apply_settings takes it over before its first await
+        changes, self.ctl.pending_settings = self.ctl.pending_settings, {}
+        self.ctl.switching = None  # apply_settings takes it over before its first await
+        await self.apply_settings(changes)
+
+    async def settings_command(self, name: str, arg: str) -> None:
+        if not arg and SLASH_KEYS[name] != "fan_out":
+            await self.view.chat.add_notice(f"usage: /{name} VALUE", "warning")
+            return
+        try:
+            changes = parse_settings({SLASH_KEYS[name]: arg})
+        except ValueError as e:
+            await self.view.chat.add_notice(str(e), "error")
+            return
         await self.apply_settings(changes)
 
     async def resume(self, conversation_id: int) -> bool:
         """Show a saved chat and continue it."""
-        if self.current is not None and not self.current.finished:
-            await self.chat.add_notice("stop the reply first (Esc)", "warning")
+        c, v = self.ctl, self.view
+        if c.streaming():
+            await v.chat.add_notice("stop the reply first (Esc)", "warning")
             return False
         try:  # read it all before changing anything: a damaged chat leaves the current one as it was
-            conv = self.history.get_conversation(conversation_id)
-            saved = self.history.messages(conversation_id) if conv is not None else []
+            conv = c.history.get_conversation(conversation_id)
+            saved = c.history.messages(conversation_id) if conv is not None else []
         except HistoryError as e:
-            await self.chat.add_notice(f"cannot resume: {e}", "error")
+            await v.chat.add_notice(f"cannot resume: {e}", "error")
             return False
         if conv is None:
-            await self.chat.add_notice(f"no saved chat with id {conversation_id} (see `ssd-chat chats list`)", "error")
+            await v.chat.add_notice(f"no saved chat with id {conversation_id} (see `ssd-chat chats list`)", "error")
             return False
-        await self.chat.clear()
-        self.current = None
-        self.panel.reset()
-        self.panel.forget_replies()
-        self.cache.clear()
-        self.conversation_id, self.session = conv.id, self.new_session(None, [])
-        await self.chat.add_notice(f"resumed chat {conv.id}: {conv.title}")
+        await self.clear()
+        c.conversation_id, c.session = conv.id, c.new_session(None, [])
+        await v.chat.add_notice(f"resumed chat {conv.id}: {conv.title}")
         await self.render_saved(saved)
         return True
 
     async def render_saved(self, saved: list[Any], anchor: bool = True) -> None:
         """Show saved messages (a chat's current branch) and continue the session from them."""
+        c, chat = self.ctl, self.view.chat
         for m in saved:
             if m.role == "system":  # where it was set: the replies above it did not see it
-                await self.chat.add_notice(system_notice(m.content))
+                await chat.add_notice(system_notice(m.content))
             elif m.role == "user":
-                w = await self.chat.add_user(m.content)
+                w = await chat.add_user(m.content)
             elif m.role == "assistant":
                 status = "stopped" if m.status == "streaming" else m.status  # "streaming": the app died mid-reply
                 meta = (metrics_line(m.metrics) if m.metrics else "") + ("" if status == "done" else f" · {status}")
-                w = await self.chat.add_assistant(m.content, status, meta, self.colour)
+                w = await chat.add_assistant(m.content, status, meta, c.colour)
                 w.remove_class("-streaming")
             else:
                 continue
             if m.role != "system":
                 w.message_id = m.id
-            self.messages.append({"role": m.role, "content": m.content})
+            c.session.messages.append({"role": m.role, "content": m.content})
         if anchor:
-            self.chat.anchor()
-        await self.show_branches()
+            chat.anchor()
+        await c.branches.show()
 
     def export_chat(self, fmt: str = "md") -> Path | None:
         """Write this chat with its metrics to ``<data dir>/exports/chat-<id>.<md|jsonl>``; returns the path."""
-        if self.conversation_id is None:
-            self.notify("nothing to export yet", severity="warning")
+        cid, v = self.ctl.conversation_id, self.view
+        if cid is None:
+            v.app.notify("nothing to export yet", severity="warning")
             return None
         try:
-            text = self.history.export(self.conversation_id, "jsonl" if fmt == "jsonl" else "md")
-            out = data_dir() / "exports" / f"chat-{self.conversation_id}.{fmt}"
+            text = self.ctl.history.export(cid, "jsonl" if fmt == "jsonl" else "md")
+            out = data_dir() / "exports" / f"chat-{cid}.{fmt}"
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(text, encoding="utf-8")
         except (KeyError, OSError, HistoryError) as e:
-            self.notify(f"could not export: {e}", severity="error")
+            v.app.notify(f"could not export: {e}", severity="error")
             return None
-        self.notify(f"exported to {out}")
+        v.app.notify(f"exported to {out}")
         return out
 
-    def action_toggle_colour(self) -> None:
-        self.colour = not self.colour
-        self.chat.set_colour(self.colour)
-        self.notify("token colours " + ("on: green = accepted draft tokens, orange = target (bonus) tokens" if self.colour else "off"))
+    def toggle_colour(self) -> None:
+        c = self.ctl
+        c.colour = not c.colour
+        self.view.chat.set_colour(c.colour)
+        self.view.app.notify("token colours " + ("on: green = accepted draft tokens, orange = target (bonus) tokens" if c.colour else "off"))
 
-    # -- slash commands ------------------------------------------------------------------
-    async def command(self, line: str) -> None:
-        name, _, arg = line[1:].partition(" ")
-        name, arg = name.lower(), arg.strip()
-        keys = SLASH_KEYS
-        if name in keys:
-            if not arg and keys[name] != "fan_out":
-                await self.chat.add_notice(f"usage: /{name} VALUE", "warning")
-                return
+
+ATTACH_HELP = "/attach lists them, /attach clear drops them"
+SAVE_USAGE = "usage: /save N FILE [--force] (block N of the last reply; /save alone lists its blocks)"
+
+
+class Attachments:
+    """``staged`` holds the files /attach staged for the next message, with their token counts; ``ctl`` is the chat's controller."""
+
+    def __init__(self, ctl: Any) -> None:
+        self.ctl, self.view = ctl, ctl.view
+        self.staged: list[tuple[Any, int | None]] = []
+
+    # -- /attach -------------------------------------------------------------------------
+    async def command(self, arg: str) -> None:
+        chat = self.view.chat
+        if not arg:
+            if not self.staged:
+                await chat.add_notice("nothing attached · /attach FILE puts a text file in your next message")
+            else:
+                await chat.add_notice(f"attached to your next message: {self._listed()} · /attach clear drops them")
+            return
+        if arg == "clear":
+            n, self.staged = len(self.staged), []
+            self._show_staged()
+            await chat.add_notice(f"dropped {n} attached file{'' if n == 1 else 's'}" if n else "nothing was attached")
+            return
+        if len(arg) > 1 and arg[0] == arg[-1] and arg[0] in "'\"":
+            arg = arg[1:-1]  # a quoted path
+        try:
+            a = attach.read(arg)
+        except attach.AttachError as e:
+            await chat.add_notice(str(e), "error")
+            return
+        try:
+            counted = await threads.in_thread(threads.count(), self.ctl.backend.count_tokens, a.block()) if self.ctl.ready else None
+        except Exception:  # noqa: BLE001 - not counted: the reply's own context check still applies
+            counted = None
+        n, context = counted if counted is not None else (None, None)
+        if n is not None:
+            known = [(b, m) for b, m in self.staged if m is not None]
             try:
-                changes = parse_settings({keys[name]: arg})
-            except ValueError as e:
-                await self.chat.add_notice(str(e), "error")
+                attach.check_fits([*known, (a, n)], context, self.ctl.backend.info().get("target") or "the model")
+            except attach.AttachError as e:
+                await chat.add_notice(str(e), "error")
                 return
-            await self.apply_settings(changes)
-        elif name == "system":
-            await self.set_system(arg)
-        elif name == "new":
-            await self.action_new_chat()
-        elif name == "copy":
-            self.action_copy_reply()
-        elif name == "chats":
-            self.app.action_chats()
-        elif name in ("colour", "color"):
-            self.action_toggle_colour()
-        elif name == "compare":
-            if arg:
-                self.prompt.set_text(arg)
-            await self.action_compare()
-        elif name == "help":
-            await self.chat.add_notice(HELP)
-        else:
-            await self.chat.add_notice(f"unknown command '/{name}' — /help lists them", "warning")
+        self.staged.append((a, n))
+        self._show_staged()
+        size = f"{n:,} tokens" if n is not None else f"{len(a.text):,} characters"
+        await chat.add_notice(f"attached {a.shown} ({size}): it goes with your next message · {ATTACH_HELP}")
+
+    def _listed(self) -> str:
+        return ", ".join(f"{a.shown} ({n:,} tokens)" if n is not None else a.shown for a, n in self.staged)
+
+    def _show_staged(self) -> None:
+        """The chip under the prompt box: what the next message carries."""
+        self.view.prompt.border_subtitle = f"attached: {', '.join(a.shown for a, _ in self.staged)}" if self.staged else None
+
+    def take(self, text: str) -> str:
+        """The turn to send for ``text``: the staged files, then the text; they are sent once."""
+        if not self.staged:
+            return text
+        files, self.staged = [a for a, _ in self.staged], []
+        self._show_staged()
+        return attach.turn(files, text)
+
+    # -- one code block at a time ------------------------------------------------------------
+    def copy_block(self, msg: CopyBlock) -> None:
+        w = msg.message
+        found = blocks(w.text)
+        if not found:
+            self.view.app.notify("no code block in this message")
+            return
+        w.block_index = (w.block_index + 1) % len(found)
+        b = found[w.block_index]
+        self.ctl.actions.copy(b.code, f"block {w.block_index + 1}/{len(found)} ({b.describe()})")
+
+    async def save_block(self, arg: str) -> None:
+        chat = self.view.chat
+        reply = self.ctl.session.last("assistant")
+        found = blocks(reply) if reply else []
+        try:
+            args = shlex.split(arg)
+        except ValueError as e:
+            await chat.add_notice(f"{SAVE_USAGE}: {e}", "warning")
+            return
+        force = "--force" in args
+        args = [x for x in args if x != "--force"]
+        if not args:
+            listed = " · ".join(f"{i} {b.describe()}" for i, b in enumerate(found, 1))
+            await chat.add_notice(f"the last reply's code blocks: {listed}" if found else "the last reply has no code block")
+            return
+        if len(args) != 2 or not (args[0].isascii() and args[0].isdigit()):
+            await chat.add_notice(SAVE_USAGE, "warning")
+            return
+        n, path = int(args[0]), Path(args[1]).expanduser()
+        if not found:
+            await chat.add_notice("the last reply has no code block to save", "warning")
+            return
+        if not 1 <= n <= len(found):
+            await chat.add_notice(f"no block {n}: the last reply has {len(found)} (/save 1 to /save {len(found)})", "warning")
+            return
+        b, shown = found[n - 1], printable(args[1], one_line=True)
+        if path.is_dir():
+            await chat.add_notice(f"cannot save to {shown}: it is a directory", "error")
+            return
+        if path.exists() and not force:
+            await chat.add_notice(f"{shown} exists: add --force to overwrite it", "warning")
+            return
+        try:
+            path.write_text(b.code, encoding="utf-8")
+        except OSError as e:
+            await chat.add_notice(f"cannot save to {shown}: {e.strerror or e}", "error")
+            return
+        await chat.add_notice(f"saved block {n}/{len(found)} ({b.describe()}) to {shown}")

@@ -1,6 +1,6 @@
 """The chat app: the window around one :class:`~ssd_chat.tui.chat_view.ChatView`.
 
-The chat (its session, transcript, prompt box and panel) is the widget; the app holds what is not
+The chat (its session, transcript, prompt box and panel) is the widget and its controller; the app holds what is not
 one chat's: the keys, the dialogs and the command palette, loading the backend in a thread, the
 saved-chat history and quitting (Ctrl+C, SIGTERM, SIGHUP).
 """
@@ -25,11 +25,11 @@ from ..engine.events import Notice
 from ..history.store import History
 from ..chat.terminal import printable
 from . import signals
-from .actions import HELP
 from .chat_view import ChatView
-from .figures import Baseline
+from .replies import ReplyEvent
 from .widgets.chat_log import AssistantMessage, BranchStep, CopyBlock
 from .widgets.chats_dialog import ChatsDialog
+from .widgets.figures import Baseline
 from .widgets.load_status import LoadStatus
 from .widgets.settings_dialog import SettingsDialog
 from .widgets.system_prompt import SystemPromptDialog
@@ -108,6 +108,7 @@ class ChatApp(App[int]):
         self.engine_settings = {key: (settings or {}).get(key) for key in ("k", "fan_out")}
         self.chat_view = ChatView(backend, self.history, settings=dict(settings or {}), recorder=recorder, script=script,
                                   type_delay_s=type_delay_s, baselines=baselines)
+        self.controller = self.chat_view.controller  # what the keys, dialogs and palette act on
 
     def notify(self, message: str, *, title: str = "", severity: Any = "information", timeout: float | None = None,
                markup: bool = False) -> None:
@@ -128,10 +129,10 @@ class ChatApp(App[int]):
         self.compute_threads = threads.coordinator()  # the UI thread starts no OpenMP pool (engine/threads.py)
         self.sub_title = "loading…"
         signals.catch(self)  # SIGTERM / SIGHUP quit as Ctrl+C does
-        await self.chat_view.check_history()  # the start's warning: shown once, not again at the first prompt
-        self.set_interval(2.0, self.chat_view.check_history)  # writes held back by a lock are saved when it goes, even when idle
+        await self.controller.check_history()  # the start's warning: shown once, not again at the first prompt
+        self.set_interval(2.0, self.controller.check_history)  # writes held back by a lock are saved when it goes, even when idle
         if self.resume_id is not None:
-            await self.chat_view.resume(self.resume_id)
+            await self.controller.resume(self.resume_id)
         self.start_load()
 
     # -- loading -------------------------------------------------------------------------
@@ -147,7 +148,7 @@ class ChatApp(App[int]):
     def _load(self, backend: Backend) -> None:
         threads.worker(self.compute_threads)
         # warnings found before loading (a model too large for this machine) reach the chat at once
-        backend.warn = lambda message: self.chat_view.post_message(ChatView.ReplyEvent(-1, Notice(message, "warning")))
+        backend.warn = lambda message: self.chat_view.post_message(ReplyEvent(-1, Notice(message, "warning")))
         try:
             backend.load(lambda stage, frac: self.post_message(self.LoadProgress(stage, frac)))
         except BaseException as e:  # noqa: BLE001 - shown in the app, never as a traceback
@@ -168,10 +169,10 @@ class ChatApp(App[int]):
         if msg.error:
             load.fail(msg.error)
             self.sub_title = "load failed"
-            await self.chat_view.load_failed(msg.error)
+            await self.controller.load_failed(msg.error)
             return
         load.display = False
-        await self.chat_view.loaded()
+        await self.controller.loaded()
 
     # -- quitting ------------------------------------------------------------------------
     async def action_quit_key(self) -> None:
@@ -182,7 +183,7 @@ class ChatApp(App[int]):
         if self._quitting:
             return
         self._quitting = True
-        await self.chat_view.close()
+        await self.controller.close()
         try:
             await asyncio.to_thread(self.backend.close)
         except Exception:  # noqa: BLE001 - closing must not raise at exit
@@ -192,81 +193,79 @@ class ChatApp(App[int]):
 
     # -- keys: the chat does the work --------------------------------------------------------
     async def action_new_chat(self) -> None:
-        await self.chat_view.action_new_chat()
+        await self.controller.new_chat()
 
     def action_copy_reply(self) -> None:
-        self.chat_view.action_copy_reply()
+        self.controller.actions.copy_reply()
 
     def action_toggle_colour(self) -> None:
-        self.chat_view.action_toggle_colour()
+        self.controller.actions.toggle_colour()
 
     async def action_stop(self) -> None:
-        await self.chat_view.action_stop()
+        await self.controller.stop()
 
     async def action_compare(self) -> None:
-        await self.chat_view.action_compare()
+        await self.controller.compare.start()
 
     async def action_regenerate(self) -> None:
-        await self.chat_view.action_regenerate()
+        await self.controller.rerun.regenerate()
 
     # -- dialogs -------------------------------------------------------------------------
     def action_system_prompt(self) -> None:
-        view = self.chat_view
-
         def done(value: str | None) -> None:
             if value is not None:
-                self.run_worker(view.set_system(value), exclusive=False)
+                self.run_worker(self.controller.actions.set_system(value), exclusive=False)
 
-        self.push_screen(SystemPromptDialog(view.system), done)
+        self.push_screen(SystemPromptDialog(self.controller.system), done)
 
     def action_settings(self) -> None:
-        view = self.chat_view
-        if view.load_error:
-            self.run_worker(view.apply_settings({}), exclusive=False)  # says why nothing can change
+        ctl = self.controller
+        if ctl.load_error:
+            self.run_worker(ctl.actions.apply_settings({}), exclusive=False)  # says why nothing can change
             return
-        current = {"settings": self.engine_settings, **self.backend.info(), **self.backend.sampling_defaults(), **view.params,
-                   **view.pending_settings}  # the temperature in force
+        current = {"settings": self.engine_settings, **self.backend.info(), **self.backend.sampling_defaults(), **ctl.params,
+                   **ctl.pending_settings}  # the temperature in force
 
         def done(changes: dict | None) -> None:
             if changes:
-                self.run_worker(view.apply_settings(changes), exclusive=False)
+                self.run_worker(ctl.actions.apply_settings(changes), exclusive=False)
 
         self.push_screen(SettingsDialog(current), done)
 
     def action_chats(self) -> None:
         def done(cid: int | None) -> None:
             if cid is not None:
-                self.run_worker(self.chat_view.resume(cid), exclusive=False)
+                self.run_worker(self.controller.resume(cid), exclusive=False)
 
         self.push_screen(ChatsDialog(self.history), done)
 
     async def on_chats_dialog_deleted(self, msg: ChatsDialog.Deleted) -> None:
-        await self.chat_view.chat_deleted(msg.conversation_id)
+        await self.controller.chat_deleted(msg.conversation_id)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        view = self.chat_view
+        ctl = self.controller
         yield SystemCommand("New chat", "Start a new conversation (Ctrl+N)", self.action_new_chat)
         yield SystemCommand("Copy last reply", "Copy the last reply to the clipboard (Ctrl+Y)", self.action_copy_reply)
         yield SystemCommand("System prompt", "Change the system prompt (Ctrl+S)", self.action_system_prompt)
         yield SystemCommand("Settings", "Mode, k, fan-out, temperature, top-p, top-k, seed, repeat penalty, max tokens (Ctrl+O)", self.action_settings)
         for m in ("ar", "sd", "ssd"):
             yield SystemCommand(f"Switch to {m.upper()}", f"Decode the next reply with {m.upper()} (models stay loaded)",
-                                lambda m=m: self.run_worker(view.apply_settings({"mode": m})))
+                                lambda m=m: self.run_worker(ctl.actions.apply_settings({"mode": m})))
         yield SystemCommand("Switch to AUTO", "Back to the mode auto chose for this machine, with its why line (models stay loaded)",
-                            lambda: self.run_worker(view.apply_settings({"mode": "auto"})))
+                            lambda: self.run_worker(ctl.actions.apply_settings({"mode": "auto"})))
         yield SystemCommand("Compare AR, SD and SSD", "The prompt in the box (or the last one) in each mode: tok/s, identical? (Ctrl+G)",
                             self.action_compare)
         yield SystemCommand("Chats", "Resume or delete a saved chat (Ctrl+R)", self.action_chats)
-        yield SystemCommand("Export chat as Markdown", "With each reply's metrics, to the data dir's exports/", lambda: view.export_chat("md"))
-        yield SystemCommand("Export chat as JSONL", "With each reply's metrics, to the data dir's exports/", lambda: view.export_chat("jsonl"))
+        yield SystemCommand("Export chat as Markdown", "With each reply's metrics, to the data dir's exports/", lambda: ctl.actions.export_chat("md"))
+        yield SystemCommand("Export chat as JSONL", "With each reply's metrics, to the data dir's exports/", lambda: ctl.actions.export_chat("jsonl"))
         yield SystemCommand("Toggle token colours", "Colour accepted draft vs target tokens (Ctrl+T)", self.action_toggle_colour)
         yield SystemCommand("Stop reply", "Stop the reply and keep what streamed (Esc)", self.action_stop)
-        yield SystemCommand("Help", "Keys and commands", lambda: self.run_worker(view.chat.add_notice(HELP)))
+        yield SystemCommand("Help", "Keys and commands", lambda: self.run_worker(ctl.command("/help")))
         yield SystemCommand("Regenerate last reply", "Decode the last reply again with the current settings; the old one stays as a branch (F5)",
                             self.action_regenerate)
         yield SystemCommand("Edit your last message", "Put it back in the box; Enter re-runs the chat from it "
-                            "(earlier ones: Shift+Tab to one and press e, or /edit N)", view.start_edit)
+                            "(earlier ones: Shift+Tab to one and press e, or /edit N)", ctl.rerun.start_edit)
         # the keys of a focused message (Shift+Tab), here for the last reply
         yield SystemCommand("Previous branch", "Show the last reply's sibling before it (← on a message focused with Shift+Tab)",
                             lambda: self._on_last_reply(lambda w: BranchStep(w, -1)))
@@ -275,10 +274,10 @@ class ChatApp(App[int]):
         yield SystemCommand("Copy a code block", "The last reply's next code block (c on a message focused with Shift+Tab)",
                             lambda: self._on_last_reply(CopyBlock))
         yield SystemCommand("Save a code block", "List the last reply's code blocks; /save N FILE writes one",
-                            lambda: self.run_worker(view.save_block("")))
+                            lambda: self.run_worker(ctl.attach.save_block("")))
         yield SystemCommand("Attach a file", "Put /attach in the box: a text file into your next message", self._start_attach)
         yield SystemCommand("Switch model", "The local models; /model NAME switches the target for the next chat",
-                            lambda: self.run_worker(view.model_command("")))
+                            lambda: self.run_worker(ctl.models.command("")))
 
     def _on_last_reply(self, message: Any) -> None:
         replies = list(self.chat_view.chat.query(AssistantMessage))

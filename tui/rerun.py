@@ -1,11 +1,14 @@
-"""Regenerate the last reply, and edit an earlier message and re-run the chat from it: the part of
-:class:`~ssd_chat.tui.chat_view.ChatView` that rewrites the end of a conversation, plus the first-screen hint.
+"""Regenerate the last reply, and edit an earlier message and re-run the chat from it (:class:`Rerun`,
+with the first-screen hint), and the branches they leave (:class:`Branches`).
 
 Both replace the conversation from one of the user's messages on, on screen and in the session, then
-send that message (edited or not) through :meth:`ReplyActions.submit`, so the new reply streams, is
-measured and is saved like any other, with the settings in force now.  Nothing is deleted: in the
-saved chat the new message is a sibling of the old one (regenerate: a new reply to the same question),
-and the old branch is one ←/→ away (:mod:`.branches`).
+send that message (edited or not) through :meth:`Replies.send <ssd_chat.tui.replies.Replies.send>`, so
+the new reply streams, is measured and is saved like any other, with the settings in force now.  Nothing
+is deleted: in the saved chat (a tree, :mod:`ssd_chat.history.tree`) the new message is a sibling of the
+old one (regenerate: a new reply to the same question).  Each message with siblings shows its place
+among them ("‹ 2/3 ›"); ←/→ on a message focused with Shift+Tab makes another sibling the chat's current
+branch in the store, then shows that branch and continues it: the next reply's context is the branch on
+screen, and ``--resume`` opens it.
 """
 
 from __future__ import annotations
@@ -19,17 +22,11 @@ from textual.widgets import Static
 from ..engine.params import SamplingParams
 from ..history.store import LEAF, HistoryError
 from .replies import Branch, settle
-from .widgets.chat_log import AssistantMessage, UserMessage
+from .widgets.chat_log import AssistantMessage, BranchStep, UserMessage
 
 HINT = ("Type a message and press Enter to send (Shift+Enter: new line) · /help lists the keys and commands · "
         "Ctrl+P opens the command palette")
-
-
-class FirstHint(Static):
-    """The line an empty chat shows; it goes when the first message is sent."""
-
-    def __init__(self) -> None:
-        super().__init__(HINT, classes="hint", markup=False)
+SHOWN = "UserMessage, AssistantMessage"  # the messages that carry a branch label
 
 
 @dataclass
@@ -39,82 +36,52 @@ class Editing:
     draft: str  # what was in the box before, put back when the edit is cancelled
 
 
-class RerunActions:
-    """``self`` is the ChatView."""
+class Rerun:
+    """Regenerate and edit; ``ctl`` is the chat's controller."""
 
-    editing: Editing | None = None
-
-    # -- the first-screen hint -----------------------------------------------------------
-    async def on_mount(self) -> None:  # after ChatView.on_mount (Textual calls each class's handler)
-        await self.refresh_hint()
+    def __init__(self, ctl: Any) -> None:
+        self.ctl, self.view = ctl, ctl.view
+        self.editing: Editing | None = None
 
     async def refresh_hint(self) -> None:
-        hints = list(self.chat.query(FirstHint))
-        empty = not self.chat.query(UserMessage)
+        hints = list(self.view.chat.query(".hint"))  # the line an empty chat shows; it goes when the first message is sent
+        empty = not self.view.chat.query(UserMessage)
         if empty and not hints:
-            await self.chat.mount(FirstHint())
+            await self.view.chat.mount(Static(HINT, classes="hint", markup=False))
         elif not empty and hints:
-            await self.chat.remove_children(hints)
+            await self.view.chat.remove_children(hints)
 
-    async def action_new_chat(self) -> None:
-        before = self.session
-        await super().action_new_chat()
-        if self.session is not before:
-            self.end_edit()
-        await self.refresh_hint()
-
-    async def resume(self, conversation_id: int) -> bool:
-        before = self.session
-        ok = await super().resume(conversation_id)
-        if self.session is not before:
-            self.end_edit()
-        await self.refresh_hint()
-        return ok
-
-    async def chat_deleted(self, conversation_id: int) -> None:
-        """A chat was deleted in Ctrl+R.  The open one's next message would have no saved chat to go to (and
-        the failed write would put the whole history in memory), so the chat goes on as a new one."""
-        if conversation_id == self.conversation_id:
-            if self.current is not None and not self.current.finished:
-                await self.action_stop()
-            await self.action_new_chat()
-            if self.conversation_id is None:
-                await self.chat.add_notice(f"chat {conversation_id} was deleted; this is a new chat")
-
-    # -- sending: an edit in progress re-runs the chat from the edited message -----------
-    async def submit(self, text: str) -> None:
+    def edit_open(self, text: str) -> bool:
+        """Whether ``text`` sent now re-runs the chat from the message being edited (a stale edit ends here)."""
         ed = self.editing
-        if ed is not None and not text.strip("\n").startswith("/"):
-            if ed.session is not self.session or ed.index >= len(self.chat.query(UserMessage)):
-                self.end_edit()  # the chat it belonged to is gone: a plain message
-            else:
-                if await self.can_rerun():
-                    await self.rerun_from(ed.index, text.strip("\n"), edited=True)
-                return
-        await super().submit(text)
-        await self.refresh_hint()
+        if ed is None or text.startswith("/"):
+            return False
+        if ed.session is not self.ctl.session or ed.index >= len(self.view.chat.query(UserMessage)):
+            self.end_edit()  # the chat it belonged to is gone: a plain message
+        return self.editing is not None
 
     async def can_rerun(self) -> bool:
-        """What :meth:`submit` checks before it sends, checked before anything is cut."""
-        if self.backend.info().get("replay"):
-            await self.chat.add_notice("a replayed session plays its recorded replies: it cannot regenerate or edit", "warning")
+        """What :meth:`Replies.send` checks before it sends, checked before anything is cut."""
+        c, chat = self.ctl, self.view.chat
+        if c.backend.info().get("replay"):
+            await chat.add_notice("a replayed session plays its recorded replies: it cannot regenerate or edit", "warning")
             return False
-        if not self.ready:
-            await self.chat.add_notice(self.load_error or "the model is still loading; try again when it is ready", "warning")
+        if not c.ready:
+            await chat.add_notice(c.load_error or "the model is still loading; try again when it is ready", "warning")
             return False
-        if self.current is not None and not self.current.finished:
-            self.notify("a reply is still streaming — Esc stops it", severity="warning")
+        if c.streaming():
+            self.view.app.notify("a reply is still streaming — Esc stops it", severity="warning")
             return False
-        if self.switching is not None:
-            await self.chat.add_notice(f"still switching to {self.switching}; try again after that", "warning")
+        if c.switching is not None:
+            await chat.add_notice(f"still switching to {c.switching}; try again after that", "warning")
             return False
         try:
-            SamplingParams(**self.params)
+            SamplingParams(**c.params)
         except ValueError as e:
-            await self.chat.add_notice(str(e), "error")
+            await chat.add_notice(str(e), "error")
             return False
-        if await settle(self._reply_worker, 10):  # a stopped reply enters the session when its thread ends
-            await self.chat.add_notice("the previous reply has not stopped yet; try again in a moment", "warning")
+        if await settle(c.replies.worker, 10):  # a stopped reply enters the session when its thread ends
+            await chat.add_notice("the previous reply has not stopped yet; try again in a moment", "warning")
             return False
         return True
 
@@ -122,124 +89,147 @@ class RerunActions:
         """Send ``text`` in place of the user's message ``index``: a new branch beside it in the saved chat
         (regenerate: a new reply beside the last one); on screen and in the session, the chat from there on
         is replaced by the new branch."""
-        users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
-        widgets = list(self.chat.query(UserMessage))
+        c, v = self.ctl, self.view
+        users = [i for i, m in enumerate(c.session.messages) if m["role"] == "user"]
+        widgets = list(v.chat.query(UserMessage))
         if index >= len(users) or len(widgets) != len(users):
-            await self.chat.add_notice("this chat changed meanwhile; nothing was re-run", "warning")
+            await v.chat.add_notice("this chat changed meanwhile; nothing was re-run", "warning")
             self.end_edit()
             return
         cut, question = users[index], widgets[index]
-        later_system = [m["content"] for m in self.messages[cut:] if m["role"] == "system"] if not edited else []
+        later_system = [m["content"] for m in c.session.messages[cut:] if m["role"] == "system"] if not edited else []
         # a new reply to the same saved question, unless a system prompt set after the old reply must come first
         same_question = not edited and not later_system and question.message_id is not None
-        children = list(self.chat.children)
+        children = list(v.chat.children)
         # on screen: from the message on (an edit), or that message and its reply (regenerate: later
         # notices, such as a settings change, stay; the question stays when it gets a new reply)
         start = children.index(question) + (1 if same_question else 0)
         end = len(children)
         if not edited:
             end = next((i + 1 for i in range(start, len(children)) if isinstance(children[i], AssistantMessage)), end)
-        await self.chat.remove_children(children[start:end])
-        self.current = None  # a late event of the dropped reply finds no turn to write into
-        self.messages = self.messages[:cut]
+        await v.chat.remove_children(children[start:end])
+        c.current = None  # a late event of the dropped reply finds no turn to write into
+        c.session.messages = c.session.messages[:cut]
         branch = Branch(user=question) if same_question else Branch(parent=self._parent_of(question))
         branch.regenerated = not edited
         for value in later_system:  # set after the reply regenerated: it applies from the message sent again
-            self.session.set_system(value)
-            branch.parent = self.history.add_message(self.conversation_id, "system", value, parent=branch.parent)
+            c.session.set_system(value)
+            branch.parent = c.history.add_message(c.conversation_id, "system", value, parent=branch.parent)
+        draft = v.prompt.text  # regenerate leaves what is being typed in the box
         if edited:
             self.end_edit()
             if index == 0:  # the first prompt names the chat
-                self.history.set_title(self.conversation_id, text)
-            await self.chat.add_notice(f"re-running from your message {index + 1}, edited: the chat as it was "
-                                       "stays as a branch (Shift+Tab to the message, ←/→ switch)")
-            await super().submit(text, branch)
+                c.history.set_title(c.conversation_id, text)
+            await v.chat.add_notice(f"re-running from your message {index + 1}, edited: the chat as it was "
+                                    "stays as a branch (Shift+Tab to the message, ←/→ switch)")
         else:
-            draft = self.prompt.text  # regenerate leaves what is being typed in the box
-            await self.chat.add_notice("regenerating the last reply with the current settings "
-                                       "(the previous one stays as a branch: Shift+Tab to the reply, ←/→ switch)")
-            await super().submit(text, branch)
-            if draft.strip():
-                self.prompt.set_text(draft)
+            await v.chat.add_notice("regenerating the last reply with the current settings "
+                                    "(the previous one stays as a branch: Shift+Tab to the reply, ←/→ switch)")
+        await c.replies.send(text, branch)
+        if not edited and draft.strip():
+            v.prompt.set_text(draft)
         await self.refresh_hint()
 
     def _parent_of(self, question: UserMessage) -> Any:
         """The saved message the question follows (LEAF, the end of the branch, when it was never saved)."""
-        if question.message_id is None or self.conversation_id is None:
+        if question.message_id is None or self.ctl.conversation_id is None:
             return LEAF
         try:
-            return self.history.parent_of(question.message_id)
+            return self.ctl.history.parent_of(question.message_id)
         except HistoryError:
             return LEAF
 
-    # -- regenerate ----------------------------------------------------------------------
-    async def action_regenerate(self) -> None:
-        if isinstance(self.app.screen, ModalScreen):
+    async def regenerate(self) -> None:
+        """F5 and /regen."""
+        if isinstance(self.view.app.screen, ModalScreen):
             return  # F5 behind a dialog
         if self.editing is not None:
-            await self.chat.add_notice("finish the edit first (Enter re-runs it, Esc cancels it)", "warning")
+            await self.view.chat.add_notice("finish the edit first (Enter re-runs it, Esc cancels it)", "warning")
             return
         if not await self.can_rerun():
             return
-        m = self.messages
+        m = self.ctl.session.messages
         while m and m[-1]["role"] == "system":  # a system prompt set after the reply: the new one gets it
             m = m[:-1]
         if len(m) < 2 or m[-1]["role"] != "assistant" or m[-2]["role"] != "user":
-            await self.chat.add_notice("no reply to regenerate yet", "warning")
+            await self.view.chat.add_notice("no reply to regenerate yet", "warning")
             return
         await self.rerun_from(sum(x["role"] == "user" for x in m) - 1, m[-2]["content"], edited=False)
 
-    # -- editing -------------------------------------------------------------------------
     async def start_edit(self, index: int | None = None) -> None:
         """Put the user's message ``index`` (None: the last) in the box; sending it re-runs the chat from there."""
-        texts = [w.text for w in self.chat.query(UserMessage)]
-        if self.current is not None and not self.current.finished:
-            await self.chat.add_notice("stop the reply first (Esc), then edit", "warning")
+        v = self.view
+        texts = [w.text for w in v.chat.query(UserMessage)]
+        if self.ctl.streaming():
+            await v.chat.add_notice("stop the reply first (Esc), then edit", "warning")
             return
         if not texts:
-            await self.chat.add_notice("nothing to edit yet: send a message first", "warning")
+            await v.chat.add_notice("nothing to edit yet: send a message first", "warning")
             return
         index = len(texts) - 1 if index is None else index
         if not 0 <= index < len(texts):
-            await self.chat.add_notice(f"no message {index + 1}: this chat has {len(texts)} of yours (/edit 1 to /edit {len(texts)})", "warning")
+            await v.chat.add_notice(f"no message {index + 1}: this chat has {len(texts)} of yours (/edit 1 to /edit {len(texts)})", "warning")
             return
-        draft = self.editing.draft if self.editing is not None else self.prompt.text
-        self.editing = Editing(index, self.session, draft)
-        self.prompt.set_text(texts[index])
-        self.prompt.border_title = f"editing your message {index + 1} of {len(texts)} · Enter re-runs the chat from it · Esc cancels"
-        self.prompt.focus()
+        draft = self.editing.draft if self.editing is not None else v.prompt.text
+        self.editing = Editing(index, self.ctl.session, draft)
+        v.prompt.set_text(texts[index])
+        v.prompt.border_title = f"editing your message {index + 1} of {len(texts)} · Enter re-runs the chat from it · Esc cancels"
+        v.prompt.focus()
 
     def end_edit(self) -> None:
         self.editing = None
-        self.prompt.border_title = None
+        self.view.prompt.border_title = None
 
-    async def on_user_message_edit_requested(self, msg: UserMessage.EditRequested) -> None:
-        widgets = list(self.chat.query(UserMessage))
-        if msg.message in widgets:
-            await self.start_edit(widgets.index(msg.message))
 
-    async def action_stop(self) -> None:
-        """Esc: with nothing streaming, an edit in progress is cancelled (the box gets back what it held)."""
-        busy = (self.current is not None and not self.current.finished) or self._compare_stop is not None
-        if self.editing is not None and not busy:
-            draft = self.editing.draft
-            self.end_edit()
-            self.prompt.set_text(draft)
-            self.prompt.focus()
-            self.notify("edit cancelled")
+class Branches:
+    """``ctl`` is the chat's controller."""
+
+    def __init__(self, ctl: Any) -> None:
+        self.ctl, self.view = ctl, ctl.view
+
+    async def show(self) -> None:
+        """Label each message that has siblings with its place among them."""
+        cid = self.ctl.conversation_id
+        try:
+            places = self.ctl.history.branches(cid) if cid is not None else {}
+        except HistoryError:
+            places = {}  # the chat still shows; only the labels are missing
+        for w in self.view.chat.query(SHOWN):
+            w.set_branch(places.get(w.message_id))
+
+    async def step(self, msg: BranchStep) -> None:
+        c, v = self.ctl, self.view
+        w: Any = msg.widget
+        if c.streaming() or c.compare.stop is not None:
+            v.app.notify("a reply is still streaming — Esc stops it; then switch branches", severity="warning")
             return
-        await super().action_stop()
-
-    # -- commands and the palette --------------------------------------------------------
-    async def command(self, line: str) -> None:
-        name, _, arg = line[1:].partition(" ")
-        name, arg = name.lower(), arg.strip()
-        if name in ("regen", "regenerate"):
-            await self.action_regenerate()
-        elif name == "edit":
-            if arg and not (arg.isascii() and arg.isdigit() and int(arg) >= 1):
-                await self.chat.add_notice(f"usage: /edit [N], N counting your messages from 1; got '{arg}'", "warning")
-                return
-            await self.start_edit(int(arg) - 1 if arg else None)
-        else:
-            await super().command(line)
+        if c.rerun.editing is not None:
+            await v.chat.add_notice("finish the edit first (Enter re-runs it, Esc cancels it)", "warning")
+            return
+        if await settle(c.replies.worker, 10):
+            await v.chat.add_notice("the previous reply has not stopped yet; try again in a moment", "warning")
+            return
+        cid = c.conversation_id
+        if cid is None or w.message_id is None or not w.branch:
+            v.app.notify("this message has no other branches (F5 or an edit makes one)")
+            return
+        to = c.history.switch(cid, w.message_id, msg.by)
+        if to is None:
+            v.app.notify("no branch before this one" if msg.by < 0 else "no branch after this one")
+            return
+        try:
+            saved = c.history.messages(cid)
+        except HistoryError as e:
+            await v.chat.add_notice(f"cannot show that branch: {e}", "error")
+            return
+        if next((m.id for m in saved if m.role == "user"), None) == to:  # the first prompt names the chat
+            c.history.set_title(cid, saved[[m.id for m in saved].index(to)].content)
+        await v.chat.clear()
+        c.current = None
+        c.session = c.new_session(None, [])
+        await c.actions.render_saved(saved, anchor=False)
+        await c.check_history()
+        shown = next((x for x in v.chat.query(SHOWN) if x.message_id == to), None)
+        if shown is not None:
+            shown.focus()
+            v.call_after_refresh(shown.scroll_visible)

@@ -49,11 +49,11 @@ def terminal_alive() -> bool:
 def leave_now(app: Any, sig: int) -> None:
     """Stop the engine's work, release the models and the speculator, close the history; exit without
     writing to the dead terminal."""
-    view = app.chat_view
-    for stop in (getattr(view.current, "stop", None), view._compare_stop):
+    chat = app.controller
+    for stop in (getattr(chat.current, "stop", None), chat.compare.stop):
         if stop is not None:
             stop.set()
-    for close in (app.backend.close, getattr(view.recorder, "close", None), app.history.close):
+    for close in (app.backend.close, getattr(chat.recorder, "close", None), app.history.close):
         try:
             if close is not None:
                 close()

@@ -1,7 +1,7 @@
 """``/model``: the models on this machine (as ``ssd-chat models list`` finds them), and switching the target
 for the next chat: the name is checked before anything is unloaded, a dialog asks, then the old backend
-closes (its engine process and speculator exit) and a new one loads with the load line, as at startup.
-Part of :class:`~ssd_chat.tui.chat_view.ChatView`; the app builds and loads the backend."""
+closes (its engine process and speculator exit) and a new one loads with the load line, as at startup
+(:class:`ModelSwitch`); the app builds and loads the backend."""
 
 from __future__ import annotations
 
@@ -72,113 +72,110 @@ def completions(models: list[Any]) -> list[str]:
     return list(dict.fromkeys(n for m in models for n in [*m.aliases, m.name]))
 
 
-class ModelActions:
-    """``self`` is the ChatView."""
+class ModelSwitch:
+    """``ctl`` is the chat's controller."""
 
-    _model_names: list[str] | None = None
+    def __init__(self, ctl: Any) -> None:
+        self.ctl, self.view = ctl, ctl.view
+        self.names: list[str] | None = None  # what Tab completes /model NAME to
 
-    async def command(self, line: str) -> None:
-        name, _, arg = line[1:].partition(" ")
-        if name.lower() == "model":
-            await self.model_command(arg.strip())
-        else:
-            await super().command(line)
-
-    def current_target(self) -> str:
-        return str(self.app.values.get("target") or self.backend.info().get("target") or "?")
-
-    async def model_command(self, arg: str) -> None:
+    async def command(self, arg: str) -> None:
+        """``/model`` lists the local models; ``/model NAME`` asks, then switches the target."""
+        chat = self.view.chat
         if not arg:
             await self.list_models()
             return
-        if self.app.backend_factory is None:
-            await self.chat.add_notice("this app runs one backend (a replay or a demo): it cannot switch models", "warning")
+        if self.view.app.backend_factory is None:
+            await chat.add_notice("this app runs one backend (a replay or a demo): it cannot switch models", "warning")
             return
-        if why := self.switch_refused():
-            await self.chat.add_notice(why, "warning")
+        if why := self.refused():
+            await chat.add_notice(why, "warning")
             return
         try:  # before anything is unloaded: a bad or unreachable name changes nothing
             note = await asyncio.to_thread(check_target, arg)
         except Exception as e:  # noqa: BLE001 - one line, the chat goes on with the model it has
-            await self.chat.add_notice(printable(f"cannot switch to {arg}: {readable(e)}", one_line=True), "error")
+            await chat.add_notice(printable(f"cannot switch to {arg}: {readable(e)}", one_line=True), "error")
             return
         question = f"Switch the target to {arg}? The current chat stays saved; the next chat uses {arg}." + (f" {note}" if note else "")
 
         def done(yes: bool | None) -> None:
             if yes:
-                self.run_worker(self.switch_model(arg), exclusive=False)
+                self.view.run_worker(self.switch(arg), exclusive=False)
 
-        self.app.push_screen(ConfirmDialog(question, "Switch"), done)
+        self.view.app.push_screen(ConfirmDialog(question, "Switch"), done)
 
-    def switch_refused(self) -> str | None:
-        if self.current is not None and not self.current.finished:
+    def refused(self) -> str | None:
+        c = self.ctl
+        if c.streaming():
             return "a reply is streaming: stop it first (Esc), then /model NAME"
-        if not self.ready and not self.load_error:
+        if not c.ready and not c.load_error:
             return "the model is still loading; switch once it is ready"
-        if self.switching is not None:
-            return f"still switching to {self.switching}; switch the model after that"
-        if self.recorder is not None:
+        if c.switching is not None:
+            return f"still switching to {c.switching}; switch the model after that"
+        if c.recorder is not None:
             return "this session is being recorded (--record): a recording holds one model"
         return None
 
-    async def switch_model(self, name: str) -> None:
+    async def switch(self, name: str) -> None:
         """Close the backend, start a new chat and load ``name`` with the load line (the app's loading path)."""
-        if why := self.switch_refused():  # a reply started while the dialog was open
-            await self.chat.add_notice(why, "warning")
+        c, app = self.ctl, self.view.app
+        if why := self.refused():  # a reply started while the dialog was open
+            await self.view.chat.add_notice(why, "warning")
             return
-        app = self.app
-        values = target_values(app.values, name, self.engine_changes)
-        await settle(self._reply_worker, 15)
-        old = self.backend
-        self.ready, self.load_error = False, None
+        values = target_values(app.values, name, c.engine_changes)
+        await settle(c.replies.worker, 15)
+        old = c.backend
+        c.ready, c.load_error = False, None
         app.sub_title = "loading…"
         try:
             await asyncio.to_thread(old.close)  # the engine process and its speculator exit
         except Exception:  # noqa: BLE001 - a backend that failed to close is gone with the app at the latest
             pass
         app.values, app.engine_settings = values, {k: values.get(k) for k in ("k", "fan_out")}
-        self.engine_changes = {}
-        self.backend = app.backend = app.backend_factory(values)
-        self._model_names = None
-        await self.action_new_chat()  # its session replies through the new backend
-        await self.chat.add_notice(f"the target is now {name}: loading it")
+        c.engine_changes = {}
+        c.backend = app.backend = app.backend_factory(values)
+        self.names = None
+        await c.new_chat()  # its session replies through the new backend
+        await self.view.chat.add_notice(f"the target is now {name}: loading it")
         app.start_load()
 
     async def list_models(self) -> None:
         try:
+            target = str(self.view.app.values.get("target") or self.ctl.backend.info().get("target") or "?")
             found = await asyncio.to_thread(local_models)
-            mine = await asyncio.to_thread(in_use, found, self.current_target())
+            mine = await asyncio.to_thread(in_use, found, target)
         except Exception as e:  # noqa: BLE001
-            await self.chat.add_notice(f"cannot list the local models: {readable(e)}", "error")
+            await self.view.chat.add_notice(f"cannot list the local models: {readable(e)}", "error")
             return
         from ..engine.load.store import human
 
-        self._model_names = completions(found)
-        lines = [f"in use: {self.current_target()}", "models on this machine (ssd-chat models list):"]
+        self.names = completions(found)
+        lines = [f"in use: {target}", "models on this machine (ssd-chat models list):"]
         for m in found:
             aliases = f" ({', '.join(m.aliases)})" if m.aliases else ""
             lines.append(f"  {m.name}{aliases} · {human(m.size)}" + ("  ← in use" if m is mine else ""))
         if not found:
             lines.append("  none (ssd-chat models pull NAME fetches one)")
         lines.append("/model NAME switches the target for the next chat (Tab completes NAME)")
-        await self.chat.add_notice("\n".join(lines))
+        await self.view.chat.add_notice("\n".join(lines))
 
-    async def on_prompt_input_complete(self, event: Any) -> None:
+    async def complete(self, event: Any) -> None:
         """Tab after ``/model PREFIX``: the longest common prefix of the local names that match; the candidates as a toast."""
+        v = self.view
         prefix = event.text[len("/model "):].lstrip()
-        if self._model_names is None:
+        if self.names is None:
             try:
-                self._model_names = completions(await asyncio.to_thread(local_models))
+                self.names = completions(await asyncio.to_thread(local_models))
             except Exception as e:  # noqa: BLE001
-                self.notify(f"cannot list the local models: {readable(e)}", severity="error")
+                v.app.notify(f"cannot list the local models: {readable(e)}", severity="error")
                 return
-        matches = [n for n in self._model_names if n.lower().startswith(prefix.lower())]
+        matches = [n for n in self.names if n.lower().startswith(prefix.lower())]
         if not matches:
-            self.notify(f"no local model starts with '{prefix}' (/model lists them)", severity="warning")
+            v.app.notify(f"no local model starts with '{prefix}' (/model lists them)", severity="warning")
             return
-        if self.prompt.text != event.text:  # typed on meanwhile
+        if v.prompt.text != event.text:  # typed on meanwhile
             return
         common = os.path.commonprefix(matches)
-        self.prompt.set_text("/model " + (common if len(common) >= len(prefix) else prefix))
+        v.prompt.set_text("/model " + (common if len(common) >= len(prefix) else prefix))
         if len(matches) > 1:
-            self.notify("  ".join(matches), title="local models")
+            v.app.notify("  ".join(matches), title="local models")

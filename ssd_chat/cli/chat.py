@@ -52,7 +52,7 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
             return 1
     baselines = []
     if values.get("baseline"):
-        from ..tui.figures import baselines_from_bench
+        from ..tui.widgets.figures import baselines_from_bench
 
         try:
             baselines = baselines_from_bench(values["baseline"])

@@ -18,7 +18,7 @@ from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
 from ...chat.terminal import printable
-from ..coloured import coloured
+from .coloured import coloured
 
 
 @functools.cache

@@ -12,7 +12,7 @@ from textual.widgets import Sparkline, Static
 
 from ...engine.events import Round, Stats
 from ...chat.terminal import printable
-from ..figures import Baseline, panel_values
+from .figures import Baseline, panel_values
 
 LABELS = [
     ("tok_per_s", "tok/s", "decode rate: tokens after the first block / (t_last - t_first)"),
@@ -31,7 +31,7 @@ LABELS = [
 
 
 class MetricsPanel(Vertical):
-    """Mode and devices, the figures of :func:`ssd_chat.tui.figures.panel_values`, and accepted-length pictures."""
+    """Mode and devices, the figures of :func:`ssd_chat.tui.widgets.figures.panel_values`, and accepted-length pictures."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)

@@ -17,7 +17,7 @@ from markdown_it.token import Token
 from rich.style import Style
 from rich.text import Text
 
-from ..chat.terminal import printable
+from ...chat.terminal import printable
 
 WINDOW = 16  # a character rewritten by the parser (an entity, an escape) is looked for this far ahead
 EMPHASIS = {"strong": Style(bold=True), "em": Style(italic=True), "s": Style(strike=True), "link": Style(underline=True)}
