@@ -13,7 +13,7 @@ from ..chat.backend import readable
 from ..chat.settings import SAMPLING_KEYS
 from ..engine import threads
 from ..history.store import HistoryError, data_dir, metrics_line
-from .changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
+from ..chat.changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
 
 
 HELP = """Keys: Enter send · Shift+Enter / Ctrl+J new line · ↑/↓ prompt history · Esc stop the reply ·

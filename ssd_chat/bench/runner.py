@@ -236,7 +236,7 @@ class ModelPool:
         return "cpu" if d.startswith("cpu") or d == "auto" and not _cuda() else d
 
     def models_for(self, plan: Plan) -> tuple[Any, Any]:
-        from ..engine.drafts import shipped as drafts
+        from ..engine.drafts import gguf as gguf_drafts, shipped as drafts
         from ..engine.load import models, precision
         from ..engine.tp import load as tp_load
 
@@ -257,7 +257,7 @@ class ModelPool:
         dk = (tk, self._key(plan.draft_device))
         if dk not in self._drafts:
             if drafts.is_derived(self.draft_name):
-                self._drafts[dk] = precision.derive(self.draft_name, tp_load.draft_base(target))  # in the target's precision
+                self._drafts[dk] = gguf_drafts.derive(self.draft_name, tp_load.draft_base(target))  # in the target's precision
             else:
                 self._progress(f"loading {self.draft_name} on {plan.draft_device}")
                 dtype = self.values.get("dtype")

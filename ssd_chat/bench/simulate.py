@@ -269,7 +269,7 @@ def command(profile: str, acceptance: str, n_prompts: int, max_new: int, seed: i
             markdown_file: Any, console: Any, err: Any, quiet: bool, dry_run: bool = False) -> int:
     """``bench --simulate``: the exit status (0, 1 on a failure, 2 on bad usage, 3 when greedy SD/SSD differ from AR)."""
     from ..engine.model import simulate
-    from ..cli.options import fail
+    from ..chat.terminal import fail
     from . import sim_render
     from .report import write_json
 

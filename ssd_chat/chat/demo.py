@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from ..cli.options import fail
+from .terminal import fail
 
 
 def demo_prompts() -> list[str]:
@@ -70,7 +70,7 @@ def _run(values: dict, prompts: list[str], simulate: str | None, work: str | Non
     from .session import Session
     from .backend import EngineBackend
     from .stats import format_stats
-    from ..tui.changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
+    from .changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
 
     pad = None
     if simulate:  # before loading: the speculator process inherits the padding from the environment

@@ -29,7 +29,7 @@ from ..engine.params import SamplingParams
 DEFAULTS: dict[str, Any] = {
     "target": "smollm2-135m-gguf",
     "draft": None,
-    "mode": "auto",  # SSD where it can run (engine/load/preflight.py), else AR with the reason
+    "mode": "auto",  # SSD where it can run (engine/startup/preflight.py), else AR with the reason
     "k": None,
     # sampling: unset (None) takes the model's generation_config, else the chat default (engine/load/gen_defaults.py)
     "temperature": None,
@@ -358,7 +358,7 @@ def check_value(key: str, value: Any, others: dict[str, Any], path: Path) -> Non
     if key in ("target", "draft") and value:
         from ..engine.load import models
         from ..engine.errors import SSDChatError
-        from ..engine.load.preflight import draft_kind
+        from ..engine.startup.preflight import draft_kind
 
         try:
             if key == "target" or draft_kind(value, others.get("target") or DEFAULTS["target"]) == "model":

@@ -59,3 +59,11 @@ def wrapped(message: str, stream: TextIO | None = None) -> str:
     kept = re.sub(r"`[^`]*`", lambda m: m.group(0).replace(" ", "\0"), message)
     return textwrap.fill(kept, width=width, subsequent_indent="  ", break_long_words=False,
                          break_on_hyphens=False).replace("\0", " ")
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    """One line on stderr, and the exit to raise: usage errors 2, runtime failures 1."""
+    import typer
+
+    typer.echo(wrapped(f"ssd-chat: error: {message}", sys.stderr), err=True)
+    return typer.Exit(code)

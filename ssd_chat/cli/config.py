@@ -93,11 +93,11 @@ def engine_in_force(values: dict) -> dict:
     """What the engine will use for the settings left to it, and what mode ``auto`` resolves to here;
     ``{"mode_error": ...}`` when the settings cannot load (the same error a start would give)."""
     from ..chat.settings import engine_config
-    from ..engine.decode.probe import in_config
+    from ..engine.startup.probe import in_config
     from ..engine.errors import SSDChatError
     from ..engine.load.models import parse_placement
     from ..engine.load.precision import planned
-    from ..engine.load.preflight import check, in_force
+    from ..engine.startup.preflight import check, in_force
 
     try:
         pre = check(engine_config(values))

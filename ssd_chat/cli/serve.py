@@ -102,7 +102,7 @@ def serve(
     except KeyboardInterrupt:
         # The load has unwound, but torch's C++ threads may still hold state that its exit-time
         # destructors abort on ("terminate called ..."): leave at once; workers die with us
-        # (PR_SET_PDEATHSIG, engine/workers.py).
+        # (PR_SET_PDEATHSIG, engine/processes.py).
         sock.close()
         sys.stdout.flush()
         sys.stderr.flush()

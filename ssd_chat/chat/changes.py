@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..chat.settings import SAMPLING_KEYS
+from .settings import SAMPLING_KEYS
 
 # /command -> setting (the demo script's command files use the same names)
 SLASH_KEYS = {"mode": "mode", "k": "k", "fan-out": "fan_out", "fanout": "fan_out", "temp": "temperature",
