@@ -233,6 +233,12 @@ def test_the_app_folders_import_one_way():
     assert knots(graph) == []
 
 
+def test_code_outside_the_engine_uses_only_its_surface():
+    import ssd_chat.engine
+
+    assert past_the_surface(PACKAGES, set(ssd_chat.engine.__all__)) == {}
+
+
 def test_the_command_line_imports_no_torch():
     """``--help``, usage errors and the settings checks stay fast: the CLI and the engine's light names
     (its surface loads a name on first use) import no torch."""

@@ -20,8 +20,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Header
 
 from ..chat.backend import Backend, readable
-from ..engine import threads, processes
-from ..engine.events import Notice
+from ..engine import threads, processes, Notice
 from ..history.store import History
 from ..chat.terminal import printable
 from . import signals

@@ -25,7 +25,7 @@ from textual.widgets import Static
 
 from ..chat.backend import Backend
 from ..chat.settings import sampling_settings
-from ..engine.events import Event
+from ..engine import Event
 from ..history.store import History
 from ..chat.session import Session
 from ..chat.terminal import printable

@@ -26,8 +26,7 @@ import threading
 from typing import Any
 
 from .backend import EngineBackend, readable
-from ..engine import threads, processes
-from ..engine.events import Error
+from ..engine import threads, processes, Error
 
 
 def vocabulary(engine: Any) -> list[str]:

@@ -26,9 +26,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from .backend import Backend, Progress, readable
-from ..engine.errors import SSDChatError
-from ..engine.events import Error, Event, Notice
-from ..engine.params import SamplingParams
+from ..engine import SSDChatError, Error, Event, Notice, SamplingParams
 
 CLOSE_TIMEOUT_S = 5.0
 POLL_S = 0.05  # how often a waiting reply looks at its stop flag (an answer wakes it at once)

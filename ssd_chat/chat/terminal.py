@@ -14,6 +14,8 @@ import sys
 import textwrap
 from typing import TextIO
 
+import typer
+
 _KEEP = {"\n", "\t"}
 # C0 controls, DEL and C1 controls (0x80-0x9f: a lone 0x9b is a CSI on many terminals)
 _ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] if chr(c) not in _KEEP}
@@ -63,7 +65,5 @@ def wrapped(message: str, stream: TextIO | None = None) -> str:
 
 def fail(message: str, code: int = 1) -> typer.Exit:
     """One line on stderr, and the exit to raise: usage errors 2, runtime failures 1."""
-    import typer
-
     typer.echo(wrapped(f"ssd-chat: error: {message}", sys.stderr), err=True)
     return typer.Exit(code)

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..engine import processes  # process helpers, without importing torch
-from ..engine.config import EngineConfig  # the engine's settings, without importing torch
+from ..engine import EngineConfig  # the engine's settings, without importing torch
 
 KEY_ENV = "SSD_CHAT_API_KEY"
 

@@ -13,8 +13,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select
 
 from ...chat.settings import SAMPLING_KEYS, EngineConfig
-from ...engine.fanout import DEFAULT_FAN_OUT
-from ...engine.params import SamplingParams
+from ...engine import DEFAULT_FAN_OUT, SamplingParams
 from ...chat.terminal import printable
 from ...chat.changes import ENGINE_CHANGES, FIELDS, MODES, check_engine, parse_settings
 
