@@ -1,17 +1,6 @@
-"""ssd_chat.engine: pure inference (no UI imports).
-
-Everything outside the engine (the app, the commands, the server, ``bench``, ``train``) imports only
-the names below, from ``ssd_chat.engine`` itself (``tests/test_layout.py`` checks):
-
-* running it: :class:`Engine`, :class:`EngineConfig`, :class:`SamplingParams`, the events and the
-  errors, the metrics of a stream;
-* models: resolving, placing and loading them, chat templates, the model cache (``model_cache``,
-  ``model_download``) and what is checked and measured before a start (``preflight``, the mode probe);
-* drafts: the shipped and derived drafts, and what training a draft builds on;
-* the app's processes and threads (``processes``, ``threads``) and simulated hardware (``simulate``).
-
-Names load on first use, so importing the package (the CLI does, to check settings) imports no torch.
-"""
+"""ssd_chat.engine: pure inference (no UI imports).  Code outside the engine imports only the names in
+``__all__`` (docs/design.md groups them; ``tests/test_layout.py`` checks).  A name loads its module on first
+use, so importing the package (the CLI does, to check settings) imports no torch."""
 
 from __future__ import annotations
 
