@@ -11,6 +11,7 @@ from torch import nn
 
 from conftest import CharTokenizer
 from distribution import decoder_distribution_test
+from ssd_chat.engine.drafts import gguf as gguf_drafts
 from ssd_chat.engine.load import models, precision
 from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.engine import Engine, EngineConfig

@@ -8,7 +8,7 @@ import torch
 import pytest
 from torch import nn
 
-from ssd_chat.engine.drafts import folder as draft_folder, model as draft_model
+from ssd_chat.engine.drafts import folder as draft_folder, gguf as gguf_drafts, model as draft_model
 from ssd_chat.engine.load import gguf_header, precision
 from ssd_chat.engine.load.models import LoadedModel, ModelSpec, Placement
 from ssd_chat.engine.cpu.quant import GGUFLinear
