@@ -79,7 +79,7 @@ class EngineConfig:
         if self.compile not in COMPILE:
             raise ParamError(f"unknown compile '{self.compile}' (use one of {', '.join(COMPILE)})")
         if self.mode == "ssd":  # --fan-out / --budget against k, before any model loads
-            from .speculate.fanout import parse
+            from .fanout import parse
 
             parse(self.fan_out, self.k, self.budget)
 

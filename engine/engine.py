@@ -11,7 +11,7 @@ from typing import Any
 
 from .config import CONFIG_MODES, MODES, EngineConfig
 from .decode.ar import ARDecoder
-from .drafts import shipped as drafts
+from .drafts import gguf as gguf_drafts, shipped as drafts
 from .drafts.drafter import is_feature_draft
 from .drafts.shipped import check_draft_for_mode, default_draft
 from .errors import NotCachedError, ParamError
@@ -53,7 +53,7 @@ class Engine:
         self.auto = self.auto_choice is not None  # the mode in force is auto's (not one the user switched to)
         self._decoder: Any = None
         self._decoder_key: tuple | None = None
-        self.measurer: Any = None  # auto's background measurer process (engine/decode/probe.py), while it runs
+        self.measurer: Any = None  # auto's background measurer process (engine/startup/probe.py), while it runs
         self.measure_later: tuple[EngineConfig, int] | None = None  # what it is to measure, and the key's lock, until loaded
         self.measure = "no"  # how auto gets a measurement it lacks (Engine.load's ``measure``), for /mode auto later
         if target.forwards.sharded is None and target.device.type == "cpu":  # auto builds its CPU graphs in the background
@@ -66,7 +66,7 @@ class Engine:
         """Check what can be checked (:func:`preflight.check`: ``auto``, devices, draft against mode, sizes;
         ``warn`` hears its warnings before any download), then load the models.  ``measure``: how ``auto``
         gets a measurement this setup has none of (:func:`probe.settle`: "no", "background", "now")."""
-        from .load.preflight import check
+        from .startup.preflight import check
 
         asked, pre = config, check(config)
         for w in pre.warnings:
@@ -108,7 +108,7 @@ class Engine:
             if draft_name is not None:
                 progress(f"preparing draft {draft_name}", None)
                 if drafts.is_derived(draft_name):  # in the target's precision
-                    draft = precision.derive(draft_name, tp_load.draft_base(target, config.draft_device, progress))
+                    draft = gguf_drafts.derive(draft_name, tp_load.draft_base(target, config.draft_device, progress))
                 else:
                     assert dplace is not None
                     draft = precision.load(draft_name, dplace, config.dtype, config.trust_remote_code, progress, tqdm_class)
@@ -117,8 +117,8 @@ class Engine:
             raise
         engine = cls(config, target, draft, pre.reason if pre.auto else None)
         engine.measure = measure
-        if pre.probe:  # auto with a draft: the mode that measured fastest here (engine/decode/probe.py)
-            from .decode.probe import settle
+        if pre.probe:  # auto with a draft: the mode that measured fastest here (engine/startup/probe.py)
+            from .startup.probe import settle
 
             try:
                 settle(engine, draft_name, pre.probe, progress, measure, source=asked)
@@ -131,7 +131,7 @@ class Engine:
 
     def _start_measurer(self) -> None:
         if self.measure_later is not None and self.measurer is None:
-            from .decode.probe import start_measurer
+            from .startup.probe import start_measurer
 
             self.measurer, self.measure_later = start_measurer(self.measure_later), None
 
@@ -158,7 +158,8 @@ class Engine:
             return
         where = contextlib.nullcontext()
         if cfg.mode == "ssd":  # the verifier's cores and threads: a graph is built for a thread count
-            from .speculate.plan import pinned, plan
+            from .speculate.plan import plan
+            from .threads import pinned
 
             p = plan(cfg, self.target.device, self.target.placement.cores)
             where = pinned(p.target_cores, p.target_threads)
@@ -247,12 +248,12 @@ class Engine:
         :func:`preflight.check`, then for a draft the probe's stored choice (AR, saying so, while none is stored)."""
         others = {k: v for k, v in changes.items() if k != "mode"}
         if self.auto_choice is None:
-            from .load.preflight import check
+            from .startup.preflight import check
 
             asked = replace(self.config, **others, mode="auto")
             pre = check(asked)
             if pre.probe:
-                from .decode.probe import settle
+                from .startup.probe import settle
 
                 self._switch(**others, mode=pre.config.mode)  # its draft (derived now if none is loaded)
                 # sets auto_choice; the app and serve measure a setup with no record in the background
@@ -273,7 +274,7 @@ class Engine:
             name = new.draft or default_draft(new.target)
             if not drafts.is_derived(name):
                 raise ParamError(f"mode '{new.mode}' needs the draft '{name}' loaded; restart with --mode {new.mode} --draft {name}")
-            draft = precision.derive(name, tp_load.draft_base(self.target, new.draft_device))
+            draft = gguf_drafts.derive(name, tp_load.draft_base(self.target, new.draft_device))
         check_draft_for_mode(new.mode, draft)
         self.draft = draft
         self.config = new
@@ -321,6 +322,6 @@ class Engine:
 
 def _rebuild(target: models.LoadedModel) -> tuple[Callable, Any]:
     """(make, recipe): how a background compile process rebuilds ``target`` (as the SSD speculator does its draft)."""
-    from .speculate.worker import build_model, recipe_for
+    from .speculate.process import build_model, recipe_for
 
     return build_model, recipe_for(target, target, "cpu", target.placement.dtype)

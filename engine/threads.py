@@ -10,10 +10,12 @@ starts no pool, and each thread that computes sets the count it computes with.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -130,3 +132,22 @@ def _settle(done: asyncio.Future, error: BaseException | None, result: Any) -> N
         done.set_exception(error)
     else:
         done.set_result(result)
+
+
+@contextlib.contextmanager
+def pinned(cores: tuple[int, ...] | None, threads: int | None) -> Iterator[None]:
+    """Pin the calling thread to ``cores`` and torch to ``threads`` threads; restore after."""
+    old_aff = os.sched_getaffinity(0) if cores and hasattr(os, "sched_setaffinity") else None
+    if old_aff is not None and old_aff == set(cores):  # already there (moving a thread costs ~ms)
+        old_aff = None
+    old_threads = torch.get_num_threads()
+    try:
+        if old_aff is not None:
+            os.sched_setaffinity(0, cores)
+        if threads:
+            torch.set_num_threads(threads)
+        yield
+    finally:
+        if old_aff is not None:
+            os.sched_setaffinity(0, old_aff)
+        torch.set_num_threads(old_threads)

@@ -28,7 +28,7 @@ T, TOP_K, TOP_P, REP = (CHAT_DEFAULT[k] for k in ("temperature", "top_k", "top_p
 
 def _rules() -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """name -> q(raw draft logits, penalized draft logits) as a dense [V] distribution."""
-    from ssd_chat.engine.decode.sampling import logits_to_probs
+    from ssd_chat.engine.sampling.sampling import logits_to_probs
 
     def warped(temp: float, top_k: int = TOP_K, top_p: float = TOP_P, pen: bool = True):
         return lambda raw, penal: logits_to_probs(penal if pen else raw, temp, top_k, top_p)
@@ -46,8 +46,8 @@ def _rules() -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
 
 @torch.inference_mode()
 def probe(num_prompts: int, n: int, seed: int) -> dict:
-    from ssd_chat.engine.decode.penalties import Penalties
-    from ssd_chat.engine.decode.sampling import logits_to_probs, make_generator, sample_next
+    from ssd_chat.engine.sampling.penalties import Penalties
+    from ssd_chat.engine.sampling.sampling import logits_to_probs, make_generator, sample_next
     from ssd_chat.engine.drafts.drafter import drafter, fit_vocab, vocab_size
     from ssd_chat.engine.drafts.feature import is_feature_draft
     from ssd_chat.engine.model import runner as kv

@@ -51,7 +51,8 @@ class Models:
     """The packaged model as the app loads it (float32, fastlinear) and its GGUF linears."""
 
     def __init__(self) -> None:
-        from ssd_chat.engine.cpu import weights as fast_weights, quant
+        from ssd_chat.engine.load import gguf_weights as fast_weights
+        from ssd_chat.engine.cpu import quant
         from ssd_chat.engine.load import models
 
         t0 = time.perf_counter()

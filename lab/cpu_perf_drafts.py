@@ -9,7 +9,7 @@ For each candidate, on the compact core at one thread (core 0, CPU time):
 
 Candidates: ``int8`` as today (torch dynamic int8), ``int8`` as Q8_0 blocks on the GGUF kernels
 (fast_weights.q8_copy), ``layers:N`` sharing the target's GGUF linears, and the trained draft as
-shipped (float32 own layers and head) and with fast weights (fast_weights.fast_draft).
+shipped (float32 own layers and head) and with fast weights (gguf_drafts.fast_draft).
 
 Estimates per k (stated as such: they assume independent acceptances, geometric run lengths):
 E = (1 - a^(k+1)) / (1 - a) tokens per round; SD = E / (k D1 + V(k+1)); SSD with every round
@@ -77,8 +77,8 @@ def estimates(a: float, d: dict[str, float], v: dict[int, float]) -> list[dict[s
 
 
 def run(m: Models, reps: int, log: Callable[[str], None]) -> dict[str, Any]:
-    from ssd_chat.engine.drafts import shipped as drafts
-    from ssd_chat.engine.cpu import weights as fast_weights
+    from ssd_chat.engine.drafts import gguf as gguf_drafts, shipped as drafts
+    from ssd_chat.engine.load import gguf_weights as fast_weights
     from ssd_chat.engine.model.core import Core
 
     pin((0,), 1)
@@ -93,7 +93,7 @@ def run(m: Models, reps: int, log: Callable[[str], None]) -> dict[str, Any]:
                                                       "trained (float32, as shipped)": (drafts.derive("trained", m.lm).model, False)}
     fast_trained = drafts.derive("trained", m.lm).model
     m.swapped(True)
-    m.quant.swap_modules(fast_trained, fast_weights.fast_draft(fast_trained, m.gguf))
+    m.quant.swap_modules(fast_trained, gguf_drafts.fast_draft(fast_trained, m.gguf))
     cands["trained (GGUF shared layers, Q8_0 own layers and head)"] = (fast_trained, True)
     cands["int8 as Q8_0 blocks (GGUF kernels)"] = (fast_weights.q8_copy(m.model, m.gguf), True)
     for n in (2, 4, 8):

@@ -24,9 +24,16 @@ import time
 import torch
 
 from ssd_chat.engine.config import EngineConfig
-from ssd_chat.engine.decode.penalties import Penalties
-from ssd_chat.engine.decode.sampling import draw_draft, greedy_outcome, logits_to_probs, make_generator, sample_next, verify
-from ssd_chat.engine.decode.support import as_dense, stack
+from ssd_chat.engine.sampling.penalties import Penalties
+from ssd_chat.engine.sampling.sampling import (
+    draw_draft,
+    greedy_outcome,
+    logits_to_probs,
+    make_generator,
+    sample_next,
+    verify,
+)
+from ssd_chat.engine.sampling.support import as_dense, stack
 from ssd_chat.engine.engine import Engine
 from ssd_chat.engine.load.gen_defaults import CHAT_DEFAULT
 from ssd_chat.engine.speculate.channel import Settings

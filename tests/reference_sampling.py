@@ -1,5 +1,5 @@
 """The sampling distribution written out plainly over the whole vocabulary, independently of the
-engine's code: what the fast sampler (``engine/decode/support.py``) and the distribution tests are
+engine's code: what the fast sampler (``engine/sampling/support.py``) and the distribution tests are
 checked against.
 
 Order as in transformers: penalties, temperature, top-k (every logit equal to the k-th largest

@@ -56,7 +56,7 @@ def test_ask_json_says_which_forward_ran_and_both_give_the_same_tokens():
 @pytest.mark.parametrize("cores", [None, {0}])
 def test_ask_json_reports_the_mode_auto_ran(cores):
     """The default mode is auto: with a core for the speculator (and the shipped draft) the mode that measured
-    fastest here (engine/decode/probe.py; ask measures nothing: AR until the app, serve or `config measure`
+    fastest here (engine/startup/probe.py; ask measures nothing: AR until the app, serve or `config measure`
     has), AR on one core."""
     preexec = (lambda: os.sched_setaffinity(0, cores)) if cores else None
     r = subprocess.run([sys.executable, "-m", "ssd_chat", "ask", "--json", "-n", "12", "--temperature", "0", "What is the capital of France?"],

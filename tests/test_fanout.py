@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from ssd_chat.engine.errors import ParamError
-from ssd_chat.engine.speculate.fanout import BYTES_PER_ROW_ENTRY, MAX_BUDGET, TREE_BYTES, default_budget, geometric, max_budget, parse
+from ssd_chat.engine.fanout import (
+    BYTES_PER_ROW_ENTRY,
+    MAX_BUDGET,
+    TREE_BYTES,
+    default_budget,
+    geometric,
+    max_budget,
+    parse,
+)
 
 
 @pytest.mark.parametrize(("k", "budget", "a"), [(7, 24, 0.8), (4, 10, 0.5), (3, 8, 0.95), (5, 6, 0.2), (2, 100, 0.7)])

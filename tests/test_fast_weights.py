@@ -1,4 +1,4 @@
-"""GGUF-precision weights for a target and its drafts (engine/cpu/weights.py) and the tile cache
+"""GGUF-precision weights for a target and its drafts (engine/load/gguf_weights.py) and the tile cache
 of gguf_map: drafts share the target's blocks, their own weights become Q8_0 blocks, a warm start
 reads the cache instead of parsing the GGUF."""
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from ssd_chat.engine.drafts import shipped as drafts, model as draft_model
-from ssd_chat.engine.cpu import weights as fast_weights, quant
+from ssd_chat.engine.drafts import gguf as gguf_drafts, shipped as drafts, model as draft_model
+from ssd_chat.engine.load import gguf_weights as fast_weights
+from ssd_chat.engine.cpu import quant
 from ssd_chat.engine.load import gguf_map
 from ssd_chat.engine.model.core import Core
 from ssd_chat.engine.load.models import LoadedModel, ModelSpec, Placement
@@ -54,7 +55,7 @@ def test_gguf_target_needs_a_gguf_on_cpu(target):
 def test_layers_draft_shares_the_targets_blocks(target):
     draft = drafts.derive("layers:2", target)
     mods = fast_weights.gguf_target(target)
-    dmods = fast_weights.fast_draft(draft.model, mods)
+    dmods = gguf_drafts.fast_draft(draft.model, mods)
     assert dmods["lm_head"] is mods["lm_head"]
     assert dmods["model.layers.1.mlp.down_proj"] is mods["model.layers.1.mlp.down_proj"]
     assert not any(n.startswith("model.layers.2") for n in dmods)  # the draft has two layers
@@ -75,7 +76,7 @@ def test_trained_draft_gets_q8_blocks_for_its_own_layers_and_the_heads_own_rows(
         for p in draft.model.layers[1].parameters():  # "trained": not a copy of target layer 2 anymore
             p.add_(0.01 * torch.randn_like(p))
     mods = fast_weights.gguf_target(target)
-    dmods = fast_weights.fast_draft(draft, mods)
+    dmods = gguf_drafts.fast_draft(draft, mods)
     assert dmods["model.layers.0.self_attn.q_proj"] is mods["model.layers.0.self_attn.q_proj"]
     own = dmods["model.layers.1.mlp.gate_proj"]
     assert isinstance(own, GGUFLinear) and own.kind == "Q8_0" and own not in mods.values()

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from ssd_chat.cli import app
 from ssd_chat.chat.stats import format_stats
 from ssd_chat.engine import EngineConfig
-from ssd_chat.engine.load import models, preflight
+from ssd_chat.engine.load import models
+from ssd_chat.engine.startup import preflight
 from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.events import Stats
 from ssd_chat.history.store import metrics_line

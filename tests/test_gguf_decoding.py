@@ -11,6 +11,7 @@ from torch import nn
 
 from conftest import CharTokenizer
 from distribution import decoder_distribution_test
+from ssd_chat.engine.drafts import gguf as gguf_drafts
 from ssd_chat.engine.load import models, precision
 from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.engine import Engine, EngineConfig
@@ -72,7 +73,7 @@ def test_engine_load_computes_a_gguf_target_in_its_own_precision_by_default(gguf
 
 @pytest.mark.parametrize("draft_name", ["layers:1", "int8", "copy"])
 def test_greedy_sd_equals_ar(target, draft_name):
-    draft = precision.derive(draft_name, target)
+    draft = gguf_drafts.derive(draft_name, target)
     dec = SDDecoder(Engine(EngineConfig(mode="sd", k=3), target, draft))
     accepted = drafted = 0
     for prompt in PROMPTS:
@@ -85,7 +86,7 @@ def test_greedy_sd_equals_ar(target, draft_name):
 
 @pytest.mark.parametrize("draft_name", ["layers:1", "int8"])
 def test_greedy_ssd_equals_ar(target, draft_name):
-    draft = precision.derive(draft_name, target)
+    draft = gguf_drafts.derive(draft_name, target)
     dec = SSDDecoder(Engine(EngineConfig(mode="ssd", k=2, fan_out="geometric"), target, draft))
     try:
         hits = rounds = accepted = drafted = 0
@@ -105,9 +106,9 @@ def test_greedy_ssd_equals_ar(target, draft_name):
 
 @pytest.mark.parametrize("draft_name", ["layers:2", "int8"])
 def test_the_speculator_process_rebuilds_the_same_gguf_draft(target, draft_name):
-    from ssd_chat.engine.speculate.worker import build_model, recipe_for
+    from ssd_chat.engine.speculate.process import build_model, recipe_for
 
-    draft = precision.derive(draft_name, target)
+    draft = gguf_drafts.derive(draft_name, target)
     recipe = recipe_for(draft, target, "cpu", torch.float32)
     assert recipe.gguf == target.spec.source and recipe.derived == draft_name
     rebuilt = build_model(recipe)
@@ -127,7 +128,7 @@ def small(tmp_path_factory) -> LoadedModel:
 
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
 def test_sampling_keeps_the_gguf_targets_distribution(small, mode):
-    draft = precision.derive("layers:1", small)
+    draft = gguf_drafts.derive("layers:1", small)
     cfg = EngineConfig(mode=mode, k=2, **({"fan_out": "uniform:2"} if mode == "ssd" else {}))
     dec = (SSDDecoder if mode == "ssd" else SDDecoder)(Engine(cfg, small, draft))
     try:

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
-from ssd_chat.engine.decode import host
+from ssd_chat.engine.sampling import host
 from ssd_chat.engine.decode.sd import SDDecoder
 from ssd_chat.engine.decode.ssd import SSDDecoder
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.events import Round
 from ssd_chat.engine.params import SamplingParams
 from ssd_chat.engine.speculate.channel import Settings
-from ssd_chat.engine.speculate.fanout import parse
+from ssd_chat.engine.fanout import parse
 from ssd_chat.engine.speculate.speculator import Speculator
 
 PROMPT = [1, 2, 3, 4, 5]
@@ -95,7 +95,7 @@ def test_an_sd_round_reads_the_device_once(pair, raw, params):
 
 def test_an_sd_round_on_the_dense_sampler_reads_once_in_all(pair, raw, monkeypatch):
     """Off the CPU the sampler takes the dense path (no tie check): the round's one read is all."""
-    from ssd_chat.engine.decode import sampling
+    from ssd_chat.engine.sampling import sampling
 
     monkeypatch.setattr(sampling, "top_support", lambda *a, **kw: None)
     dec = SDDecoder(Engine(EngineConfig(mode="sd", k=4), *pair))
@@ -153,7 +153,7 @@ def test_the_tree_candidates_are_read_only_when_a_request_arrives_mid_tree(pair,
     """The worker's abort check asks for the outcomes the tree answers only when a request is waiting;
     that is one read, and the tree's own read after it still makes one."""
     from ssd_chat.engine.speculate.channel import Spec
-    from ssd_chat.engine.speculate.worker import stops_tree
+    from ssd_chat.engine.speculate.process import stops_tree
 
     _, draft = pair
     k = 3

@@ -1,5 +1,7 @@
 """The code stays one a newcomer can live in: no module of the installed packages over 400 lines,
-and no import cycles in the app's packages (``ssd_chat/``, ``tui/`` and the engine).  An import inside a
+no import cycles in the app's packages (``ssd_chat/``, ``tui/`` and the engine), their folders import one
+way (the engine's layers, ``docs/design.md``), and code outside the engine imports only the names
+``ssd_chat.engine`` exports.  An import inside a
 function counts, and so does one for type checking only: it is still a dependency, and a cycle through one
 is how bottom-of-file imports and lazy workarounds start.  The measurement scripts in ``lab/`` are not
 installed, and nothing installed imports them."""
@@ -7,6 +9,8 @@ installed, and nothing installed imports them."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -55,14 +59,15 @@ def module_file(name: str, packages: dict[str, Path]) -> Path | None:
     return None
 
 
-def imports_of(path: Path, packages: dict[str, Path]) -> set[str]:
-    """The modules of ``packages`` that ``path`` imports, anywhere in it (``from a import b``: a.b if that is a module)."""
+def import_statements(path: Path, packages: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    """(module, names) of every import in ``path``, anywhere in it, relative ones resolved
+    (``import a.b``: ("a.b", []))."""
     name = module_name(path, packages)
     pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    out: set[str] = set()
+    out: list[tuple[str, list[str]]] = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if module_file(a.name, packages))
+            out += [(a.name, []) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -70,12 +75,22 @@ def imports_of(path: Path, packages: dict[str, Path]) -> set[str]:
                 for _ in range(node.level - 1):
                     anchor = anchor.rpartition(".")[0]
                 base = f"{anchor}.{base}" if base else anchor
-            for a in node.names:
-                if module_file(f"{base}.{a.name}", packages):
-                    out.add(f"{base}.{a.name}")
-                elif module_file(base, packages):
-                    out.add(base)
-    out.discard(name)
+            out.append((base, [a.name for a in node.names]))
+    return out
+
+
+def imports_of(path: Path, packages: dict[str, Path]) -> set[str]:
+    """The modules of ``packages`` that ``path`` imports, anywhere in it (``from a import b``: a.b if that is a module)."""
+    out: set[str] = set()
+    for base, names in import_statements(path, packages):
+        if not names and module_file(base, packages):
+            out.add(base)
+        for n in names:
+            if module_file(f"{base}.{n}", packages):
+                out.add(f"{base}.{n}")
+            elif module_file(base, packages):
+                out.add(base)
+    out.discard(module_name(path, packages))
     return out
 
 
@@ -91,9 +106,26 @@ def checked_files(packages: dict[str, Path], checked: tuple[str, ...]) -> list[P
 
 
 def cycles(packages: dict[str, Path], checked: tuple[str, ...]) -> list[list[str]]:
-    """Strongly connected groups of more than one module among the checked packages (Tarjan)."""
-    files = checked_files(packages, checked)
-    graph = {module_name(f, packages): imports_of(f, packages) for f in files}
+    """Strongly connected groups of more than one module among the checked packages."""
+    return knots({module_name(f, packages): imports_of(f, packages) for f in checked_files(packages, checked)})
+
+
+def folders(packages: dict[str, Path], base: str) -> dict[str, set[str]]:
+    """The folders (sub-packages) of package ``base`` and the folders each imports; a module directly in
+    ``base`` is a node of its own (``base/__init__.py`` is none)."""
+    def node(mod: str) -> str | None:
+        return mod[len(base) + 1:].split(".")[0] if mod.startswith(base + ".") else None
+
+    graph: dict[str, set[str]] = {}
+    for f in checked_files(packages, tuple(packages)):
+        me = node(module_name(f, packages))
+        if me is not None:
+            graph.setdefault(me, set()).update(n for m in imports_of(f, packages) if (n := node(m)) not in (None, me))
+    return graph
+
+
+def knots(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one node (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -124,6 +156,23 @@ def cycles(packages: dict[str, Path], checked: tuple[str, ...]) -> list[list[str
         if v not in index:
             visit(v)
     return found
+
+
+def past_the_surface(packages: dict[str, Path], surface: set[str]) -> dict[str, list[str]]:
+    """What code outside the engine (``ssd_chat/``'s other folders, ``tui/``) imports from it other than
+    the names of ``ssd_chat.engine`` itself that ``surface`` lists: module -> those imports."""
+    eng = "ssd_chat.engine"
+    out: dict[str, list[str]] = {}
+    for f in checked_files(packages, tuple(packages)):
+        me = module_name(f, packages)
+        if me == eng or me.startswith(eng + ".") or not me.startswith("ssd_chat."):
+            continue
+        bad = [f"{base}.{n}" if base == eng else base for base, names in import_statements(f, packages)
+               if base.startswith(eng + ".") or base == eng and (not names or set(names) - surface)
+               for n in (set(names) - surface if base == eng and names else [None])]
+        if bad:
+            out[me] = sorted(set(bad))
+    return out
 
 
 def imports_lab(path: Path) -> list[str]:
@@ -172,6 +221,52 @@ def test_module_is_at_most_400_lines(path):
 
 def test_no_import_cycles_in_the_app():
     assert cycles(PACKAGES, CHECKED) == []
+
+
+def test_the_engine_folders_import_one_way():
+    assert knots(folders(PACKAGES, "ssd_chat.engine")) == []
+
+
+def test_the_app_folders_import_one_way():
+    graph = folders(PACKAGES, "ssd_chat")
+    assert {"cli", "chat", "history", "server", "bench", "train", "tui", "engine"} <= set(graph)
+    assert knots(graph) == []
+
+
+def test_code_outside_the_engine_uses_only_its_surface():
+    import ssd_chat.engine
+
+    assert past_the_surface(PACKAGES, set(ssd_chat.engine.__all__)) == {}
+
+
+def test_the_command_line_imports_no_torch():
+    """``--help``, usage errors and the settings checks stay fast: the CLI and the engine's light names
+    (its surface loads a name on first use) import no torch."""
+    code = ("import sys\nimport ssd_chat.engine as e\nfrom ssd_chat.cli import app\ne.EngineConfig(mode='ssd')\n"
+            "e.SamplingParams()\ntry:\n    app(['--help'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.stdout.splitlines()[-1:] == ["False"], r.stdout[-300:] + r.stderr[-2000:]
+
+
+def test_the_folder_and_surface_checks_see_every_form(tmp_path):
+    eng = tmp_path / "engine"
+    (eng / "decode").mkdir(parents=True)
+    (eng / "sampling").mkdir()
+    app = tmp_path / "app"
+    app.mkdir()
+    for f in ("engine/__init__.py", "engine/decode/__init__.py", "engine/sampling/__init__.py", "app/__init__.py"):
+        (tmp_path / f).write_text("")
+    (eng / "decode" / "ar.py").write_text("from ..sampling.draw import sample\n")
+    (eng / "sampling" / "draw.py").write_text("def sample():\n    from ..decode import ar\n")
+    (app / "cli.py").write_text("from ..engine import Engine\n\ndef main():\n    from ..engine.decode import ar\n")
+    pkgs = {"ssd_chat": tmp_path, "ssd_chat.engine": eng, "ssd_chat.engine.decode": eng / "decode",
+            "ssd_chat.engine.sampling": eng / "sampling", "ssd_chat.app": app}
+    assert knots(folders(pkgs, "ssd_chat.engine")) == [["decode", "sampling"]]
+    assert folders(pkgs, "ssd_chat") == {"engine": set(), "app": {"engine"}}
+    assert past_the_surface(pkgs, {"Engine"}) == {"ssd_chat.app.cli": ["ssd_chat.engine.decode"]}
+    assert past_the_surface(pkgs, set()) == {"ssd_chat.app.cli": ["ssd_chat.engine.Engine", "ssd_chat.engine.decode"]}
+    (eng / "sampling" / "draw.py").write_text("def sample():\n    pass\n")
+    assert knots(folders(pkgs, "ssd_chat.engine")) == []
 
 
 def test_the_cycle_check_sees_an_import_inside_a_function(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
-from ssd_chat.engine.decode import host
+from ssd_chat.engine.sampling import host
 from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.decode.logprobs import of_prompt
 from ssd_chat.engine.decode.sd import SDDecoder

@@ -9,14 +9,14 @@ import torch
 
 from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
 from distribution import compare, decoder_distribution_test, exact_distribution, sample_outcomes
-from ssd_chat.engine.decode import penalties as penalties_mod
+from ssd_chat.engine.sampling import penalties as penalties_mod
 from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.events import Done, Notice, Round
 from ssd_chat.engine.params import SamplingParams
-from ssd_chat.engine.decode.penalties import Penalties
-from ssd_chat.engine.decode.sampling import apply_penalties
+from ssd_chat.engine.sampling.penalties import Penalties
+from ssd_chat.engine.sampling.sampling import apply_penalties
 from ssd_chat.engine.decode.sd import SDDecoder
 from ssd_chat.engine.decode.ssd import SSDDecoder
 
@@ -118,7 +118,7 @@ def test_greedy_ssd_with_penalties_equals_ar(pair, k, fan_out, fallback):
 def test_speculator_tree_branches_are_penalized_for_their_own_prefix(pair):
     """Each greedy branch (j, c) drafts what penalized greedy drafting after its own prefix gives."""
     from ssd_chat.engine.speculate.channel import Settings
-    from ssd_chat.engine.speculate.fanout import parse
+    from ssd_chat.engine.fanout import parse
     from ssd_chat.engine.speculate.speculator import Speculator
 
     _, draft = pair

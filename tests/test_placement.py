@@ -113,7 +113,8 @@ def test_the_chat_reads_device_lists_as_tensor_parallel_ranks(monkeypatch):
     plan_target: tensor-parallel ranks, ``pipeline:`` a device_map; ``auto`` with 3+ GPUs is TP over all but the last."""
     import torch
 
-    from ssd_chat.engine.load import models, placement, preflight
+    from ssd_chat.engine.load import models, placement
+    from ssd_chat.engine.startup import preflight
     from ssd_chat.engine.config import EngineConfig
 
     cpu = models.parse_placement("cpu:0,cpu:1")

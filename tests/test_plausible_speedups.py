@@ -31,7 +31,7 @@ def test_the_speculator_times_a_warm_draft_step_not_its_cold_first_call(tiny_dra
     and every round charged SD k times that.  Now the first call is untimed and the estimate is plausible."""
     from ssd_chat.engine.speculate import speculator as spec_mod
     from ssd_chat.engine.speculate.channel import Settings
-    from ssd_chat.engine.speculate.fanout import parse
+    from ssd_chat.engine.fanout import parse
 
     clock = [0.0]
     monkeypatch.setattr(spec_mod.time, "perf_counter", lambda: clock[0])

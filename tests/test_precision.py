@@ -8,7 +8,7 @@ import torch
 import pytest
 from torch import nn
 
-from ssd_chat.engine.drafts import folder as draft_folder, model as draft_model
+from ssd_chat.engine.drafts import folder as draft_folder, gguf as gguf_drafts, model as draft_model
 from ssd_chat.engine.load import gguf_header, precision
 from ssd_chat.engine.load.models import LoadedModel, ModelSpec, Placement
 from ssd_chat.engine.cpu.quant import GGUFLinear
@@ -92,11 +92,11 @@ def test_layers_and_copy_drafts_share_the_targets_gguf_linears(target):
     precision.to_gguf(target)
     mods = precision.state(target).modules
     for name in ("layers:2", "copy"):
-        d = precision.derive(name, target)
+        d = gguf_drafts.derive(name, target)
         assert d.model.lm_head is mods["lm_head"], name
         assert d.model.model.layers[1].mlp.down_proj is mods["model.layers.1.mlp.down_proj"], name
         assert precision.of(d) == "gguf Q4_1", name
-    assert torch.equal(_logits(precision.derive("copy", target).model), _logits(target.model))
+    assert torch.equal(_logits(gguf_drafts.derive("copy", target).model), _logits(target.model))
 
 
 def test_the_float_paths_int8_draft_is_labelled_as_such():
@@ -114,7 +114,7 @@ def test_the_float_paths_int8_draft_is_labelled_as_such():
 def test_int8_is_a_q8_copy_on_the_same_kernels(target):
     ref = _logits(target.model)
     precision.to_gguf(target)
-    d = precision.derive("int8", target)
+    d = gguf_drafts.derive("int8", target)
     lins = [m for m in d.model.modules() if isinstance(m, (nn.Linear, GGUFLinear))]
     assert len(lins) == 3 * 7 + 1 and all(isinstance(m, GGUFLinear) and m.kind == "Q8_0" for m in lins)
     assert d.model.lm_head is precision.state(target).modules["lm_head"]  # the head is Q8_0 in the file already
@@ -133,7 +133,7 @@ def test_a_trained_draft_keeps_the_targets_blocks_and_q8_own_layers(target, tmp_
     save(draft, folder, target.name, target.model)
     ref = _logits(draft_folder.load(str(folder), target).model)
     precision.to_gguf(target)  # the hash of the shared float weights is checked on the float view
-    d = precision.derive(str(folder), target)
+    d = gguf_drafts.derive(str(folder), target)
     assert d.model.model.layers[0].self_attn.q_proj is precision.state(target).modules["model.layers.0.self_attn.q_proj"]
     own = d.model.model.layers[1].mlp.gate_proj
     assert isinstance(own, GGUFLinear) and own.kind == "Q8_0"

@@ -1,4 +1,4 @@
-"""``--mode auto``'s probe (engine/decode/probe.py, probe_store.py): the cache is keyed by what can change the
+"""``--mode auto``'s probe (engine/startup/probe.py, probe_store.py): the cache is keyed by what can change the
 answer (and not by where the model file sits), a corrupt or unwritable cache never crashes, the choice is never
 slower than AR, a speculative mode needs a clear margin and a trusted record (no impossible figure, no busy
 machine), one process measures a key at a time, and every start reads the one record.  The timing function
@@ -15,9 +15,9 @@ from serving import tiny_chat_dir  # noqa: F401
 
 from ssd_chat.engine import Engine, EngineConfig, engine as engine_mod
 from ssd_chat.engine.load import models
-from ssd_chat.engine.decode import probe
-from ssd_chat.engine.decode import probe_store as ps
-from ssd_chat.engine.decode.probe import Result, Sample, choose, reason
+from ssd_chat.engine.startup import probe
+from ssd_chat.engine.startup import probe_store as ps
+from ssd_chat.engine.startup.probe import Result, Sample, choose, reason
 from ssd_chat.engine.errors import SSDChatError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -256,7 +256,7 @@ def test_config_shows_the_probes_figures_from_the_cache(figures, mode, tmp_path,
     from typer.testing import CliRunner
 
     from ssd_chat.cli import app
-    from ssd_chat.engine.load import preflight
+    from ssd_chat.engine.startup import preflight
 
     monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
@@ -434,7 +434,7 @@ def test_mode_auto_goes_back_to_the_choice_made_at_load_with_its_reason(eng, fak
 def test_mode_auto_on_an_engine_started_in_a_named_mode_takes_the_stored_choice(tiny_target, tiny_draft, fakes, tmp_path,
                                                                                 monkeypatch):
     """No choice made at load (``--mode ar``): preflight as at a start with ``auto``, then the probe's stored result."""
-    from ssd_chat.engine.load import preflight
+    from ssd_chat.engine.startup import preflight
 
     monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path))
     e = Engine(EngineConfig(target="tiny-target", draft="layers:1", mode="ar"), tiny_target, tiny_draft)
@@ -456,7 +456,7 @@ def test_mode_auto_after_a_named_start_in_the_app_starts_one_measurer(tiny_targe
                                                                        monkeypatch):
     """The app loads with ``measure="background"``: ``/mode auto`` on a setup with no record runs AR, says it is
     measuring, and starts the measurer as a start with auto would (it once only said so)."""
-    from ssd_chat.engine.load import preflight
+    from ssd_chat.engine.startup import preflight
 
     monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path))
     started = []

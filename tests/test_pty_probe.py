@@ -21,8 +21,8 @@ from test_pty import screen_text  # noqa: E402
 from test_pty_ssd import speculators, turns  # noqa: E402
 
 from ssd_chat.engine.load import models  # noqa: E402
-from ssd_chat.engine.decode import probe  # noqa: E402
-from ssd_chat.engine.decode import probe_store as ps  # noqa: E402
+from ssd_chat.engine.startup import probe  # noqa: E402
+from ssd_chat.engine.startup import probe_store as ps  # noqa: E402
 from ssd_chat.engine.config import cache_dir  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
@@ -104,7 +104,7 @@ def start(tmp_path, cache, prompt: str | None, timeout: float = 420):
 
 
 def role(p: psutil.Process) -> str:
-    """A worker's role as it names itself (engine/workers.py: its process name)."""
+    """A worker's role as it names itself (engine/processes.py: its process name)."""
     try:
         return p.name()
     except psutil.Error:
@@ -124,7 +124,7 @@ def measurers(pid: int) -> list[psutil.Process]:
 
 def packaged_fields():
     from ssd_chat.chat.settings import engine_config, resolve
-    from ssd_chat.engine.load import preflight
+    from ssd_chat.engine.startup import preflight
 
     values, _ = resolve({})
     pre = preflight.check(engine_config(values))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from ssd_chat.engine.decode.sampling import (
+from ssd_chat.engine.sampling.sampling import (
     apply_top_k_top_p,
     logits_to_probs,
     make_generator,

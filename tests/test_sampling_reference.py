@@ -13,9 +13,9 @@ import torch
 from scipy.stats import chisquare
 
 import reference_sampling as ref
-from ssd_chat.engine.decode import support
-from ssd_chat.engine.decode.penalties import Penalties
-from ssd_chat.engine.decode.sampling import draw_draft, logits_to_probs, make_generator, sample, sample_next
+from ssd_chat.engine.sampling import support
+from ssd_chat.engine.sampling.penalties import Penalties
+from ssd_chat.engine.sampling.sampling import draw_draft, logits_to_probs, make_generator, sample, sample_next
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

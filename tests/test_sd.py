@@ -17,7 +17,7 @@ from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.events import Done, Error, Round, Token
 from ssd_chat.engine.params import SamplingParams
-from ssd_chat.engine.decode.sampling import sample
+from ssd_chat.engine.sampling.sampling import sample
 
 P_VALUE_MIN = 1e-3  # significance of the distribution tests (fixed seeds: the outcome is reproducible)
 PROMPT = [1, 2, 3, 4, 5]
@@ -412,15 +412,16 @@ def test_the_distribution_test_catches_a_wrong_residual(small_pair, monkeypatch)
 
 def test_the_distribution_test_catches_drafts_sampled_without_top_k(small_pair, monkeypatch):
     """Drafts drawn from the untransformed q while verify is told the top-k q: not exact."""
-    from ssd_chat.engine.decode.sampling import sample
+    from ssd_chat.engine.drafts import drafter
+    from ssd_chat.engine.sampling.sampling import sample
 
-    real = sd.draw_draft
+    real = drafter.draw_draft  # what SD's draft rule (drafter.plain_choice) draws with
 
     def uniform_draws(logits, temperature, top_k, top_p, gen, *args):
         _, q = real(logits, temperature, top_k, top_p, gen, *args)
         return sample(torch.full_like(q, 1.0 / q.shape[-1]), gen), q
 
-    monkeypatch.setattr(sd, "draw_draft", uniform_draws)
+    monkeypatch.setattr(drafter, "draw_draft", uniform_draws)
     result = _distribution(*small_pair, SamplingParams(temperature=0.8, top_k=3))
     assert result.p_value < P_VALUE_MIN, result
 

@@ -94,10 +94,10 @@ def test_a_chunked_body_is_counted_as_it_arrives(sd_server):
 def test_a_prompt_past_the_context_is_refused_before_it_is_tokenized(sd_server, monkeypatch):
     url, app = sd_server
     api_tokenizer_calls = []
-    from ssd_chat.engine.load import chat
+    from ssd_chat.server import app as server_app
 
-    real = chat.prompt_ids
-    monkeypatch.setattr(chat, "prompt_ids", lambda *a: api_tokenizer_calls.append(1) or real(*a))
+    real = server_app.prompt_ids
+    monkeypatch.setattr(server_app, "prompt_ids", lambda *a: api_tokenizer_calls.append(1) or real(*a))
     # 4096 tokens x the longest SmolLM2 token (81 characters) < 400,000 characters: cannot fit
     status, _h, out = post(f"{url}/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 400_000}]})
     assert status == 400 and out["error"]["code"] == "context_length_exceeded" and "characters" in out["error"]["message"]
@@ -108,10 +108,10 @@ def test_a_prompt_past_the_context_is_refused_before_it_is_tokenized(sd_server, 
 
 def test_prompts_are_tokenized_off_the_event_loop(sd_server, monkeypatch):
     url, _ = sd_server
-    from ssd_chat.engine.load import chat
+    from ssd_chat.server import app as server_app
 
-    threads, real = [], chat.prompt_ids
-    monkeypatch.setattr(chat, "prompt_ids", lambda *a: threads.append(threading.current_thread().name) or real(*a))
+    threads, real = [], server_app.prompt_ids
+    monkeypatch.setattr(server_app, "prompt_ids", lambda *a: threads.append(threading.current_thread().name) or real(*a))
     assert post(f"{url}/v1/chat/completions", {"messages": MSG, "max_tokens": 2})[0] == 200
     assert len(threads) == 1 and threads[0].startswith("ssd-tokenize")
 

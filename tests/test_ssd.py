@@ -15,7 +15,7 @@ from ssd_chat.engine.speculate.channel import Channel, Settings
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.events import Done, Notice, Round, Token
-from ssd_chat.engine.speculate.fanout import parse
+from ssd_chat.engine.fanout import parse
 from ssd_chat.engine.params import SamplingParams
 from ssd_chat.engine.model.forward import Forwards
 from ssd_chat.engine.speculate.speculator import Speculator
@@ -174,7 +174,7 @@ def test_channel_round_trip_is_measured(pair):
 
 def _sequential(model, ids, k, settings, vocab):
     """k greedy tokens and the per-step distributions, one incremental forward at a time."""
-    from ssd_chat.engine.decode.sampling import logits_to_probs
+    from ssd_chat.engine.sampling.sampling import logits_to_probs
 
     ids = list(ids)
     toks, qs = [], []
@@ -345,7 +345,7 @@ def test_a_request_the_tree_cannot_answer_stops_the_tree(pair):
     """A miss arriving while the speculator drafts its tree stops the tree (the fallback starts at once);
     a hit, a ping or nothing lets it finish; a new reply stops it."""
     from ssd_chat.engine.speculate.channel import Begin, Ping, Spec
-    from ssd_chat.engine.speculate.worker import stops_tree
+    from ssd_chat.engine.speculate.process import stops_tree
 
     target, draft = pair
     k = 3

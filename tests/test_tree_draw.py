@@ -15,9 +15,9 @@ import torch
 from scipy.stats import chisquare
 
 import reference_sampling as ref
-from ssd_chat.engine.decode import support
-from ssd_chat.engine.decode.penalties import Penalties
-from ssd_chat.engine.decode.sampling import logits_to_probs, make_generator, saguaro_reshape
+from ssd_chat.engine.sampling import support
+from ssd_chat.engine.sampling.penalties import Penalties
+from ssd_chat.engine.sampling.sampling import logits_to_probs, make_generator, saguaro_reshape
 from ssd_chat.engine.speculate.channel import Settings
 from ssd_chat.engine.speculate.treedraw import draw_depth
 

@@ -254,7 +254,7 @@ def test_the_app_lowers_its_threads_but_not_the_one_that_starts_engine_processes
     """A new engine process (after /model) inherits the spawner thread's priority: it must stay the engine's."""
     code = """
 import os, threading
-from ssd_chat.engine import workers
+from ssd_chat.engine import processes as workers
 from ssd_chat.tui.app import yield_to_engine
 p = workers.context().Process(target=os.getpid)
 workers.start(p); p.join()

@@ -9,7 +9,7 @@ from textual.widgets import Input
 
 from ssd_chat.history.store import History
 from ssd_chat.tui.app import ChatApp
-from ssd_chat.tui.widgets.changes import FIELDS, parse_settings
+from ssd_chat.chat.changes import FIELDS, parse_settings
 from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
 from ssd_chat.tui.widgets.confirm_dialog import ConfirmDialog
 from ssd_chat.tui.widgets.settings_dialog import SettingsDialog

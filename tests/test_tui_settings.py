@@ -27,9 +27,9 @@ WHY = "SD: measured fastest here (AR 10.0, SD 30.0, SSD 20.0 tok/s)"
 
 def loaded_in_auto(folder: Path, tmp_path, monkeypatch) -> Engine:
     """``Engine.load`` with ``auto`` as the app does it, on a machine whose stored probe says SD is fastest."""
-    from ssd_chat.engine.decode import probe
-    from ssd_chat.engine.decode import probe_store as ps
-    from ssd_chat.engine.load import preflight
+    from ssd_chat.engine.startup import probe
+    from ssd_chat.engine.startup import probe_store as ps
+    from ssd_chat.engine.startup import preflight
 
     monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # room for SSD's speculator: auto probes

@@ -15,7 +15,7 @@ from ssd_chat.chat import settings as config
 from ssd_chat.cli import app
 from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.params import SEED_MAX, SamplingParams
-from ssd_chat.engine.decode.sampling import make_generator
+from ssd_chat.engine.sampling.sampling import make_generator
 
 
 @pytest.fixture

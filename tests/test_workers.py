@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ssd_chat.engine import workers
+from ssd_chat.engine import processes as workers
 
 TESTS = str(Path(__file__).parent)
 
@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("prepare", ["", "from ssd_chat.engine import workers; workers.prepare()"])
+@pytest.mark.parametrize("prepare", ["", "from ssd_chat.engine import processes; processes.prepare()"])
 def test_the_speculator_starts_when_stderr_has_no_file_descriptor(prepare):
     """Textual's stderr made every SSD reply in the app plain SD ("bad value(s) in fds_to_keep"): the
     speculator starts (the worker is a process, its cache is hit) with and without an early prepare()."""
@@ -114,7 +114,7 @@ def test_a_worker_outlives_the_thread_that_started_it():
 # A fresh interpreter runs a worker's start-up; what it saw goes to a file, since its stdout may be gone.
 CHILD = textwrap.dedent("""
     import ctypes, os, sys
-    from ssd_chat.engine import workers
+    from ssd_chat.engine import processes as workers
     report = open(sys.argv[2], "w")
     ok = workers.child_start(int(sys.argv[1]))
     sig = ctypes.c_int(0)
@@ -164,7 +164,7 @@ def test_child_start_says_stop_when_the_parent_is_gone(tmp_path):
 
 FIRST_WORKER = """
 import signal
-from ssd_chat.engine import workers
+from ssd_chat.engine import processes as workers
 
 
 def report(conn):

@@ -9,7 +9,7 @@ import torch
 
 from ssd_chat.engine.events import Done
 from ssd_chat.engine.tp.core import TPCore
-from ssd_chat.engine.decode.sampling import logits_to_probs, make_generator, sample, sample_next, verify
+from ssd_chat.engine.sampling.sampling import logits_to_probs, make_generator, sample, sample_next, verify
 
 
 def greedy(core, prompt: list[int], n: int) -> list[int]:

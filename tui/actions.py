@@ -23,8 +23,8 @@ from ..chat.code_blocks import blocks
 from ..chat.settings import SAMPLING_KEYS
 from ..engine import threads
 from ..history.store import HistoryError, data_dir, metrics_line
+from ..chat.changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
 from ..chat.terminal import printable
-from .widgets.changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
 from .widgets.chat_log import CopyBlock
 
 

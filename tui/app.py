@@ -20,8 +20,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Header
 
 from ..chat.backend import Backend, readable
-from ..engine import threads, workers
-from ..engine.events import Notice
+from ..engine import threads, processes, Notice
 from ..history.store import History
 from ..chat.terminal import printable
 from . import signals
@@ -44,7 +43,7 @@ def yield_to_engine() -> None:
     fills, the drawing takes what the decoder leaves instead of stalling its threads."""
     try:
         for tid in os.listdir("/proc/self/task"):
-            if int(tid) == workers.spawner_tid:
+            if int(tid) == processes.spawner_tid:
                 continue
             os.setpriority(os.PRIO_PROCESS, int(tid), min(19, os.getpriority(os.PRIO_PROCESS, int(tid)) + UI_NICE))
     except (OSError, AttributeError, ValueError):  # not Linux, or a thread gone meanwhile: the app runs as it is

@@ -16,9 +16,7 @@ from typing import Any
 from textual.message import Message
 
 from ..chat import compare as cmp
-from ..engine import threads
-from ..engine.load.chat import messages_for
-from ..engine.params import SamplingParams
+from ..engine import threads, messages_for, SamplingParams
 from ..chat.backend import readable
 from .replies import settle
 from .widgets.figures import Baseline, baseline_from_reply

@@ -21,7 +21,7 @@ from .comparing import Comparison
 from .replies import Replies, Turn, settle
 from .rerun import Branches, Rerun
 from .switch_model import ModelSwitch
-from .widgets.changes import SLASH_KEYS
+from ..chat.changes import SLASH_KEYS
 
 
 class ChatController:

@@ -20,10 +20,7 @@ from typing import Any
 
 from textual.message import Message
 
-from ..engine import threads
-from ..engine.events import Done, Error, Event, Notice, Round, Token
-from ..engine.metrics import Metrics
-from ..engine.params import SamplingParams
+from ..engine import threads, Done, Error, Event, Notice, Round, Token, Metrics, SamplingParams
 from ..history.store import LEAF, metrics_line
 from ..chat.session import Session
 from ..chat.backend import readable, sampling_of

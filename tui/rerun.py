@@ -19,7 +19,7 @@ from typing import Any
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from ..engine.params import SamplingParams
+from ..engine import SamplingParams
 from ..history.store import LEAF, HistoryError
 from .replies import Branch, settle
 from .widgets.chat_log import AssistantMessage, BranchStep, UserMessage

@@ -35,7 +35,7 @@ def target_values(values: dict[str, Any], name: str, engine_changes: dict[str, A
 
 
 def local_models() -> list[Any]:
-    from ..engine.load import store  # imports torch: called in a thread
+    from ..engine import model_cache as store  # imports torch: called in a thread
 
     return store.local_models()
 
@@ -44,10 +44,10 @@ def in_use(models: list[Any], target: str | None) -> Any:
     """The local model the target ``target`` names, or None."""
     from pathlib import Path
 
-    from ..engine.load import models as resolver
+    from ..engine import resolve_model
 
     try:
-        spec = resolver.resolve(target or "")
+        spec = resolve_model(target or "")
     except Exception:  # noqa: BLE001 - a target no longer resolvable is simply not marked
         return None
     for m in models:
@@ -61,10 +61,10 @@ def in_use(models: list[Any], target: str | None) -> Any:
 def check_target(name: str) -> str:
     """A ModelError for a name that is no model, and offline the CLI's "not in the local cache ... hf download"
     message; else a note for the question ("" when the model is here)."""
-    from ..engine.load import models, pair
+    from ..engine import resolve_model, check_pair
 
-    models.resolve(name)
-    return "It is not on this machine yet: loading downloads it." if pair.check(name, None) else ""
+    resolve_model(name)
+    return "It is not on this machine yet: loading downloads it." if check_pair(name, None) else ""
 
 
 def completions(models: list[Any]) -> list[str]:
@@ -147,13 +147,13 @@ class ModelSwitch:
         except Exception as e:  # noqa: BLE001
             await self.view.chat.add_notice(f"cannot list the local models: {readable(e)}", "error")
             return
-        from ..engine.load.store import human
+        from ..engine import model_cache as store
 
         self.names = completions(found)
         lines = [f"in use: {target}", "models on this machine (ssd-chat models list):"]
         for m in found:
             aliases = f" ({', '.join(m.aliases)})" if m.aliases else ""
-            lines.append(f"  {m.name}{aliases} · {human(m.size)}" + ("  ← in use" if m is mine else ""))
+            lines.append(f"  {m.name}{aliases} · {store.human(m.size)}" + ("  ← in use" if m is mine else ""))
         if not found:
             lines.append("  none (ssd-chat models pull NAME fetches one)")
         lines.append("/model NAME switches the target for the next chat (Tab completes NAME)")

@@ -14,8 +14,8 @@ from ..model import forward
 from ..params import SamplingParams
 from .decoder import Decoder, Reply, context_budget
 from . import logprobs
-from .penalties import Penalties
-from .sampling import make_generator, sample_next
+from ..sampling.penalties import Penalties
+from ..sampling.sampling import make_generator, sample_next
 
 
 class ARDecoder(Decoder):

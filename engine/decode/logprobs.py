@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .host import read
+from ..sampling.host import read
 
 Logprob = tuple[float, tuple[tuple[int, float], ...]]  # (the token's, the top alternatives (id, logprob))
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .host import read
-from .penalties import Penalties
-from .sampling import residual, sample
+from ..sampling.host import read
+from ..sampling.penalties import Penalties
+from ..sampling.sampling import residual, sample
 
 
 def greedy(logits: Tensor, drafts: Tensor) -> tuple[Tensor, Tensor]:

@@ -22,38 +22,16 @@ from typing import Any
 
 import torch
 
-from ..drafts.drafter import Choose, drafter, fit_vocab, vocab_size  # noqa: F401 - fit_vocab/vocab_size: SD's public helpers
+from ..drafts.drafter import drafter, fit_vocab, plain_choice, vocab_size  # noqa: F401 - fit_vocab/vocab_size: SD's public helpers
 from ..errors import ParamError
 from ..events import Event, Round
 from ..load.models import LoadedModel
 from ..params import SamplingParams
 from .decoder import Decoder, Noticing, Reply, context_budget, emit_block
-from .penalties import Penalties
+from ..sampling.penalties import Penalties
 from . import outcome
 from .outcome import chain_rows
-from .sampling import draw_draft, logits_to_probs, make_generator
-
-
-def plain_choice(params: Any, gen: torch.Generator, pen: Penalties | None = None, before: tuple[int, ...] = ()) -> Choose:
-    """SD's rule for drawing a draft token: q is the draft's distribution under the target's
-    penalties / temperature / top-k / top-p (None under greedy: a point mass on the argmax).  The i-th
-    draft token is penalized for the committed tokens, the uncommitted ``before`` them (SSD's
-    in-process fallback: the bonus) and the i drawn before it this round.  The token stays on the
-    device: the counts of the drawn ones are kept there too, so a draft step reads nothing."""
-    drawn: list[torch.Tensor] = []  # the tokens drawn so far this round, on the device
-
-    def choose(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        penalized = pen is not None and pen.active
-        if penalized:
-            if i == 0:
-                drawn.clear()
-            so_far = torch.cat(drawn).reshape(1, -1) if drawn else None
-            logits = pen.apply(logits[None], [list(before)], so_far)[0]  # type: ignore[union-attr]
-        tok, q = draw_draft(logits, params.temperature, params.top_k, params.top_p, gen)
-        if penalized:
-            drawn.append(tok.reshape(1))
-        return tok, q
-    return choose
+from ..sampling.sampling import logits_to_probs, make_generator
 
 
 class SDDecoder(Decoder):

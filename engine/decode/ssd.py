@@ -55,16 +55,16 @@ from ..load.models import LoadedModel
 from ..metrics import Metrics
 from ..model import forward, runner as kv
 from ..params import SamplingParams
-from ..speculate import fanout
+from .. import fanout
 from ..speculate.channel import Settings
-from ..speculate.plan import Plan, pinned, plan  # noqa: F401 - Plan and plan: SSD's placement, public here
+from ..speculate.plan import Plan, plan  # noqa: F401 - Plan and plan: SSD's placement, public here
 from ..speculate.proposers import LocalProposer, NoProposer, Proposer, RemoteProposer
-from ..speculate.worker import recipe_for
+from ..speculate.process import recipe_for
 from .decoder import Decoder, Noticing, Reply, context_budget, emit_block
 from .detok import ReplyBuilder
-from .penalties import Penalties
+from ..sampling.penalties import Penalties
 from . import logprobs, outcome
-from .sampling import logits_to_probs, make_generator, sample_next
+from ..sampling.sampling import logits_to_probs, make_generator, sample_next
 
 LOAD_TIMEOUT_S = 180.0  # the speculator's start (imports + loading the draft)
 
@@ -207,11 +207,11 @@ class SSDDecoder(Decoder):
         # the prompt first, on the threads AR computes with (every core, as AR's prefill) when no other
         # process holds one: on the verifier's one core it was most of the TTFT, and the speculator has
         # nothing to draft before the first token
-        with contextlib.nullcontext() if threads.free_for(torch.get_num_threads()) else pinned(self.plan.target_cores, self.plan.target_threads):
+        with contextlib.nullcontext() if threads.free_for(torch.get_num_threads()) else threads.pinned(self.plan.target_cores, self.plan.target_threads):
             forward.feed(runner, prompt_ids)
         with contextlib.ExitStack() as pins:
             if spec is not None:
-                pins.enter_context(pinned(self.plan.target_cores, self.plan.target_threads))
+                pins.enter_context(threads.pinned(self.plan.target_cores, self.plan.target_threads))
                 try:
                     spec.begin(prompt_ids, settings)  # the draft's prefill overlaps the last row and the first token
                 except SpeculatorError as e:

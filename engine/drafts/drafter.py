@@ -25,10 +25,35 @@ import torch
 
 from ..model import runner as kv
 from ..model.forward import Forwards
-from ..speculate.plan import pinned
+from ..sampling.penalties import Penalties
+from ..sampling.sampling import draw_draft
+from ..threads import pinned
 from .feature import FeatureDraft, is_feature_draft
 
 Choose = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]]  # (token, 0-dim on the device; q or None)
+
+
+def plain_choice(params: Any, gen: torch.Generator, pen: Penalties | None = None, before: tuple[int, ...] = ()) -> Choose:
+    """SD's rule for drawing a draft token: q is the draft's distribution under the target's
+    penalties / temperature / top-k / top-p (None under greedy: a point mass on the argmax).  The i-th
+    draft token is penalized for the committed tokens, the uncommitted ``before`` them (SSD's
+    in-process fallback: the bonus) and the i drawn before it this round.  The token stays on the
+    device: the counts of the drawn ones are kept there too, so a draft step reads nothing."""
+    drawn: list[torch.Tensor] = []  # the tokens drawn so far this round, on the device
+
+    def choose(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        penalized = pen is not None and pen.active
+        if penalized:
+            if i == 0:
+                drawn.clear()
+            so_far = torch.cat(drawn).reshape(1, -1) if drawn else None
+            logits = pen.apply(logits[None], [list(before)], so_far)[0]  # type: ignore[union-attr]
+        tok, q = draw_draft(logits, params.temperature, params.top_k, params.top_p, gen)
+        if penalized:
+            drawn.append(tok.reshape(1))
+        return tok, q
+    return choose
+
 
 
 def vocab_size(model: torch.nn.Module) -> int:

@@ -3,7 +3,7 @@
 A GGUF target on the CPU with ``--dtype auto`` (the default) computes its quantized linears from
 the file's blocks (:class:`quant.GGUFLinear`: the same weights as the float32 copy transformers
 loads, read at 0.6 byte per weight instead of 4), and the drafts derived from it follow
-(:mod:`cpu.weights`): ``layers:N`` and ``copy`` share the target's GGUF linears, ``int8`` is a
+(:mod:`drafts.gguf`): ``layers:N`` and ``copy`` share the target's GGUF linears, ``int8`` is a
 Q8_0 copy on the same kernels, a trained draft shares the target's blocks and keeps its own layers
 as Q8_0 blocks.  ``--dtype float32`` keeps the float32-dequantized model: the reference path.
 
@@ -128,7 +128,8 @@ class GGUFWeights:
 def to_gguf(target: Any) -> None:
     """Swap a loaded GGUF target's quantized linears for GGUF linears over the file's blocks (tiles
     read from the converted folder's cache after the first time)."""
-    from ..cpu import weights as fast_weights, quant
+    from . import gguf_weights as fast_weights
+    from ..cpu import quant
 
     mods = fast_weights.gguf_target(target)
     replaced = quant.swap_modules(target.model, mods)
@@ -162,28 +163,7 @@ def float_view(target: Any) -> Iterator[None]:
         quant.swap_modules(target.model, g.modules)
 
 
-def derive(name: str, target: Any) -> Any:
-    """The derived draft ``name`` (drafts.derive) in the target's precision."""
-    from ..cpu import weights as fast_weights, fastlinear, quant
-    from ..drafts import shipped as drafts
-    from ..model.layout import shallow
-    from .models import LoadedModel, ModelSpec
-
-    g = state(target)
-    if g is None:
-        return drafts.derive(name, target)
-    if name in ("int8", "copy"):
-        if name == "int8":  # Q8_0 blocks for every linear: what torch's dynamic int8 copy is for the float model
-            model = fast_weights.q8_copy(target.model, g.modules)
-        else:  # the target's very modules, GGUF blocks included
-            model = shallow(target.model)
-        draft = LoadedModel(name=name, spec=ModelSpec(name, "derived", name), model=model.eval(), tokenizer=target.tokenizer,
-                            placement=target.placement, folder=target.folder, eos_ids=target.eos_ids)
-    else:
-        with float_view(target), fastlinear.suspended():  # its linears are replaced next
-            draft = drafts.derive(name, target)
-        quant.swap_modules(draft.model, fast_weights.fast_draft(draft.model, g.modules))
-        fastlinear.install(draft.model)
+def label_derived(draft: Any, target: Any) -> None:
+    """Record what a draft derived from a GGUF-precision ``target`` computes in."""
     kinds = _kinds(draft.model.modules())
     _states[draft.model] = GGUFWeights({}, {}, f"{GGUF} {kinds.most_common(1)[0][0]}" if kinds else of(target))
-    return draft

@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ..config import cache_dir, cpu_name
-from ..workers import pid_alive
+from ..processes import pid_alive
 from .cache import StaticKV
 
 VERSION = "v2"  # bump when the graph's code changes in a way the key does not see

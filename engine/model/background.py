@@ -10,7 +10,7 @@ it is written.  A separate process, not a thread: compiling holds the GIL for se
 The package appears only by ``os.replace`` of a finished file (:func:`aoti.load_or_build`), so a
 build that is stopped (Ctrl-C, the app closing, a kill) leaves no half-written entry; :meth:`Build.close`
 kills the process's whole group (its C++ compiler runs included) and removes its temporary files.
-The process dies with its parent (:func:`workers.child_start`).
+The process dies with its parent (:func:`processes.child_start`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import workers
+from .. import processes
 from ..config import cache_dir
 
 DEFAULT_SHAPE_S = 75.0  # the first estimate of one shape's build (2 cores, SmolLM2-135M), before any was timed
@@ -70,11 +70,11 @@ class Build:
         self.closed = False
         for _r, _t, path in self.jobs:
             _sweep(path)
-        ctx = workers.context()
+        ctx = processes.context()
         self._conn, child = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(target=child_main, name="ssd-compile", daemon=True,
                                 args=(child, source(), core_cls, name, mid_layer, width, [(r, t, str(p)) for r, t, p in self.jobs], os.getpid()))
-        workers.start(self.proc)
+        processes.start(self.proc)
         child.close()
         self._watch = threading.Thread(target=self._watcher, name="ssd-compile-watch", daemon=True)
         self._watch.start()
@@ -100,7 +100,7 @@ class Build:
             except (EOFError, OSError):
                 if not self.closed and self.done < len(self.jobs):
                     self.closed = True
-                    self.on_failed(f"the compile process {workers.exit_words(self.proc)}")
+                    self.on_failed(f"the compile process {processes.exit_words(self.proc)}")
                 return
             if msg[0] == "built":
                 _, r, t, path = msg
@@ -143,7 +143,7 @@ def _sweep(path: Path, pid: int | None = None) -> None:
         owner = tmp.name[len(path.stem) + 1:].split(".", 1)[0]
         if not owner.isdigit() or (pid is not None and int(owner) != pid):
             continue
-        if pid is None and workers.pid_alive(int(owner)):
+        if pid is None and processes.pid_alive(int(owner)):
             continue
         try:
             tmp.unlink()
@@ -155,7 +155,7 @@ def _sweep(path: Path, pid: int | None = None) -> None:
 def child_main(conn: Any, source: tuple[Callable, Any], core_cls: type, name: str, mid_layer: int | None, width: int,
                jobs: list[tuple[int, int, str]], parent_pid: int) -> None:
     """The compile process: its own process group (the parent kills it whole), nice 19, then each job."""
-    if not workers.child_start(parent_pid):
+    if not processes.child_start(parent_pid):
         return
     try:
         os.setpgid(0, 0)

@@ -1,4 +1,4 @@
-"""Where SSD's verifier and speculator run, and pinning the verifier to its share.
+"""Where SSD's verifier and speculator run.
 
 On CPU the two processes get disjoint cores (each its own torch threads), so the speculator
 drafts while the target verifies; on GPUs the draft gets the first GPU the target leaves.  ``Plan.shared`` says
@@ -7,9 +7,7 @@ when they share one device or core set (SSD still runs, without real overlap).
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,22 +66,3 @@ def plan(config: Any, target_device: torch.device, target_cores: tuple[int, ...]
         target_cores = tuple(c for c in avail if c not in dcores) or tuple(avail)
     shared = bool(set(target_cores) & set(dcores))
     return Plan("cpu", dcores, len(dcores), target_cores, len(target_cores), shared)
-
-
-@contextlib.contextmanager
-def pinned(cores: tuple[int, ...] | None, threads: int | None) -> Iterator[None]:
-    """Pin the calling thread to ``cores`` and torch to ``threads`` threads; restore after."""
-    old_aff = os.sched_getaffinity(0) if cores and hasattr(os, "sched_setaffinity") else None
-    if old_aff is not None and old_aff == set(cores):  # already there (moving a thread costs ~ms)
-        old_aff = None
-    old_threads = torch.get_num_threads()
-    try:
-        if old_aff is not None:
-            os.sched_setaffinity(0, cores)
-        if threads:
-            torch.set_num_threads(threads)
-        yield
-    finally:
-        if old_aff is not None:
-            os.sched_setaffinity(0, old_aff)
-        torch.set_num_threads(old_threads)

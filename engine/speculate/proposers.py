@@ -25,17 +25,16 @@ from typing import Any, Protocol
 
 import torch
 
-from .. import workers
-from ..decode.penalties import Penalties
-from ..decode.host import read
-from ..decode.sampling import make_generator
-from ..decode.sd import plain_choice
-from ..drafts.drafter import ModelDrafter
+from .. import processes
+from ..sampling.penalties import Penalties
+from ..sampling.host import read
+from ..sampling.sampling import make_generator
+from ..drafts.drafter import ModelDrafter, plain_choice
 from ..model.forward import Forwards
 from ..errors import SpeculatorError
 from .channel import Begin, Channel, Close, Ready, Reply, Settings
-from .fanout import FanOut
-from .worker import Recipe, worker_main
+from ..fanout import FanOut
+from .process import Recipe, worker_main
 
 CLOSE_TIMEOUT_S = 3.0
 # polling before sleeping: the verifier, for a reply (a hit answers within about 0.2 ms); the speculator,
@@ -78,14 +77,14 @@ class RemoteProposer:
                  threads: int | None, timeout: float, fault: str | None = None, compile: str = "off", spin: bool = False) -> None:
         """``spin``: each side has a core (or device) of its own, so each polls for the other's next
         message before it sleeps (:class:`channel.Poller`)."""
-        ctx = workers.context()
+        ctx = processes.context()
         parent, child = ctx.Pipe(duplex=True)
         qbuf = torch.zeros(k, vocab, dtype=torch.float32).share_memory_()
         self.k = k
         self.proc = ctx.Process(target=worker_main, name="ssd-speculator", daemon=True,
                                 args=(child, recipe, k, fan, fallback, vocab, qbuf, cores, threads, os.getpid(), fault, compile,
                                       SPECULATOR_SPIN_S if spin else 0.0))
-        workers.start(self.proc)  # works under Textual too (its stderr has no fd)
+        processes.start(self.proc)  # works under Textual too (its stderr has no fd)
         child.close()
         self.channel = Channel(parent, qbuf, self.proc.sentinel, VERIFIER_SPIN_S if spin else 0.0)
         self.ready = False
@@ -135,7 +134,7 @@ class RemoteProposer:
 
 def _shutdown(proc: Any, conn: Any) -> None:
     """Ask the speculator to exit; terminate, then kill it if it does not.  Idempotent."""
-    workers.stop(proc, conn, Close(), CLOSE_TIMEOUT_S)
+    processes.stop(proc, conn, Close(), CLOSE_TIMEOUT_S)
 
 
 class LocalProposer:

@@ -39,14 +39,14 @@ from typing import Callable
 
 import torch
 
-from ..decode.host import read
-from ..decode.penalties import Penalties
-from ..decode.sampling import draw_draft, make_generator
-from ..decode.support import Support, as_dense, stack
+from ..sampling.host import read
+from ..sampling.penalties import Penalties
+from ..sampling.sampling import draw_draft, make_generator
+from ..sampling.support import Support, as_dense, stack
 from ..drafts.drafter import fit_vocab
 from ..model.forward import Forwards
 from .channel import Reply, Settings
-from .fanout import FanOut
+from ..fanout import FanOut
 from .ngram import NGRAM_WINDOW, common_prefix as _common_prefix, ngram_next as _ngram_next
 from .treedraw import draw_depth
 

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..decode.penalties import Penalties
-from ..decode.sampling import draw_draft
-from ..decode.support import Support
+from ..sampling.penalties import Penalties
+from ..sampling.sampling import draw_draft
+from ..sampling.support import Support
 
 
 def draw_depth(logits: torch.Tensor, pen: Penalties, prefixes: Sequence[Sequence[int]], drawn: torch.Tensor | None,

@@ -40,12 +40,12 @@ from typing import Any, Callable
 
 import torch
 
-from .. import workers
+from .. import processes
 from ..errors import ModelError, TPError
 from ..model.core import Core, CoreOutput
-from . import ranks as tp_ranks, shard as tp_shard, worker as tp_worker
+from . import ranks as tp_ranks, shard as tp_shard, rank_process as tp_worker
 from .ranks import Ranks
-from .worker import ADOPT, APPEND, HEADER, LOGITS, NOP, RESERVE, STEP, WARM
+from .rank_process import ADOPT, APPEND, HEADER, LOGITS, NOP, RESERVE, STEP, WARM
 
 LOAD_TIMEOUT_S = 900.0  # a rank's start: imports and reading its shard (a 70B shard is tens of GB)
 
@@ -110,7 +110,7 @@ class TPCore:
         if self.world > 1:
             store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=timeout_s))
-        ctx = workers.context()
+        ctx = processes.context()
         src = os.fspath(source) if isinstance(source, (str, os.PathLike)) else ""
         for r in range(1, self.world):
             parent, child = ctx.Pipe(duplex=True)
@@ -118,7 +118,7 @@ class TPCore:
                                args=(child, src, self.config, r, self.world, str(devs[r]), self.dtype,
                                      self.cores[r] if self.cores else None, store.port, backend, self.name, core_kw,
                                      timeout_s, os.getpid(), fault.get(r)))
-            workers.start(proc)  # real stdio, also under Textual
+            processes.start(proc)  # real stdio, also under Textual
             child.close()
             self._ranks.procs.append(proc)
             self._ranks.conns.append(parent)
@@ -161,7 +161,7 @@ class TPCore:
                 elif msg is not None and msg[0] == "error":
                     raise ModelError(f"tensor-parallel rank {r} of '{self.name}' could not start: {msg[1]}")
                 elif msg is None and not proc.is_alive():
-                    raise TPError(f"tensor-parallel rank {r} of '{self.name}' {workers.exit_words(proc)} while starting")
+                    raise TPError(f"tensor-parallel rank {r} of '{self.name}' {processes.exit_words(proc)} while starting")
         return [got[r] for r in range(1, self.world)]
 
     # -- the Core API ------------------------------------------------------------------------------
@@ -270,7 +270,7 @@ class TPCore:
             if msg is not None and msg[0] == "error":
                 why.append(f"rank {r} failed ({msg[1]})")
             elif not p.is_alive():
-                why.append(f"rank {r} (pid {p.pid}) {workers.exit_words(p)}")
+                why.append(f"rank {r} (pid {p.pid}) {processes.exit_words(p)}")
         if not why and self._ranks.dead:
             why.append(self._ranks.dead)
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""

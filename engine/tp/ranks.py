@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import torch
 
-from .. import workers
-from .worker import CLOSE, HEADER
+from .. import processes
+from .rank_process import CLOSE, HEADER
 
 CLOSE_TIMEOUT_S = 3.0
 
@@ -73,7 +73,7 @@ def watch(ranks: Ranks) -> None:
     """NCCL does not notice a dead peer (it waits for its timeout): abort the group when a worker exits."""
     wait([p.sentinel for p in ranks.procs])
     if ranks.group and ranks.healthy and not ranks.closing:
-        ranks.dead = next((f"rank {r} (pid {p.pid}) {workers.exit_words(p)}" for r, p in enumerate(ranks.procs, 1)
+        ranks.dead = next((f"rank {r} (pid {p.pid}) {processes.exit_words(p)}" for r, p in enumerate(ranks.procs, 1)
                            if not p.is_alive()), None)
         with contextlib.suppress(Exception):
             import torch.distributed as dist

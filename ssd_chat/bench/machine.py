@@ -26,9 +26,9 @@ class Pinning:
     def apply(self, cores: tuple[int, ...] | None, threads: int | None) -> None:
         if threads is not None:
             self._torch.set_num_threads(threads)
-            from ..engine.cpu import fastlinear
+            from ..engine import prepare_fast_linears
 
-            fastlinear.prepare()  # few-row choices timed for this thread count (during the warm-up)
+            prepare_fast_linears()  # few-row choices timed for this thread count (during the warm-up)
         if cores is not None and self.enforced:
             self._set_all(cores)
 
@@ -111,7 +111,7 @@ def weight_bytes(model: Any) -> int:
     per token) unless it is also the head, whose linear then counts it."""
     from torch import nn
 
-    from ..engine.load.precision import tensor_key
+    from ..engine import tensor_key
 
     seen: dict[int, int] = {}
     for m in model.modules():

@@ -76,8 +76,7 @@ def _cpu_ranks(device: str, avail: tuple[int, ...]) -> tuple[int, ...] | None:
     """The cores of a tensor-parallel CPU target (``cpu:0,cpu:1``), None for one process."""
     if "," not in device:
         return None
-    from ..engine.errors import DeviceError
-    from ..engine.load.placement import parse_devices
+    from ..engine import DeviceError, parse_devices
 
     try:
         plan = parse_devices(device, cpu_cores=list(avail))
@@ -151,7 +150,7 @@ def gpu_preset(values: dict[str, Any], given: set[str], hw: Hardware) -> tuple[d
                          "run the CPU benchmark without --preset")
     out = dict(values)
     if "target" not in given:
-        from ..engine.load.models import local_status
+        from ..engine import local_status
 
         local = {r["alias"] for r in local_status() if r["local"]}
         pair = next(((t, d) for t, d in GPU_PAIRS if t in local and d in local), None)

@@ -27,7 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..engine.metrics import ssd_over_sd_bound
+from ..engine import ssd_over_sd_bound
 from .machine import Pinning
 from .prompts import BenchPrompt
 from .protocols import Plan

@@ -61,10 +61,7 @@ def run_bench(
 
     ``models_for(plan) -> (target, draft)`` gives loaded models (shared between plans);
     ``encode(engine, prompt) -> (ids, extra_stop)`` defaults to the chat template."""
-    from ..engine import SamplingParams
-    from ..engine.load.chat import messages_for
-    from ..engine.events import Done, Error, Notice, Round
-    from ..engine.metrics import Metrics
+    from ..engine import SamplingParams, messages_for, Done, Error, Notice, Round, Metrics
 
     encode = encode or (lambda eng, p: eng.prompt_ids(messages_for(p.text)))
     out = BenchRun()
@@ -210,8 +207,7 @@ class ModelPool:
 
     def __init__(self, values: dict[str, Any], plans: list[Plan], progress: Callable[[str], None] | None = None) -> None:
         from ..chat.settings import engine_config
-        from ..engine import Engine
-        from ..engine.engine import default_draft
+        from ..engine import Engine, default_draft
 
         self.values = values
         self._progress = progress or (lambda s: None)
@@ -236,32 +232,31 @@ class ModelPool:
         return "cpu" if d.startswith("cpu") or d == "auto" and not _cuda() else d
 
     def models_for(self, plan: Plan) -> tuple[Any, Any]:
-        from ..engine.drafts import shipped as drafts
-        from ..engine.load import models, precision
-        from ..engine.tp import load as tp_load
+        from ..engine import (derive_in_precision, draft_base, is_derived, load_in_precision, load_tp_target,
+                              parse_placement)
 
         tk = self._key(plan.target_device)
         if tk not in self._targets:
             self._progress(f"loading {self.values['target']} on {plan.target_device}")
             dtype = self.values.get("dtype")
-            place = models.parse_placement(plan.target_device, dtype or "auto")
+            place = parse_placement(plan.target_device, dtype or "auto")
             trust = bool(self.values.get("trust_remote_code"))
             if place.ranks:
-                self._targets[tk] = tp_load.load(self.values["target"], place, self.base_config.compile,
+                self._targets[tk] = load_tp_target(self.values["target"], place, self.base_config.compile,
                                                  (1, self.base_config.k + 1), trust)
             else:
-                self._targets[tk] = precision.load(self.values["target"], place, dtype, trust)
+                self._targets[tk] = load_in_precision(self.values["target"], place, dtype, trust)
         target = self._targets[tk]
         if plan.mode == "ar" or self.draft_name is None:
             return target, None
         dk = (tk, self._key(plan.draft_device))
         if dk not in self._drafts:
-            if drafts.is_derived(self.draft_name):
-                self._drafts[dk] = precision.derive(self.draft_name, tp_load.draft_base(target))  # in the target's precision
+            if is_derived(self.draft_name):
+                self._drafts[dk] = derive_in_precision(self.draft_name, draft_base(target))  # in the target's precision
             else:
                 self._progress(f"loading {self.draft_name} on {plan.draft_device}")
                 dtype = self.values.get("dtype")
-                self._drafts[dk] = precision.load(self.draft_name, models.parse_placement(plan.draft_device, dtype or "auto"), dtype,
+                self._drafts[dk] = load_in_precision(self.draft_name, parse_placement(plan.draft_device, dtype or "auto"), dtype,
                                                   bool(self.values.get("trust_remote_code")))
         return target, self._drafts[dk]
 
@@ -269,14 +264,14 @@ class ModelPool:
         return self._first.target.tokenizer.decode(ids, skip_special_tokens=False)
 
     def describe(self) -> dict[str, Any]:
-        from ..engine.load import precision
+        from ..engine import num_params, precision_of
 
         t = self._first.target
-        out: dict[str, Any] = {"target": {"name": t.name, "params": precision.num_params(t), "dtype": str(t.placement.dtype).removeprefix("torch."),
-                                          "precision": precision.of(t)}}
+        out: dict[str, Any] = {"target": {"name": t.name, "params": num_params(t), "dtype": str(t.placement.dtype).removeprefix("torch."),
+                                          "precision": precision_of(t)}}
         d = self._first.draft
         if d is not None:
-            out["draft"] = {"name": d.name, "params": precision.num_params(d), "precision": precision.of(d)}
+            out["draft"] = {"name": d.name, "params": num_params(d), "precision": precision_of(d)}
         return out
 
 

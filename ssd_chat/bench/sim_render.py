@@ -112,7 +112,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def print_plan(prof: Any, alphas: list[float], n_prompts: int, max_new: int, console: Any) -> None:
     """``bench --simulate --dry-run``: what the race would run, and the least time its padded forwards take."""
-    from ..engine.model import simulate
+    from ..engine import simulate
 
     k, tokens = prof.k, n_prompts * max_new
     secs = tokens * prof.target.ms(1) / 1e3  # AR: one target step per token

@@ -100,7 +100,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def _loaded(model: torch.nn.Module, name: str) -> Any:
-    from ..engine.load.models import LoadedModel, ModelSpec, Placement
+    from ..engine import LoadedModel, ModelSpec, Placement
 
     return LoadedModel(name=name, spec=ModelSpec(name, "folder", name), model=model, tokenizer=Tokens(VOCAB),
                        placement=Placement(torch.device("cpu"), torch.float64))
@@ -108,8 +108,7 @@ def _loaded(model: torch.nn.Module, name: str) -> Any:
 
 def _decode(decoder: Any, prompt_list: list[list[int]], max_new: int) -> list[tuple[Any, list[Any]]]:
     """(Done, the reply's Round events) per prompt, greedy, EOS ignored."""
-    from ..engine.events import Done, Error, Round
-    from ..engine.params import SamplingParams
+    from ..engine import Done, Error, Round, SamplingParams
 
     out = []
     for p in prompt_list:
@@ -183,11 +182,7 @@ def _harness_ms(pad: Any) -> float:
 def race(profile: str, alphas: list[float], n_prompts: int, max_new: int, seed: int,
          say: Callable[[str], None]) -> dict[str, Any]:
     """The whole simulated race: AR once, then SD and SSD at each acceptance."""
-    from ..engine.model import simulate
-    from ..engine.decode.ar import ARDecoder
-    from ..engine.engine import Engine, EngineConfig
-    from ..engine.decode.sd import SDDecoder
-    from ..engine.decode.ssd import SSDDecoder
+    from ..engine import simulate, ARDecoder, Engine, EngineConfig, SDDecoder, SSDDecoder
 
     prof = simulate.load(profile)
     k = prof.k
@@ -268,8 +263,8 @@ def race(profile: str, alphas: list[float], n_prompts: int, max_new: int, seed: 
 def command(profile: str, acceptance: str, n_prompts: int, max_new: int, seed: int, json_file: Any, plot_file: Any,
             markdown_file: Any, console: Any, err: Any, quiet: bool, dry_run: bool = False) -> int:
     """``bench --simulate``: the exit status (0, 1 on a failure, 2 on bad usage, 3 when greedy SD/SSD differ from AR)."""
-    from ..engine.model import simulate
-    from ..cli.options import fail
+    from ..engine import simulate
+    from ..chat.terminal import fail
     from . import sim_render
     from .report import write_json
 

@@ -120,14 +120,13 @@ def precheck(values: dict[str, Any], attachments: list[Attachment]) -> None:
     try:
         import json
 
-        from ..engine.load.models import load_tokenizer, resolve, tokenizer_folder
+        from ..engine import load_tokenizer, resolve_model as resolve, tokenizer_folder
         from .loading import quiet_libraries
 
         quiet_libraries()
         spec = resolve(values["target"])
         if spec.kind == "gguf":  # the tokenizer of its converted folder, if it was converted before (the load converts it)
-            from ..engine.load.convert import MARKER, content_hash
-            from ..engine.load.models import cache_dir
+            from ..engine import CONVERTED_MARKER as MARKER, content_hash, cache_dir
 
             gguf, root = Path(spec.source), cache_dir() / "converted"
             folder = root / f"{gguf.stem}-{content_hash(gguf, root, lambda *_: None)[:16]}"

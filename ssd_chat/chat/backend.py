@@ -11,8 +11,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..engine.events import Event
-from ..engine.params import SamplingParams
+from ..engine import Event, SamplingParams
 
 Progress = Callable[[str, "float | None"], None]
 SAMPLING = ("temperature", "top_p", "top_k", "repetition_penalty", "frequency_penalty", "presence_penalty")
@@ -64,7 +63,7 @@ class Backend:
 
 
 def readable(e: BaseException) -> str:
-    from ..engine.errors import SSDChatError
+    from ..engine import SSDChatError
 
     if isinstance(e, (SSDChatError, ValueError, FileNotFoundError)):
         return str(e) or type(e).__name__
@@ -162,7 +161,7 @@ class ReplayBackend(Backend):
         from .recorder import replay
 
         if self._next >= len(self.recording.turns):
-            from ..engine.events import Error
+            from ..engine import Error
 
             return iter([Error("the recording has no more turns", "replay")])
         turn = self.recording.turns[self._next]

@@ -18,8 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.events import Done, Error, Event, Notice
-from ..engine.metrics import over_ar_bound, ssd_over_sd_bound
+from ..engine import Done, Error, Event, Notice, over_ar_bound, ssd_over_sd_bound
 from .stats import ran_as
 
 MODES = ("ar", "sd", "ssd")

@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from ..cli.options import fail
+from .terminal import fail
 
 
 def demo_prompts() -> list[str]:
@@ -52,7 +52,7 @@ def run_headless(values: dict, prompts: list[str], simulate: str | None = None, 
         return _run(values, prompts, simulate, work.name if work else None, scale)
     finally:
         if work is not None:
-            from ..engine.model import simulate as sim
+            from ..engine import simulate as sim
 
             sim.deactivate()
             work.cleanup()
@@ -63,18 +63,17 @@ def _run(values: dict, prompts: list[str], simulate: str | None, work: str | Non
     import threading
 
     from .settings import sampling_params
-    from ..engine.errors import SSDChatError
-    from ..engine.events import Done, Error, Notice, Round, Token
+    from ..engine import SSDChatError, Done, Error, Notice, Round, Token
     from .loading import load_engine
     from .recorder import Recorder, RecordingError, at_speed_event
     from .session import Session
     from .backend import EngineBackend
     from .stats import format_stats
-    from ..tui.widgets.changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
+    from .changes import ENGINE_CHANGES, SLASH_KEYS, parse_settings
 
     pad = None
     if simulate:  # before loading: the speculator process inherits the padding from the environment
-        from ..engine.model import simulate as sim
+        from ..engine import simulate as sim
 
         os.mkdir(os.path.join(work, "tallies"))
         pad = sim.activate(simulate, os.path.join(work, "device.lock"), os.path.join(work, "tallies"), scale)

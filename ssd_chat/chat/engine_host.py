@@ -12,7 +12,7 @@ Messages are tuples.  From the app: ``("stream", messages, params)``, ``("stop",
 ``info()`` and ``sampling_defaults()``.
 
 A reader thread takes the app's messages, so a stop reaches the reply while it decodes; the main
-thread computes.  The process dies with the app (:func:`workers.child_start`: PDEATHSIG, and here EOF
+thread computes.  The process dies with the app (:func:`processes.child_start`: PDEATHSIG, and here EOF
 on the pipe), ignores the Ctrl-C and SIGHUP the terminal sends its whole process group (the app closes
 it), and keeps its SSD speculator and tensor-parallel ranks as children of its own.
 """
@@ -26,8 +26,7 @@ import threading
 from typing import Any
 
 from .backend import EngineBackend, readable
-from ..engine import threads, workers
-from ..engine.events import Error
+from ..engine import threads, processes, Error
 
 
 def vocabulary(engine: Any) -> list[str]:
@@ -114,7 +113,7 @@ class Host:
 
 def main(conn: Any, values: dict[str, Any], parent_pid: int, compute_threads: int) -> None:
     """The engine process's entry point (spawned)."""
-    if not workers.child_start(parent_pid):
+    if not processes.child_start(parent_pid):
         return
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a terminal that hangs up is the app's to answer
     threads.worker(compute_threads)

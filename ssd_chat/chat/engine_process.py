@@ -8,7 +8,7 @@ so drawing a reply never competes with decoding it for the GIL.  This is the
 * One request at a time on the pipe (a reply, a reconfigure), as the app asks them.  What the app reads
   between replies (``info()``, the sampling defaults, token texts) is kept here, refreshed by every answer.
 * Esc sets the reply's stop flag here; the reply's reader passes it on as a message.
-* The process is spawned as the SSD speculator is (:mod:`ssd_chat.engine.workers`): with SIGINT
+* The process is spawned as the SSD speculator is (:mod:`ssd_chat.engine.processes`): with SIGINT
   blocked, dying with the app (PDEATHSIG, and EOF on the pipe).  :meth:`close` asks it to exit, then
   terminates and kills it; an ``atexit`` hook does the same on any other way out of the interpreter.
 * A crash of the process is an Error of the reply it was decoding, or (between replies) a warning; the
@@ -26,9 +26,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from .backend import Backend, Progress, readable
-from ..engine.errors import SSDChatError
-from ..engine.events import Error, Event, Notice
-from ..engine.params import SamplingParams
+from ..engine import SSDChatError, Error, Event, Notice, SamplingParams
 
 CLOSE_TIMEOUT_S = 5.0
 POLL_S = 0.05  # how often a waiting reply looks at its stop flag (an answer wakes it at once)
@@ -64,14 +62,14 @@ class ProcessBackend(Backend):
     # -- the process -------------------------------------------------------------------------
     def _spawn(self) -> None:
         from . import engine_host
-        from ..engine import threads, workers
+        from ..engine import threads, processes
 
-        ctx = workers.context()
+        ctx = processes.context()
         parent, child = ctx.Pipe(duplex=True)
         # not a daemon: a daemonic process may not start the speculator or tensor-parallel ranks
         proc = ctx.Process(target=engine_host.main, name="ssd-engine",
                            args=(child, self.values, os.getpid(), threads.count()))
-        workers.start(proc)  # SIGINT blocked, PDEATHSIG tied to a thread that lives as long as the app
+        processes.start(proc)  # SIGINT blocked, PDEATHSIG tied to a thread that lives as long as the app
         child.close()
         self._gen += 1
         self.proc, self._conn = proc, parent
@@ -86,10 +84,10 @@ class ProcessBackend(Backend):
                 raise EngineGone(self._exit_words()) from e
 
     def _exit_words(self) -> str:
-        from ..engine import workers
+        from ..engine import processes
 
         self.proc.join(1.0)
-        return workers.exit_words(self.proc)
+        return processes.exit_words(self.proc)
 
     def _recv(self, timeout: float | None) -> tuple | None:
         """The next message, None after ``timeout``; EngineGone once the process has ended (what it sent first is read first)."""
@@ -125,10 +123,10 @@ class ProcessBackend(Backend):
         if self._closing or gen != self._gen or not self._ready.is_set() or self._broken:
             return  # closing, an old process, one still loading (load() reports that one), or one that could not load
         if not self._streaming:
-            from ..engine import workers
+            from ..engine import processes
 
             proc.join(1.0)  # its exit code
-            self.warn(f"the engine process {workers.exit_words(proc)}; it is restarting, and the chat is kept "
+            self.warn(f"the engine process {processes.exit_words(proc)}; it is restarting, and the chat is kept "
                       "(your next prompt is answered once it has loaded)")
         self._crashed(gen)
 
@@ -285,6 +283,6 @@ class ProcessBackend(Backend):
 
 def _shutdown(proc: Any, conn: Any) -> None:
     """Ask the engine process to exit (it closes its speculator); terminate, then kill it if it does not.  Idempotent."""
-    from ..engine import workers
+    from ..engine import processes
 
-    workers.stop(proc, conn, ("close",), CLOSE_TIMEOUT_S)
+    processes.stop(proc, conn, ("close",), CLOSE_TIMEOUT_S)

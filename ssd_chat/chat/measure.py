@@ -1,6 +1,6 @@
 """``auto``'s measurement in a process of its own: what the app and ``serve`` start, at the lowest priority,
 when this setup has no record yet (``python -m ssd_chat.chat.measure PARENT_PID CONFIG_JSON``), and what
-``ssd-chat config measure`` runs in the foreground.  Either stores a record (engine/decode/probe_store.py)
+``ssd-chat config measure`` runs in the foreground.  Either stores a record (engine/startup/probe_store.py)
 that every later start reads; the key's lock keeps a second measurer from starting."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ def measure_now(values: dict[str, Any]) -> tuple[str | None, str, Any]:
     :func:`probe.in_config`'s (mode, why, record), or without loading when ``auto`` has nothing to measure
     here (no draft, no room for the speculator).  SSDChatError when another process is measuring it."""
     from .settings import engine_config
-    from ..engine.decode.probe import in_config, listed
-    from ..engine.decode.probe_store import key_fields, measuring
-    from ..engine.errors import SSDChatError
-    from ..engine.load.preflight import check
+    from ..engine import (
+        probe_in_config as in_config, probe_listed as listed, probe_key_fields as key_fields,
+        probe_measuring as measuring, SSDChatError, preflight as check
+    )
     from .loading import load_engine
 
     values = {**values, "mode": "auto"}
@@ -34,17 +34,16 @@ def measure_now(values: dict[str, Any]) -> tuple[str | None, str, Any]:
 
 def main(argv: list[str]) -> int:
     parent, config = int(argv[0]), json.loads(argv[1])
-    from ..engine.workers import die_with_parent
+    from ..engine import processes
 
-    die_with_parent()
+    processes.die_with_parent()
     if os.getppid() != parent:  # it died before PR_SET_PDEATHSIG took hold
         return 0
     try:
         os.nice(19)  # before torch starts its threads, which inherit it: the user's replies come first
     except OSError:
         pass
-    from ..engine import Engine, EngineConfig
-    from ..engine.errors import SSDChatError
+    from ..engine import Engine, EngineConfig, SSDChatError
     from .loading import quiet_libraries
 
     quiet_libraries()

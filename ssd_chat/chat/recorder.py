@@ -26,8 +26,7 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ValidationError
 
-from ..engine import events as _events
-from ..engine.events import Done, Error, Event, codec, from_json, to_dict
+from ..engine import events as _events, Done, Error, Event
 
 FORMAT = "ssd-chat-events"
 VERSION = 1
@@ -67,7 +66,7 @@ def at_speed(d: dict[str, Any], scale: float) -> dict[str, Any]:
 
 
 def at_speed_event(ev: Event, scale: float) -> Event:
-    return _events.from_dict(at_speed(to_dict(ev), scale))
+    return _events.from_dict(at_speed(_events.to_dict(ev), scale))
 
 
 class Recorder:
@@ -89,7 +88,7 @@ class Recorder:
             self._f: IO[str] | None = self.path.open("w", encoding="utf-8")
         except OSError as e:
             raise RecordingError(f"cannot write the recording {self.path}: {e.strerror or e}") from None
-        codec()  # build the event codec now, not on the first token
+        _events.codec()  # build the event codec now, not on the first token
         self._write({"type": "Header", "format": FORMAT, "version": VERSION,
                      "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "info": dict(info or {})})
         if self.error:  # e.g. /dev/full: nothing at all can be recorded
@@ -117,7 +116,7 @@ class Recorder:
         self._write({"type": "Vocab", "tokens": {str(k): v for k, v in tokens.items()}})
 
     def event(self, ev: Event) -> None:
-        d = to_dict(ev) if self.time_scale == 1.0 else at_speed(to_dict(ev), self.time_scale)
+        d = _events.to_dict(ev) if self.time_scale == 1.0 else at_speed(_events.to_dict(ev), self.time_scale)
         d["turn"] = max(self._turn, 0)
         self._write(d)
 
@@ -222,7 +221,7 @@ def _not_finite(name: str) -> None:
 
 def _event(line: str) -> Event:
     """The event on ``line``, every field of its declared type, at a time a replay can wait for."""
-    ev = from_json(line)
+    ev = _events.from_json(line)
     t = event_time(ev)
     if t is not None and not 0 <= t <= MAX_EVENT_S:
         raise ValueError(f"t_s must be between 0 and {MAX_EVENT_S:.0f} seconds, got {t!r}")
@@ -271,7 +270,7 @@ def replay(events: list[Event], speed: float = 1.0, stop: threading.Event | None
     stop = stop or threading.Event()
     t0 = clock()
     text, ids = "", []
-    from ..engine.events import Token
+    from ..engine import Token
 
     for ev in events:
         t = event_time(ev)
@@ -280,7 +279,7 @@ def replay(events: list[Event], speed: float = 1.0, stop: threading.Event | None
             if wait > 0:
                 stop.wait(wait)  # returns early when stopped
         if stop.is_set() and not isinstance(ev, (Done, Error)):
-            from ..engine.events import Stats
+            from ..engine import Stats
 
             last_stats = next((e.stats for e in reversed(events) if isinstance(e, Done)), None)
             stats = last_stats or Stats("replay", len(ids), 0, clock() - t0, 0.0, None, None, None, None, None)

@@ -17,9 +17,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from ..engine.load import chat
-from ..engine.events import Done, Error, Event, Notice, Token
-from ..engine.params import SamplingParams
+from ..engine import messages_for, Done, Error, Event, Notice, Token, SamplingParams
 
 
 def context_window(engine: Any) -> int | None:
@@ -117,7 +115,7 @@ class Session:
         (the replies before it did not see it); a later one replaces it, and an empty one clears it."""
         turns = [i for i, m in enumerate(self.messages) if m["role"] == "system"]
         if not turns:
-            return chat.messages_for(user_text, self.system, self.messages)
+            return messages_for(user_text, self.system, self.messages)
         keep = [m for i, m in enumerate(self.messages) if m["role"] != "system" or (i == turns[-1] and m["content"])]
         return keep + [{"role": "user", "content": user_text}]
 

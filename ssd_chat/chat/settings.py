@@ -23,13 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from . import settings_file as toml
-from ..engine.config import EngineConfig, user_dir
-from ..engine.params import SamplingParams
+from ..engine import EngineConfig, user_dir, SamplingParams
 
 DEFAULTS: dict[str, Any] = {
     "target": "smollm2-135m-gguf",
     "draft": None,
-    "mode": "auto",  # SSD where it can run (engine/load/preflight.py), else AR with the reason
+    "mode": "auto",  # SSD where it can run (engine/startup/preflight.py), else AR with the reason
     "k": None,
     # sampling: unset (None) takes the model's generation_config, else the chat default (engine/load/gen_defaults.py)
     "temperature": None,
@@ -209,7 +208,7 @@ def check(values: dict[str, Any], sources: dict[str, str], path: Path | None = N
     """ConfigError when resolved settings are out of range, naming where each value to blame came
     from.  The ranges are the engine's own (EngineConfig, SamplingParams): a value is to blame when
     putting its default back makes the error go away."""
-    from ..engine.errors import ParamError
+    from ..engine import ParamError
 
     def build(vals: dict[str, Any]) -> None:
         engine_config(vals)
@@ -237,8 +236,7 @@ def check(values: dict[str, Any], sources: dict[str, str], path: Path | None = N
 def _check_devices(values: dict[str, Any], sources: dict[str, str], path: Path | None) -> None:
     """The spelling of --target-device / --draft-device, before torch loads or the app opens (the
     hardware is checked when the models load)."""
-    from ..engine.errors import DeviceError
-    from ..engine.load.placement import check_forms
+    from ..engine import DeviceError, check_forms
 
     for key in ("target_device", "draft_device"):
         try:
@@ -328,8 +326,7 @@ def set_value(key: str, raw: str | None, path: Path | None = None) -> Path:
 def _engine_error(values: dict[str, Any], ssd: bool) -> Exception | None:
     """The error that would stop these settings before any weight loads (None: none): the engine's and
     sampling's ranges, also those SSD checks when ``ssd`` (``auto`` may pick SSD), and the devices' spelling."""
-    from ..engine.errors import DeviceError, ParamError
-    from ..engine.load.placement import check_forms
+    from ..engine import DeviceError, ParamError, check_forms
 
     try:
         engine_config(values)
@@ -356,12 +353,10 @@ def check_value(key: str, value: Any, others: dict[str, Any], path: Path) -> Non
                  and _engine_error({**base, key: value, k: DEFAULTS[k]}, ssd) is None]
         raise ConfigError(f"{e}{' (with ' + ', '.join(clash) + ' in the file)' if clash else ''}; {path} is unchanged", usage=True)
     if key in ("target", "draft") and value:
-        from ..engine.load import models
-        from ..engine.errors import SSDChatError
-        from ..engine.load.preflight import draft_kind
+        from ..engine import resolve_model, SSDChatError, draft_kind
 
         try:
             if key == "target" or draft_kind(value, others.get("target") or DEFAULTS["target"]) == "model":
-                models.resolve(value)
+                resolve_model(value)
         except SSDChatError as err:
             raise ConfigError(f"{err}; {path} is unchanged", usage=True) from None

@@ -5,7 +5,7 @@ Read off :class:`~ssd_chat.engine.events.Stats` only; no UI imports, so ``ask`` 
 
 from __future__ import annotations
 
-from ..engine.events import Stats
+from ..engine import Stats
 
 # what `ask --json` shows, the same whether the reply came from the models loaded here or from a `serve`
 SAMPLING_SHOWN = ("temperature", "top_p", "top_k", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed")

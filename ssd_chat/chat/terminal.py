@@ -14,6 +14,8 @@ import sys
 import textwrap
 from typing import TextIO
 
+import typer
+
 _KEEP = {"\n", "\t"}
 # C0 controls, DEL and C1 controls (0x80-0x9f: a lone 0x9b is a CSI on many terminals)
 _ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] if chr(c) not in _KEEP}
@@ -59,3 +61,9 @@ def wrapped(message: str, stream: TextIO | None = None) -> str:
     kept = re.sub(r"`[^`]*`", lambda m: m.group(0).replace(" ", "\0"), message)
     return textwrap.fill(kept, width=width, subsequent_indent="  ", break_long_words=False,
                          break_on_hyphens=False).replace("\0", " ")
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    """One line on stderr, and the exit to raise: usage errors 2, runtime failures 1."""
+    typer.echo(wrapped(f"ssd-chat: error: {message}", sys.stderr), err=True)
+    return typer.Exit(code)

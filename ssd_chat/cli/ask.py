@@ -59,7 +59,7 @@ def ask(
     served = ask_via_server(server, no_server, given, values, prompt, json_out, format_stats if stats else None)
     if served is not None:
         raise typer.Exit(served)
-    from ..engine.errors import ParamError, SSDChatError
+    from ..engine import ParamError, SSDChatError
 
     try:  # settings() has checked the sampling values: the model's defaults fill those left unset, below
         engine = load_engine(values, start_decoder=True)
@@ -89,7 +89,7 @@ def ask(
 
 
 def precision_of(engine) -> dict[str, str | None]:
-    from ..engine.load.precision import of
+    from ..engine import precision_of as of
 
     uses_draft = engine.draft is not None and engine.config.mode != "ar"
     return {"target": of(engine.target), "draft": of(engine.draft) if uses_draft else None}
@@ -97,7 +97,7 @@ def precision_of(engine) -> dict[str, str | None]:
 
 def _answer(engine, prompt: str, values: dict[str, Any], params, json_out: bool, stats: bool) -> int:
     from ..chat.session import Session
-    from ..engine.events import Done, Error, Notice, Token
+    from ..engine import Done, Error, Notice, Token
 
     session = Session(engine, system=values.get("system"))
     stop = threading.Event()

@@ -53,8 +53,7 @@ def bench_command(
     from rich.console import Console
 
     from ..bench import llamacpp
-    from ..engine.errors import ModelError
-    from ..engine.load.models import resolve
+    from ..engine import ModelError, resolve_model as resolve
 
     named = set(given)  # the options given (and the app's, before the subcommand)
     mode_list = _parse_list(modes, ("ar", "sd", "ssd"), "mode")
@@ -104,7 +103,7 @@ def bench_command(
             console.print(f"note: {n}")
         raise typer.Exit(_estimate(values, plans, prompt_list, race, console, err, quiet, against is not None))
     from ..chat.loading import quiet_libraries
-    from ..engine.errors import SSDChatError
+    from ..engine import SSDChatError
 
     pool = None
     try:
@@ -170,7 +169,7 @@ def _estimate(values: dict, plans: list, prompt_list: list, race: BenchSettings,
 
     from ..bench.estimate import probe, render
     from ..chat.loading import quiet_libraries
-    from ..engine.errors import SSDChatError
+    from ..engine import SSDChatError
 
     say = (lambda s: None) if quiet else (lambda s: err.print(f"[dim]{s}…[/]"))
     try:

@@ -59,10 +59,10 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
         except ValueError as e:
             sys.stderr.write(f"ssd-chat: error: {e}\n")
             return 1
-    from ..engine import workers
+    from ..engine import processes
     from ..tui.app import ChatApp
 
-    workers.prepare()  # before Textual swaps out stderr: the speculator's spawn needs a real fd
+    processes.prepare()  # before Textual swaps out stderr: the speculator's spawn needs a real fd
 
     owned = backend is None
     if backend is None:

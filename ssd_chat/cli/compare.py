@@ -22,8 +22,7 @@ def compare(
     import threading
 
     from ..chat import compare as cmp
-    from ..engine.errors import ParamError, SSDChatError
-    from ..engine.load import chat
+    from ..engine import ParamError, SSDChatError, messages_for
 
     given_n = given.get("max_new_tokens")
     repeats = repeats or cmp.DEFAULT_REPEATS
@@ -50,7 +49,7 @@ def compare(
                    f"(target {engine.target.name}, draft {engine.draft.name if engine.draft else '?'}, k={engine.config.k}):")
     stop = threading.Event()
     try:
-        ids, extra = engine.prompt_ids(chat.messages_for(prompt, values.get("system"), []))
+        ids, extra = engine.prompt_ids(messages_for(prompt, values.get("system"), []))
         if extra:
             params = replace(params, stop=tuple(params.stop) + tuple(extra))
         result = cmp.run(lambda m: engine.reconfigure(mode=m),

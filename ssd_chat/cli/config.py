@@ -68,7 +68,7 @@ def config_show(
         elif key in engine and v is None:
             shown = f"{engine[key]} (engine default)" if engine[key] is not None else "— (AR loads none)"
         elif v is None and key in ("temperature", "top_p", "top_k", "repetition_penalty"):  # engine/load/gen_defaults.py
-            from ..engine.load.gen_defaults import CHAT_DEFAULT
+            from ..engine import CHAT_DEFAULT
 
             shown = f"the model's generation_config, else {CHAT_DEFAULT[key]}"
         elif v is None and key in ("frequency_penalty", "presence_penalty"):
@@ -93,11 +93,10 @@ def engine_in_force(values: dict) -> dict:
     """What the engine will use for the settings left to it, and what mode ``auto`` resolves to here;
     ``{"mode_error": ...}`` when the settings cannot load (the same error a start would give)."""
     from ..chat.settings import engine_config
-    from ..engine.decode.probe import in_config
-    from ..engine.errors import SSDChatError
-    from ..engine.load.models import parse_placement
-    from ..engine.load.precision import planned
-    from ..engine.load.preflight import check, in_force
+    from ..engine import (
+        probe_in_config as in_config, SSDChatError, parse_placement, planned_precision as planned,
+        preflight as check, in_force
+    )
 
     try:
         pre = check(engine_config(values))
@@ -153,7 +152,7 @@ def config_measure(ctx: typer.Context) -> None:
     """Measure AR, SD and SSD on this machine now (about 2 minutes) and keep the fastest for `auto`."""
     from ..chat import settings as config
     from ..chat.measure import measure_now
-    from ..engine.errors import ParamError, SSDChatError
+    from ..engine import ParamError, SSDChatError
 
     given = {k_: v for k_, v in ((ctx.parent.obj if ctx.parent else None) or ctx.obj or {}).items() if k_ in config.DEFAULTS}
     values, _sources = config.resolve(given)

@@ -34,7 +34,7 @@ def demo(
         typer.echo(listing())
         raise typer.Exit(0)
     if simulate is not None:
-        from ..engine.model import simulate as sim
+        from ..engine import simulate as sim
 
         if replay is not None or not headless or record is None:
             raise fail("--simulate makes a recording: use it with --headless --record FILE", 2)

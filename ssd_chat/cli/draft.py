@@ -38,21 +38,21 @@ def _target_name(ctx: typer.Context, target: str | None) -> str:
     obj = ctx.obj if isinstance(ctx.obj, dict) else {}
     if obj.get("target"):
         return str(obj["target"])
-    from ..engine.load import models
+    from ..engine import DEFAULT_TARGET
 
-    return models.DEFAULT_TARGET
+    return DEFAULT_TARGET
 
 
 def _load_target(name: str, device: str, dtype: str, threads: int | None) -> Any:
     from ..chat.loading import quiet_libraries
-    from ..engine.load import models
+    from ..engine import load_model, parse_placement
 
     if threads:
         import torch
 
         torch.set_num_threads(threads)
     quiet_libraries()
-    return models.load(name, models.parse_placement(device, dtype))
+    return load_model(name, parse_placement(device, dtype))
 
 
 def _init_from(value: str | None) -> tuple[int, ...] | None:
@@ -101,7 +101,7 @@ def train(
     vocabulary.  Use it with --draft OUT.  Rerunning the same command resumes.
     """
     from .. import train as training
-    from ..engine.errors import ParamError, SSDChatError
+    from ..engine import ParamError, SSDChatError
 
     name = _target_name(ctx, target)
     try:
@@ -145,16 +145,15 @@ def evaluate(
     """Greedy agreement of DRAFT with the target in real (cached, token by token) decoding,
     and the cost of a draft step relative to a target step timed back to back."""
     from .. import train as training
-    from ..engine.drafts import shipped as drafts
-    from ..engine.errors import ParamError, SSDChatError
+    from ..engine import derive_draft, is_derived, ParamError, SSDChatError
 
     name = _target_name(ctx, target)
     try:
         texts = training.load_prompts(prompts, heldout=True)[:limit]
         tgt = _load_target(name, "cpu", "float32", threads)
-        if not drafts.is_derived(draft):
+        if not is_derived(draft):
             raise ParamError(f"'{draft}' is not a derived or trained draft (use copy, int8, layers:N or a draft folder)")
-        d = drafts.derive(draft, tgt)
+        d = derive_draft(draft, tgt)
         stats = training.measure(tgt, d, texts, max_new_tokens)
     except ParamError as e:
         raise _fail(str(e), 2) from None

@@ -21,7 +21,7 @@ def aliases(ctx: typer.Context, json_out: Json = False) -> None:
     """List the model aliases and which models are available locally (`models list`: every local model, sizes)."""
     if ctx.invoked_subcommand is not None:
         return
-    from ..engine.load.models import cache_dir, local_status
+    from ..engine import cache_dir, local_status
 
     rows = local_status()
     if json_out:
@@ -53,7 +53,7 @@ def _model_error(e: Exception) -> typer.Exit:
 @models_app.command("list")
 def list_models(json_out: Json = False) -> None:
     """Models on this machine with their sizes, the aliases they answer to, and the caches derived from them."""
-    from ..engine.load import store
+    from ..engine import model_cache as store
 
     rows = [m.row() for m in store.local_models()]
     if json_out:
@@ -81,9 +81,7 @@ def pull(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Ali
     a pull stopped with Ctrl-C resumes when run again."""
     import time
 
-    from ..engine.errors import ModelError
-    from ..engine.load import pull as puller
-    from ..engine.load.store import human
+    from ..engine import ModelError, model_cache as store, model_download as puller
 
     current, started = None, time.time()
     try:
@@ -91,8 +89,8 @@ def pull(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Ali
         puller.check_space(plans)
         for name, plan in zip(names, plans):
             current, started = plan, time.time()
-            typer.echo(f"pulling {plan.repo_id}: {human(plan.total)}"
-                       + (f" ({human(plan.have)} already here)" if plan.have else "") + f" into {plan.cache}", err=True)
+            typer.echo(f"pulling {plan.repo_id}: {store.human(plan.total)}"
+                       + (f" ({store.human(plan.have)} already here)" if plan.have else "") + f" into {plan.cache}", err=True)
             folder = puller.download(plan)
             typer.echo(f"{name}: ready in {folder}")
     except ModelError as e:
@@ -123,8 +121,7 @@ def _confirm(question: str, yes: bool) -> bool:
 @models_app.command("rm")
 def rm(name: Annotated[str, typer.Argument(help="An alias, a hub id, or a .gguf path (its caches only).")], yes: Yes = False) -> None:
     """Free a model from the hub cache with every cache derived from it (converted, compiled); asks first."""
-    from ..engine.errors import ModelError
-    from ..engine.load import store
+    from ..engine import ModelError, model_cache as store
 
     try:
         m = store.find(name)
@@ -155,8 +152,7 @@ def cache(ctx: typer.Context, json_out: Json = False) -> None:
     """Sizes of ssd-chat's own caches (converted models, compiled graphs, timings); `models cache prune` frees them."""
     if ctx.invoked_subcommand is not None:
         return
-    from ..engine.config import cache_dir
-    from ..engine.load import store
+    from ..engine import cache_dir, model_cache as store
 
     sizes = store.cache_sizes()
     orphans = store.orphans()
@@ -176,7 +172,7 @@ def cache(ctx: typer.Context, json_out: Json = False) -> None:
 def prune(all_: Annotated[bool, typer.Option("--all", help="Remove every derived cache (converted, compiled), not only "
                                              "those of models no longer here.")] = False, yes: Yes = False) -> None:
     """Free the derived caches of models no longer on this machine (--all: every derived cache); asks first."""
-    from ..engine.load import store
+    from ..engine import model_cache as store
 
     paths = store.all_derived() if all_ else store.orphans()
     size = sum(map(store.size_of, paths))

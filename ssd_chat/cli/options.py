@@ -20,6 +20,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from ..chat.terminal import fail  # noqa: F401 - every command's one-line error
+
 
 def choice(value: str | None, allowed: tuple[str, ...]) -> str | None:
     if value is not None and value not in allowed:
@@ -106,14 +108,6 @@ def settings(values: dict[str, Any]) -> dict[str, Any]:
     except config.ConfigError as e:  # one line naming the flag, SSD_CHAT_* variable or config.toml entry
         raise fail(str(e), 2 if e.usage else 1) from None
     return resolved
-
-
-def fail(message: str, code: int = 1) -> typer.Exit:
-    """One line on stderr, and the exit to raise: usage errors 2, runtime failures 1."""
-    from ..chat.terminal import wrapped
-
-    typer.echo(wrapped(f"ssd-chat: error: {message}", sys.stderr), err=True)
-    return typer.Exit(code)
 
 
 def utf8_text(value: str | bytes, what: str) -> str:

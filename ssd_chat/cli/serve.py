@@ -60,7 +60,7 @@ def serve(
     One request decodes at a time; the others wait in order. SIGTERM, SIGHUP or Ctrl-C finishes the reply being decoded, refuses the waiting ones, and exits. See docs/serve.md."""
     from ..chat.loading import load_engine
     from ..chat.settings import engine_config, sampling_params
-    from ..engine.errors import ParamError, SSDChatError
+    from ..engine import ParamError, SSDChatError
     from ..server.app import create_app
     from ..server.app import serve as run_server
     from ..server.client import remove_state, write_state
@@ -102,7 +102,7 @@ def serve(
     except KeyboardInterrupt:
         # The load has unwound, but torch's C++ threads may still hold state that its exit-time
         # destructors abort on ("terminate called ..."): leave at once; workers die with us
-        # (PR_SET_PDEATHSIG, engine/workers.py).
+        # (PR_SET_PDEATHSIG, engine/processes.py).
         sock.close()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -110,7 +110,7 @@ def serve(
     url = _url(host, sock.getsockname()[1])
     state = []
     cfg = engine.config
-    from ..engine.engine import default_draft
+    from ..engine import default_draft
 
     desc = cfg.mode + (f", draft {cfg.draft or default_draft(cfg.target)}, k={cfg.k}" if engine.draft is not None and cfg.mode != "ar" else "")
 

@@ -71,7 +71,7 @@ def metrics_line(m: dict[str, Any]) -> str:
         v = m.get(key)
         return None if v is None else format(v, spec) + suffix
 
-    from ..engine.events import mode_label  # here: importing the engine package loads torch
+    from ..engine import mode_label  # here: importing the engine package loads torch
 
     mode, n = m.get("mode"), m.get("new_tokens", 0)
     parts = [mode_label(mode, m.get("ran_as"), m.get("switched_after")).lower() if mode else "?", f"{n} token{'' if n == 1 else 's'}"]

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from . import export as history_export, tree as history_tree
-from ..engine.config import user_dir
+from ..engine import user_dir
 from .files import Pending, check_readable, chats_sql, copy_to_memory, memory, read_only_connection, transient
 from .files import reason as _reason
 from .export import metrics_line  # noqa: F401 - the app imports it from here

@@ -41,8 +41,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.load import chat
-from ..engine.params import SamplingParams
+from ..engine import prompt_ids, SamplingParams
 from .logprobs import TokenTexts
 from .limits import DEFAULT_MAX_BODY_MB, Guard, check_prompt_chars, max_token_chars, too_large
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -138,7 +137,7 @@ class _API:
 
     # -- models and metrics ------------------------------------------------------------------
     def model_card(self) -> dict[str, Any]:
-        from ..engine.engine import default_draft
+        from ..engine import default_draft
 
         cfg, draft = self.engine.config, self.engine.draft
         config = {k: getattr(cfg, k) for k in ("target", "draft", "mode", "k", "target_device", "draft_device", "dtype",
@@ -166,7 +165,7 @@ class _API:
         tools, headers = self._tools(req)
         messages = req.chat()
         check_prompt_chars(sum(len(m["content"] or "") for m in messages), self.context, self.token_chars, "messages")
-        ids, extra_stop = await self._tokenize(chat.prompt_ids, self.tokenizer, messages, tools)
+        ids, extra_stop = await self._tokenize(prompt_ids, self.tokenizer, messages, tools)
         names = {t["function"]["name"] for t in tools} if tools else None
         return await self._answer(req, request, ids, extra_stop, chat_api=True, tools=names, headers=headers)
 

@@ -29,8 +29,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from ..engine import workers  # process helpers, without importing torch
-from ..engine.config import EngineConfig  # the engine's settings, without importing torch
+from ..engine import processes  # process helpers, without importing torch
+from ..engine import EngineConfig  # the engine's settings, without importing torch
 
 KEY_ENV = "SSD_CHAT_API_KEY"
 
@@ -77,7 +77,7 @@ def local_servers() -> list[dict[str, Any]]:
             pid, url = int(state["pid"]), str(state["url"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if not workers.pid_alive(pid):
+        if not processes.pid_alive(pid):
             remove_state(path)
             continue
         out.append({**state, "pid": pid, "url": url})

@@ -25,11 +25,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..engine import MODES, Engine, threads
-from ..engine.errors import ParamError, SSDChatError
-from ..engine.decode import logprobs
-from ..engine.events import Done, Error, Notice, Round, Stats, Token
-from ..engine.params import SamplingParams
+from ..engine import (
+    MODES, Engine, threads, ParamError, SSDChatError, prompt_logprobs, Done, Error, Notice, Round, Stats, Token,
+    SamplingParams
+)
 from .metrics import ServerMetrics
 
 log = logging.getLogger("ssd_chat.server")
@@ -111,7 +110,7 @@ class EngineWorker:
         if mode != "ar" and self.engine.draft is None:
             return f"ssd_mode '{mode}' needs a draft, and this server was started without one (start it with --mode {mode})"
         try:
-            from ..engine.engine import check_draft_for_mode
+            from ..engine import check_draft_for_mode
 
             check_draft_for_mode(mode, self.engine.draft)
         except ParamError as e:
@@ -213,7 +212,7 @@ class EngineWorker:
             if job.prompt_logprobs is not None:
                 cfg = engine.config
                 rows = (1,) if cfg.mode == "ar" else (cfg.k + 1,)
-                job.post(PromptLogprobs(logprobs.of_prompt(engine.target, job.prompt_ids, job.prompt_logprobs, cfg.compile, rows)))
+                job.post(PromptLogprobs(prompt_logprobs(engine.target, job.prompt_ids, job.prompt_logprobs, cfg.compile, rows)))
             events = engine.stream(job.prompt_ids, job.params, job.stop) if job.generate else [self._nothing(job, engine)]
             for ev in events:
                 if job.stop.is_set() and isinstance(ev, Round):

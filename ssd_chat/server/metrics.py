@@ -21,7 +21,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: N811 - re-exported
 
-from ..engine.events import Done, Error, Event, Round, Stats
+from ..engine import Done, Error, Event, Round, Stats
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 

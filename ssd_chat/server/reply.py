@@ -12,7 +12,7 @@ from typing import Any
 from fastapi.sse import format_sse_event
 
 from . import tools as server_tools
-from ..engine.events import Done, Error, Notice, Token
+from ..engine import Done, Error, Notice, Token
 from ..chat.stats import SAMPLING_SHOWN
 from .schema import APIError, ChatRequest, CompletionRequest, error_body
 from .logprobs import CompletionLogprobs, chat_content

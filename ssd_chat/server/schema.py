@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from ..engine.params import MAX_LOGPROBS, SEED_MAX, SamplingParams
+from ..engine import MAX_LOGPROBS, SEED_MAX, SamplingParams
 
 
 class APIError(Exception):

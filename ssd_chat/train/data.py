@@ -14,10 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..engine.config import cache_dir
-from ..engine.drafts.model import shared_hash
-from ..engine.model.layout import hidden_of, output_module, parts
-from ..engine.load.models import LoadedModel
+from ..engine import cache_dir, shared_hash, hidden_of, output_module, layer_parts as parts, LoadedModel
 from .spec import Example, Features, ProgressFn, TrainConfig, _no_progress
 from .prompts import prompt_ids, write_prompts
 

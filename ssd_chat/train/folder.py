@@ -9,9 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine.drafts.folder import FORMAT, MANIFEST, VERSION, WEIGHTS
-from ..engine.drafts.model import DraftShape, shared_hash, trainable_state
-from ..engine.drafts.feature import is_feature_draft
+from ..engine import (
+    DRAFT_FORMAT as FORMAT,
+    DRAFT_MANIFEST as MANIFEST,
+    DRAFT_VERSION as VERSION,
+    DRAFT_WEIGHTS as WEIGHTS,
+)
+from ..engine import DraftShape, shared_hash, trainable_state, is_feature_draft
 
 
 def save(draft: nn.Module, folder: Path, target_name: str, target: nn.Module, extra: dict[str, Any] | None = None,

@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.drafts.model import ReducedHead
-from ..engine.model.layout import hidden_of, output_module, parts, shallow
+from ..engine import ReducedHead, hidden_of, output_module, layer_parts as parts, shallow
 from .spec import Example, Features
 
 

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-from ..engine.drafts.model import build, check_shape, trainable_state
-from ..engine.drafts.feature import FeatureDraft, check_fuse_layer
-from ..engine.load.models import LoadedModel
+from ..engine import (
+    build_draft as build, check_draft_shape as check_shape, trainable_state, FeatureDraft, check_fuse_layer,
+    LoadedModel
+)
 from . import features as features_
 from . import layers
 from .spec import Example, Features, ProgressFn, TrainConfig, TrainResult, _no_progress

@@ -7,13 +7,7 @@ from typing import Any
 
 import torch
 
-from ..engine.model import runner as kv
-from ..engine.drafts.drafter import drafter
-from ..engine.errors import ModelError
-from ..engine.events import Error
-from ..engine.drafts.feature import is_feature_draft
-from ..engine.metrics import Metrics
-from ..engine.load.models import LoadedModel
+from ..engine import Runner, drafter, ModelError, Error, is_feature_draft, Metrics, LoadedModel
 from .prompts import prompt_ids
 
 
@@ -35,7 +29,7 @@ def measure(target: LoadedModel, draft: LoadedModel, prompts: list[str] | list[l
     all_ids = [p if isinstance(p, list) else prompt_ids(target, [p])[0] for p in prompts]
     for ids in all_ids:
         d = drafter(draft.forwards, None, draft.device)
-        t = kv.Runner(target.model, target.device, mid_layer=d.mid_layer)
+        t = Runner(target.model, target.device, mid_layer=d.mid_layer)
         seq = list(ids)
         if len(seq) > 1:
             d.prefill(seq[:-1], t.append(seq[:-1], logits="none", hidden=features))
@@ -85,8 +79,7 @@ def _sd_rounds(target: LoadedModel, draft: LoadedModel, all_ids: list[list[int]]
     """Greedy SD for real with each k: tokens per target forward, and the acceptance rate of a
     draft token whose predecessors were accepted.  For a feature draft, the later tokens of a round
     are drafted on the draft's own features, so this is lower than the first-token agreement."""
-    from ..engine.engine import Engine, EngineConfig
-    from ..engine.params import SamplingParams
+    from ..engine import Engine, EngineConfig, SamplingParams
 
     out: dict[str, float] = {}
     for k in ks:

@@ -9,9 +9,7 @@ from typing import Any
 
 import torch
 
-from ..engine.load import chat
-from ..engine.errors import ModelError, ParamError
-from ..engine.load.models import LoadedModel
+from ..engine import LoadedModel, ModelError, ParamError, messages_for, prompt_ids as template_ids
 from .spec import ProgressFn, _no_progress
 
 PROMPT_TEMPERATURE = 0.9  # of the prompts the target writes itself (--self-prompts)
@@ -44,7 +42,7 @@ def load_prompts(path: str | Path | None = None, heldout: bool = False) -> list[
 
 
 def prompt_ids(target: LoadedModel, prompts: list[str]) -> list[list[int]]:
-    return [chat.prompt_ids(target.tokenizer, chat.messages_for(p))[0] for p in prompts]
+    return [template_ids(target.tokenizer, messages_for(p))[0] for p in prompts]
 
 
 def user_turn_prefix(tokenizer: Any) -> list[int]:

@@ -7,8 +7,7 @@ from typing import Callable
 
 import torch
 
-from ..engine.drafts.model import DraftShape
-from ..engine.errors import ParamError
+from ..engine import DraftShape, ParamError
 
 ProgressFn = Callable[[str, int, int, dict[str, float]], None]  # (stage, done, total, info)
 

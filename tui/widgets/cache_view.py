@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
-from ...engine.events import Round
+from ...engine import Round
 
 
 @dataclass(frozen=True, slots=True)

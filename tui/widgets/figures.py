@@ -27,9 +27,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...engine.events import Stats
-from ...engine.metrics import over_ar_bound, ssd_over_sd_bound
 from ...chat.stats import fmt, ran_as
+from ...engine import Stats, over_ar_bound, ssd_over_sd_bound
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
 
-from ...engine.events import Round, Stats
+from ...engine import Round, Stats
 from ...chat.terminal import printable
 from .figures import Baseline, panel_values
 

@@ -1,6 +1,6 @@
 """Switch mode (``auto``: back to the mode auto chose here), k, fan-out, sampling (temperature, top-p,
 top-k, seed) and reply length between turns (models stay loaded).  The fields are
-:data:`ssd_chat.tui.widgets.changes.FIELDS`, one line each."""
+:data:`ssd_chat.chat.changes.FIELDS`, one line each."""
 
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select
 
 from ...chat.settings import SAMPLING_KEYS, EngineConfig
-from ...engine.speculate.fanout import DEFAULT_FAN_OUT
-from ...engine.params import SamplingParams
+from ...engine import DEFAULT_FAN_OUT, SamplingParams
 from ...chat.terminal import printable
-from .changes import ENGINE_CHANGES, FIELDS, MODES, check_engine, parse_settings
+from ...chat.changes import ENGINE_CHANGES, FIELDS, MODES, check_engine, parse_settings
 
 
 class SettingsDialog(ModalScreen[dict | None]):

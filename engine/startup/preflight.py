@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ModelError, ParamError
-from . import catalog, models
+from ..load import catalog, models
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -31,7 +31,7 @@ class Preflight:
     reason: str  # one line: why this mode (for AR chosen by auto: what would enable SSD)
     auto: bool  # the mode was chosen by auto
     warnings: tuple[str, ...] = ()
-    probe: tuple[str, ...] = ()  # auto with a draft: the modes to time once loaded (engine/decode/probe.py)
+    probe: tuple[str, ...] = ()  # auto with a draft: the modes to time once loaded (engine/startup/probe.py)
 
 
 def draft_kind(name: str, target: str) -> str | None:
@@ -91,11 +91,11 @@ def check(config: "EngineConfig") -> Preflight:
     kind = draft_kind(named, config.target) if named else None
     warnings = _memory_warnings(tspec, tplace)
     if tplace.ranks and tplace.device.type == "cpu":
-        from .placement import CPU_TP_NOTE
+        from ..load.placement import CPU_TP_NOTE
 
         warnings.append(CPU_TP_NOTE)
     elif tplace.ranks:  # GPUs: the draft defaults to the first GPU the ranks leave; say what auto chose
-        from .placement import plan_target
+        from ..load.placement import plan_target
 
         tp_plan = plan_target(config.target_device, config.draft_device)
         config = replace(config, draft_device=tp_plan.draft_device)
@@ -152,7 +152,7 @@ def in_force(config: "EngineConfig") -> dict[str, object]:
     """The engine's values for the settings left unset (``None``): what ``ssd-chat config`` shows for them
     (the draft: None in AR, which loads none)."""
     from ..drafts.shipped import default_draft, label
-    from ..speculate.fanout import DEFAULT_FAN_OUT, default_budget
+    from ..fanout import DEFAULT_FAN_OUT, default_budget
 
     draft = (config.draft or default_draft(config.target)) if config.needs_draft else None
     return {

@@ -9,7 +9,7 @@ collectives in the same order.  Only rank 0's answer is used.
 What is not sent: the committed length.  Every append carries rank 0's length, so a
 rollback (``kv.truncate``), ``reset`` and ``set_length`` cost rank 0 nothing to tell.
 
-The worker is started and owned like the SSD speculator (:mod:`workers`): spawned, a daemon,
+The worker is started and owned like the SSD speculator (:mod:`processes`): spawned, a daemon,
 killed with its parent, deaf to Ctrl-C (the app closes it).  A failure sends one line on
 the worker's pipe and ends the process; rank 0's next collective then fails and it reports
 that line.  A ``ValueError`` (an argument check) is raised by rank 0's identical call too,
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .. import workers
+from .. import processes
 
 HEADER = 8
 APPEND, STEP, ADOPT, RESERVE, WARM, CLOSE, NOP = range(1, 8)  # NOP: rank 0 keeps an idle group alive
@@ -58,7 +58,7 @@ def main(conn: Any, source: str, cfg: Any, rank: int, world: int, device: str, d
          port: int, backend: str, name: str, core_kw: dict[str, Any], timeout_s: float, parent_pid: int,
          fault: str | None = None) -> None:
     """The rank's process: load the shard, join the group, serve rank 0's commands until CLOSE."""
-    if not workers.child_start(parent_pid):
+    if not processes.child_start(parent_pid):
         return
     import torch.distributed as dist
 

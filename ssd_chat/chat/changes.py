@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ...chat.settings import SAMPLING_KEYS
+from .settings import SAMPLING_KEYS
 
 # /command -> setting (the demo script's command files use the same names)
 SLASH_KEYS = {"mode": "mode", "k": "k", "fan-out": "fan_out", "fanout": "fan_out", "temp": "temperature",
@@ -50,7 +50,7 @@ def _number(key: str, text: str, kind: type) -> Any:
 
 def parse_settings(raw: dict[str, str]) -> dict[str, Any]:
     """Validate the dialog's text fields; raises ValueError with a readable message."""
-    from ...engine.params import SamplingParams
+    from ..engine import SamplingParams
 
     out: dict[str, Any] = {}
     if raw.get("mode"):
@@ -76,7 +76,7 @@ def parse_settings(raw: dict[str, str]) -> dict[str, Any]:
 
 def check_engine(values: dict[str, Any], current: dict[str, Any]) -> None:
     """The engine's checks (k against the fan-out, in SSD) on the settings the dialog would apply; ValueError."""
-    from ...engine.config import EngineConfig
+    from ..engine import EngineConfig
 
     merged = {**{k: current.get(k) for k in ENGINE_CHANGES}, **values}
     EngineConfig(**{k: v for k, v in merged.items() if k in ENGINE_CHANGES and v is not None})

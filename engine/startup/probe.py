@@ -332,7 +332,7 @@ def start_measurer(later: tuple[EngineConfig, int]) -> subprocess.Popen | None:
     (``ssd_chat.chat.measure``); it inherits the key's lock.  None if it cannot start."""
     import json
 
-    from ..workers import popen
+    from ..processes import popen
 
     config, fd = later
     try:

@@ -2,7 +2,7 @@
 
 The draft is rebuilt here from a :class:`Recipe` (a folder to load, or for models that exist
 only in memory a config and a state dict), never pickled whole.  The process is pinned to its
-own cores, dies with its parent (:func:`workers.child_start`) and reports a failure as a
+own cores, dies with its parent (:func:`processes.child_start`) and reports a failure as a
 :class:`channel.Failed` before it exits.
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from .. import workers
+from .. import processes
 from ..model.forward import Forwards
 from .channel import Begin, Close, Failed, Ping, Poller, Pong, Ready, Spec
-from .fanout import FanOut
+from ..fanout import FanOut
 from .speculator import Speculator
 
 
@@ -57,6 +57,7 @@ def build_model(recipe: Recipe) -> torch.nn.Module:
 
     from transformers import AutoModelForCausalLM
 
+    from ..drafts import gguf as gguf_drafts
     from ..load import precision
     from ..load.models import LoadedModel, ModelSpec, Placement
 
@@ -72,7 +73,7 @@ def build_model(recipe: Recipe) -> torch.nn.Module:
     if recipe.gguf:
         precision.to_gguf(base)  # the tiles from the converted folder's cache, as the app read them
     if recipe.derived:
-        model = precision.derive(recipe.derived, base).model
+        model = gguf_drafts.derive(recipe.derived, base).model
     from ..cpu import fastlinear
 
     fastlinear.install(model)  # as models.load does for the app's models (CPU float32 only)
@@ -84,7 +85,7 @@ def worker_main(conn: Any, recipe: Recipe, k: int, fan_out: FanOut, fallback: st
                 compile: str = "off", spin_s: float = 0.0) -> None:
     """The speculator process: load the draft, then serve requests until ``close`` or EOF.  ``spin_s``:
     how long it polls for the next request before it sleeps (0 where it shares a core)."""
-    if not workers.child_start(parent_pid):
+    if not processes.child_start(parent_pid):
         return
     try:
         if cores is not None and hasattr(os, "sched_setaffinity"):

@@ -1,4 +1,5 @@
-"""GGUF-precision linears for a GGUF target and for the drafts derived from it (CPU).
+"""GGUF-precision linears for a GGUF target and its ``int8`` draft (CPU); the other derived drafts'
+are in :mod:`drafts.gguf`.
 
 * The target: every Q4_0/Q4_1/Q8_0 linear of the file becomes a :class:`quant.GGUFLinear` over
   its own blocks (exact weights; :mod:`gguf_map`), with the tiles cached in the converted folder.
@@ -11,7 +12,7 @@
   re-quantized to Q8_0 (1.06 bytes per weight, against the Q4 target's 0.625).
 
 Order: load and derive drafts on the float32 target first (a trained draft checks a hash of the
-shared float weights), then swap: :func:`gguf_target` and :func:`fast_draft` return the module
+shared float weights), then swap: :func:`gguf_target` and :func:`drafts.gguf.fast_draft` return the module
 maps that :func:`quant.swap_modules` puts in place (and can undo).
 """
 
@@ -23,9 +24,9 @@ import torch
 from torch import nn
 
 from ..errors import ModelError
-from ..load import gguf_map
-from . import quant
-from .quant import GGUFLinear
+from . import gguf_map
+from ..cpu import quant
+from ..cpu.quant import GGUFLinear
 
 
 def gguf_target(lm: object, check_rows: int = 4) -> dict[str, GGUFLinear]:
@@ -36,40 +37,6 @@ def gguf_target(lm: object, check_rows: int = 4) -> dict[str, GGUFLinear]:
     if getattr(lm, "device", torch.device("cpu")).type != "cpu":
         raise ModelError("GGUF-precision linears run on the CPU")
     return gguf_map.gguf_linears(lm.model, spec.source, check_rows=check_rows, cache=getattr(lm, "folder", None))
-
-
-def _by_weight(target_mods: dict[str, GGUFLinear]) -> dict[int, GGUFLinear]:
-    """The target's GGUFLinears keyed by the float weight they replace (data pointer)."""
-    return {m.dense.data_ptr(): m for m in target_mods.values() if m.dense is not None}
-
-
-def fast_draft(draft: nn.Module, target_mods: dict[str, GGUFLinear], kind: str = "Q8_0") -> dict[str, nn.Module]:
-    """Modules to swap into ``draft`` (derived from the float32 target whose GGUF linears are
-    ``target_mods``): shared target linears -> the target's GGUFLinear, the draft's own linears ->
-    ``kind`` blocks, a reduced head's rows (its ``proj``) -> the target head's blocks for those rows."""
-    from ..drafts.model import ReducedHead
-
-    shared = _by_weight(target_mods)
-    head = next((m for m in target_mods.values() if m.kind == "Q8_0" and m.dense is not None
-                 and m.dense.shape[0] == getattr(draft.config, "vocab_size", -1)), None)
-    out: dict[str, nn.Module] = {}
-    heads: set[int] = set()
-    for name, m in draft.named_modules():
-        if isinstance(m, ReducedHead):
-            out[f"{name}.proj" if name else "proj"] = _head_rows(m, shared, head)
-            heads.add(id(m.proj))
-        elif isinstance(m, nn.Linear) and id(m) not in heads:  # nn.Linear or the fast path's FastLinear
-            out[name] = shared.get(m.weight.data_ptr()) or quant.quantize(m.weight, m.bias, kind)
-    return out
-
-
-def _head_rows(m: nn.Module, shared: dict[int, GGUFLinear], head: GGUFLinear | None) -> GGUFLinear:
-    """The reduced head's rows as blocks: the target head's own blocks where its rows are that
-    head's rows (bit for bit, on sampled rows: a trained draft copies them), else quantized."""
-    j = torch.linspace(0, len(m.ids) - 1, min(16, len(m.ids))).long()  # sampled rows (all would cost 0.2 s a start)
-    if head is not None and head.dense is not None and torch.equal(head.dense[m.ids[j].cpu()], m.rows[j].cpu()):
-        return head.select_rows(m.ids)
-    return quant.quantize(m.rows, None, "Q8_0")
 
 
 def q8_copy(target: nn.Module, target_mods: dict[str, GGUFLinear]) -> nn.Module:

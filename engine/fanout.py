@@ -26,7 +26,7 @@ import re
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..errors import ParamError
+from .errors import ParamError
 
 DEFAULT_FAN_OUT = "geometric"
 R_EXPONENT = 1.0  # power-law exponent r of the miss rate 1 - p_hit(F) = F^-r  [I: not estimated online]
