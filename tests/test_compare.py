@@ -143,7 +143,7 @@ async def test_ctrl_g_compares_the_typed_prompt_in_three_modes():
 async def test_ctrl_g_on_the_real_engine_gives_identical_outputs(tiny_chat_dir):
     from ssd_chat.tui.app import ChatApp
 
-    target = models.load(str(tiny_chat_dir), models.parse_placement("cpu"))
+    target = models.load_model(str(tiny_chat_dir), models.parse_placement("cpu"))
     from ssd_chat.engine.drafts import shipped as drafts
 
     engine = Engine(EngineConfig(target=str(tiny_chat_dir), mode="ar", k=2), target, drafts.derive("int8", target))

@@ -247,10 +247,10 @@ class ModelPool:
             place = models.parse_placement(plan.target_device, dtype or "auto")
             trust = bool(self.values.get("trust_remote_code"))
             if place.ranks:
-                self._targets[tk] = tp_load.load(self.values["target"], place, self.base_config.compile,
+                self._targets[tk] = tp_load.load_sharded(self.values["target"], place, self.base_config.compile,
                                                  (1, self.base_config.k + 1), trust)
             else:
-                self._targets[tk] = precision.load(self.values["target"], place, dtype, trust)
+                self._targets[tk] = precision.load_with_precision(self.values["target"], place, dtype, trust)
         target = self._targets[tk]
         if plan.mode == "ar" or self.draft_name is None:
             return target, None
@@ -261,7 +261,7 @@ class ModelPool:
             else:
                 self._progress(f"loading {self.draft_name} on {plan.draft_device}")
                 dtype = self.values.get("dtype")
-                self._drafts[dk] = precision.load(self.draft_name, models.parse_placement(plan.draft_device, dtype or "auto"), dtype,
+                self._drafts[dk] = precision.load_with_precision(self.draft_name, models.parse_placement(plan.draft_device, dtype or "auto"), dtype,
                                                   bool(self.values.get("trust_remote_code")))
         return target, self._drafts[dk]
 

@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.config import MODES
 from ..engine.events import Done, Error, Event, Notice
 from ..engine.metrics import over_ar_bound, ssd_over_sd_bound
 from .stats import ran_as
 
-MODES = ("ar", "sd", "ssd")
 RATIOS = (("ssd", "ar"), ("ssd", "sd"), ("sd", "ar"))
 DEFAULT_MAX_NEW_TOKENS = 64  # nine runs of this on 2 CPU cores take a minute or two
 DEFAULT_REPEATS = 3

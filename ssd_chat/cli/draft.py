@@ -52,7 +52,7 @@ def _load_target(name: str, device: str, dtype: str, threads: int | None) -> Any
 
         torch.set_num_threads(threads)
     quiet_libraries()
-    return models.load(name, models.parse_placement(device, dtype))
+    return models.load_model(name, models.parse_placement(device, dtype))
 
 
 def _init_from(value: str | None) -> tuple[int, ...] | None:

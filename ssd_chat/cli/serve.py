@@ -86,13 +86,13 @@ def serve(
 
     n = threads.coordinator()  # this thread runs the HTTP server: no OpenMP pool here (engine/threads.py)
 
-    def load():
+    def load_and_start():
         engine = load_engine(values, measure="background", log_stages=True)
         engine.decoder()  # SSD: the speculator starts loading its draft now, not at the first request
         return engine
 
     try:
-        engine = threads.call(n, load)
+        engine = threads.call(n, load_and_start)
     except ParamError as e:
         sock.close()
         raise fail(str(e), 2) from None

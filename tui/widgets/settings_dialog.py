@@ -16,7 +16,7 @@ from ...chat.settings import SAMPLING_KEYS, EngineConfig
 from ...engine.speculate.fanout import DEFAULT_FAN_OUT
 from ...engine.params import SamplingParams
 from ...chat.terminal import printable
-from ..changes import ENGINE_CHANGES, FIELDS, MODES, check_engine, parse_settings
+from ..changes import CONFIG_MODES, ENGINE_CHANGES, FIELDS, check_engine, parse_settings
 
 
 class SettingsDialog(ModalScreen[dict | None]):
@@ -59,8 +59,8 @@ class SettingsDialog(ModalScreen[dict | None]):
 
     def _modes(self) -> list[tuple[str, str]]:
         resolved = self.current.get("mode") if self.current.get("auto") else None
-        modes = [(f"AUTO ({resolved.upper()} here)" if m == "auto" and resolved else m.upper(), m) for m in MODES]
-        if self.mode not in MODES:  # a mode of a replay's recording
+        modes = [(f"AUTO ({resolved.upper()} here)" if m == "auto" and resolved else m.upper(), m) for m in CONFIG_MODES]  # auto: the mode auto chose for this machine (Engine.reconfigure)
+        if self.mode not in CONFIG_MODES:  # a mode of a replay's recording
             modes.insert(0, (f"{self.mode.upper()} (unchanged)", self.mode))
         return modes
 
