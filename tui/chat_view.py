@@ -24,8 +24,8 @@ from textual.widget import Widget
 from textual.widgets import Static
 
 from ..chat.backend import Backend
-from ..chat.settings import sampling_settings
 from ..engine.events import Event
+from ..engine.params import SamplingParams
 from ..history.store import History
 from ..chat.session import Session
 from ..chat.terminal import printable
@@ -76,7 +76,7 @@ class ChatView(ModelActions, BranchActions, RerunActions, AttachActions, ReplyAc
         super().__init__(id="chat-view")
         self.backend, self.history, self.recorder = backend, history, recorder
         self.session = self.new_session(settings.get("system") or None)
-        self.params: dict[str, Any] = sampling_settings(settings)
+        self.params: dict[str, Any] = settings.get("sampling", SamplingParams()).choices()  # resolved: cli/options.settings
         self.colour = bool(settings.get("colour_tokens"))
         self.conversation_id: int | None = None
         self.script = list(script) or list(backend.scripted_prompts)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import BenchError
@@ -43,7 +43,6 @@ def probe(base_config: Any, models_for: Callable[[Plan], tuple[Any, Any]], promp
     """Time ``tokens`` decode steps of each distinct configuration on the race's warm-up prompt, pinned as the
     race pins it, and scale: per configuration its memory-bandwidth reading (timed here as the race does it),
     one warm-up reply and prompts x repeats replies of ``settings.max_new_tokens`` tokens each; plus ``load_s``."""
-    from ..engine import SamplingParams
     from ..engine.load.chat import messages_for
     from ..engine.events import Done, Error
     from .machine import Pinning, read_bandwidth
@@ -66,9 +65,8 @@ def probe(base_config: Any, models_for: Callable[[Plan], tuple[Any, Any]], promp
             total += time.perf_counter() - t0
             timed: tuple[float, int, float | None] = (0.0, 0, None)
             for n in (2, tokens):  # the first reply pays one-off costs (a compile, the speculator's start)
-                seed = settings.seed if settings.seed is not None else 1234  # the race's first repeat's seed
-                params = SamplingParams(settings.temperature, settings.top_p, settings.top_k, seed, n,
-                                        tuple(extra_stop), True)
+                s = settings.sampling  # the race's first repeat's seed
+                params = replace(s, seed=1234 if s.seed is None else s.seed, max_new_tokens=n, stop=tuple(extra_stop), ignore_eos=True)
                 t0 = time.perf_counter()
                 for ev in eng.stream(ids, params):
                     if isinstance(ev, Error):

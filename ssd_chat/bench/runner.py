@@ -12,6 +12,7 @@ from . import BenchError
 from .machine import Pinning, descendants_cpu_s, read_bandwidth, weight_bytes
 from .prompts import BenchPrompt
 from .protocols import Plan, cores_text
+from ..engine import SamplingParams
 
 DEFAULT_MAX_NEW = 128
 
@@ -23,11 +24,7 @@ class BenchSettings:
     max_new_tokens: int = DEFAULT_MAX_NEW
     repeats: int = 1
     warmup_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    ignore_eos: bool = True
+    sampling: SamplingParams = SamplingParams(ignore_eos=True)  # each run's, with its own seed (if unset), length and stops
 
 
 @dataclass
@@ -61,7 +58,6 @@ def run_bench(
 
     ``models_for(plan) -> (target, draft)`` gives loaded models (shared between plans);
     ``encode(engine, prompt) -> (ids, extra_stop)`` defaults to the chat template."""
-    from ..engine import SamplingParams
     from ..engine.load.chat import messages_for
     from ..engine.events import Done, Error, Notice, Round
     from ..engine.metrics import Metrics
@@ -79,9 +75,8 @@ def run_bench(
         def one(key: tuple, prompt: BenchPrompt, repeat: int, max_new: int, order: int) -> dict[str, Any]:
             plan, eng = slots[key], engines[key]
             ids, extra_stop = encoded[prompt.id]
-            seed = settings.seed if settings.seed is not None else 1234 + repeat
-            params = SamplingParams(settings.temperature, settings.top_p, settings.top_k, seed, max_new,
-                                    tuple(extra_stop), settings.ignore_eos)
+            s = settings.sampling
+            params = replace(s, seed=1234 + repeat if s.seed is None else s.seed, max_new_tokens=max_new, stop=tuple(extra_stop))
             pin.apply(plan.cores, plan.threads)
             ranks = frozenset(_rank_pids(eng))  # a tensor-parallel target's own processes are not background work
             bg0 = descendants_cpu_s(ranks) if plan.mode != "ssd" else None

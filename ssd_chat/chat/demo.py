@@ -62,7 +62,6 @@ def _run(values: dict, prompts: list[str], simulate: str | None, work: str | Non
     import os
     import threading
 
-    from .settings import sampling_params
     from ..engine.errors import SSDChatError
     from ..engine.events import Done, Error, Notice, Round, Token
     from .loading import load_engine
@@ -81,7 +80,7 @@ def _run(values: dict, prompts: list[str], simulate: str | None, work: str | Non
     try:
         backend = EngineBackend(values)
         backend.engine = load_engine(values)
-        params = sampling_params(values, backend.engine.sampling_defaults)
+        params = values["sampling"].over(backend.engine.sampling_defaults)
     except SSDChatError as e:
         raise fail(str(e)) from None
     rec = None
