@@ -87,7 +87,7 @@ def probe(base_config: Any, models_for: Callable[[Plan], tuple[Any, Any]], promp
             except Exception:  # noqa: BLE001 - closing is best effort
                 pass
         pin.restore()
-    return Estimate(out, load_s, total, per_slot * len(out), settings.max_new_tokens, not settings.ignore_eos, skipped)
+    return Estimate(out, load_s, total, per_slot * len(out), settings.max_new_tokens, not settings.sampling.ignore_eos, skipped)
 
 
 def duration(seconds: float) -> str:
