@@ -100,9 +100,9 @@ class Engine:
                 models.check_same_vocab(config.target, ttok, draft_name, dtok)
         if tplace.ranks:  # tensor parallelism: the weights load in the rank processes
             rows = (1, config.k + 1)
-            target = tp_load.load(config.target, tplace, config.compile, rows, config.trust_remote_code, progress, tqdm_class)
+            target = tp_load.load_sharded(config.target, tplace, config.compile, rows, config.trust_remote_code, progress, tqdm_class)
         else:
-            target = precision.load(config.target, tplace, config.dtype, config.trust_remote_code, progress, tqdm_class)
+            target = precision.load_with_precision(config.target, tplace, config.dtype, config.trust_remote_code, progress, tqdm_class)
         draft = None
         try:
             if draft_name is not None:
@@ -111,7 +111,7 @@ class Engine:
                     draft = gguf_drafts.derive(draft_name, tp_load.draft_base(target, config.draft_device, progress))
                 else:
                     assert dplace is not None
-                    draft = precision.load(draft_name, dplace, config.dtype, config.trust_remote_code, progress, tqdm_class)
+                    draft = precision.load_with_precision(draft_name, dplace, config.dtype, config.trust_remote_code, progress, tqdm_class)
         except BaseException:
             target.forwards.close()  # no rank outlives a load that failed
             raise

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from .errors import ParamError
 
@@ -17,6 +19,8 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy decoding (argmax); top-p / top-k then have no effect.
     ``seed`` makes sampling reproducible (None: a fresh random seed per reply).
+    The one type of the sampling settings from the command line (:meth:`given`) to the speculator;
+    its values are checked once, here, whoever builds or replaces it.
     """
 
     temperature: float = 0.0
@@ -33,6 +37,22 @@ class SamplingParams:
     presence_penalty: float = 0.0
     # report the target's logprob of each emitted token and its top-N alternatives (N = 0..20); None: off
     logprobs: int | None = None
+    # the fields the user set (flag, environment, config file); a model's defaults fill the others (:meth:`over`)
+    chosen: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+
+    @classmethod
+    def given(cls, values: Mapping[str, Any]) -> SamplingParams:
+        """From settings, those unset (None) left to :meth:`over` (else this type's defaults)."""
+        own = {k: v for k, v in values.items() if v is not None}
+        return cls(**own, chosen=frozenset(own))
+
+    def over(self, defaults: Mapping[str, Any]) -> SamplingParams:
+        """These settings over ``defaults`` (a model's: ``Engine.sampling_defaults``) where none was chosen."""
+        return replace(self, **{k: v for k, v in defaults.items() if k not in self.chosen})
+
+    def choices(self) -> dict[str, Any]:
+        """The settings the user chose."""
+        return {k: getattr(self, k) for k in self.chosen}
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):

@@ -6,7 +6,7 @@
 For each thread count and row count it times, interleaved (one call of each path per
 repetition, so a busy machine slows all of them alike), the median of:
 
-* ``transformers``: the model as ``models.load`` gives it to the app (fastlinear and the GQA
+* ``transformers``: the model as ``models.load_model`` gives it to the app (fastlinear and the GQA
   attention installed) on a ``DynamicCache``: 1 row and k+1 rows as ``kv.forward``, B tree
   rows as the SSD speculator calls it (4D mask, explicit positions);
 * ``core eager``: :class:`~ssd_chat.engine.model.core.Core` uncompiled (its projections are the
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(s: str) -> None:
         print(s, file=sys.stderr, flush=True)
 
-    lm = models.load(models.PACKAGED, models.parse_placement("cpu", "float32"), progress=lambda s, f: log(s))
+    lm = models.load_model(models.PACKAGED, models.parse_placement("cpu", "float32"), progress=lambda s, f: log(s))
     results = []
     for threads in [int(t) for t in args.threads.split(",")]:
         results += measure(lm, threads, [int(r) for r in args.rows.split(",")], args.context, args.reps, args.compile,

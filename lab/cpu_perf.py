@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .cpu_perf_common import Models, forward, greedy, load, log, pin, timed
+from .cpu_perf_common import Models, forward, greedy, load_average, log, pin, timed
 
 SECTIONS = ("bandwidth", "linears", "core", "ar", "app", "accuracy", "drafts", "llama")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at",
@@ -48,7 +48,7 @@ def bandwidth(mb: int = 512) -> dict[str, Any]:
     pin((0,), 1)
     a = torch.ones(mb << 18)
     best = min(timed(lambda: a.sum(), 5, 1)["min_ms"], 1e9)
-    return {"GB_per_s": round(a.numel() * 4 / best / 1e6, 2), "load": load()}
+    return {"GB_per_s": round(a.numel() * 4 / best / 1e6, 2), "load": load_average()}
 
 
 def linears(m: Models, rows_list: list[int], reps: int) -> list[dict[str, Any]]:
@@ -66,8 +66,8 @@ def linears(m: Models, rows_list: list[int], reps: int) -> list[dict[str, Any]]:
         with torch.inference_mode():
             f32 = timed(lambda: [F.linear(xs[w.shape[1]], w) for w in dense.values()], reps, 1)
             g = timed(lambda: [m.gguf[n](xs[m.gguf[n].in_features]) for n in names], reps, 1)
-        out.append({"rows": rows, "fp32_MB": round(fp32_mb, 1), "gguf_MB": round(gguf_mb, 1), "fp32": f32, "gguf": g, "load": load()})
-        log(f"linears {rows} rows: fp32 {f32['min_ms']} ms, gguf {g['min_ms']} ms (load {load()})")
+        out.append({"rows": rows, "fp32_MB": round(fp32_mb, 1), "gguf_MB": round(gguf_mb, 1), "fp32": f32, "gguf": g, "load": load_average()})
+        log(f"linears {rows} rows: fp32 {f32['min_ms']} ms, gguf {g['min_ms']} ms (load {load_average()})")
     return out
 
 
@@ -100,7 +100,7 @@ def cores_section(m: Models, rows_list: list[int], reps: int, threads: int, comp
                 if c.compiler.active:
                     row[f"{name} first call s"] = round(time.perf_counter() - t0, 1)
                 row[name] = timed(f, reps, threads)
-            row["load"] = load()
+            row["load"] = load_average()
             log(f"core {threads} thr {rows} rows: " + ", ".join(f"{k} {v['min_ms']}" for k, v in row.items() if isinstance(v, dict)))
             out.append(row)
     m.swapped(True)
@@ -121,7 +121,7 @@ def ar(m: Models, tokens: int, row_attention: bool) -> dict[str, Any]:
     step = statistics.median(cpu)
     return {"tokens": tokens, "step_cpu_ms_median": round(step * 1e3, 2), "tok_per_s_cpu": round(1 / step, 1),
             "step_wall_ms_median": round(statistics.median(wall) * 1e3, 2), "tok_per_s_wall": round(1 / statistics.median(wall), 1),
-            "row_attention": row_attention, "load": load()}
+            "row_attention": row_attention, "load": load_average()}
 
 
 def app_ar(m: Models, gguf: bool, n_lo: int = 16, n_hi: int = 80) -> dict[str, Any]:
@@ -147,7 +147,7 @@ def app_ar(m: Models, gguf: bool, n_lo: int = 16, n_hi: int = 80) -> dict[str, A
     ms = (hi - lo) / (n_hi - n_lo) * 1e3
     m.swapped(True)
     return {"precision": "gguf Q4_1" if gguf else "float32", "cpu_ms_per_token": round(ms, 2), "tok_per_s_cpu": round(1e3 / ms, 1),
-            "tokens": list(toks), "load": load()}
+            "tokens": list(toks), "load": load_average()}
 
 
 def accuracy(m: Models, tokens: int) -> dict[str, Any]:
@@ -194,8 +194,8 @@ def llama(exe: str, gguf: str, tokens: int) -> dict[str, Any]:
     for threads, cores in ((1, (0,)), (2, (0, 1))):
         tg = llamacpp.run_tg(exe, gguf, tokens, threads, cores, repetitions=5)
         cpu = llama_cpu_ms_per_token(exe, gguf, threads, cores)
-        out[f"t{threads}"] = {**tg.as_dict(), "cpu_ms_per_token": round(cpu, 2), "tok_per_s_by_cpu": round(1e3 / cpu, 1), "load": load()}
-        log(f"llama.cpp -t {threads}: {tg.tok_per_s:.1f} tok/s wall, {cpu:.2f} ms CPU per token (load {load()})")
+        out[f"t{threads}"] = {**tg.as_dict(), "cpu_ms_per_token": round(cpu, 2), "tok_per_s_by_cpu": round(1e3 / cpu, 1), "load": load_average()}
+        log(f"llama.cpp -t {threads}: {tg.tok_per_s:.1f} tok/s wall, {cpu:.2f} ms CPU per token (load {load_average()})")
     return out
 
 
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         log("no --llama-bench: skipping the llama.cpp section")
     rows = [int(r) for r in a.rows.split(",")]
     res: dict[str, Any] = {"command": " ".join(["python -m lab.cpu_perf", *(argv if argv is not None else sys.argv[1:])]),
-                           "machine": machine(), "load_start": load()}
+                           "machine": machine(), "load_start": load_average()}
     m = Models()
     res["start"] = {"model_load_s": round(m.load_s, 2), "gguf_linears_s": round(m.gguf_s, 2),
                     "gguf_cache": str(m.lm.folder), "gguf_MB": round(sum(g.nbytes for g in m.gguf.values()) / 1e6, 1)}
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         res["drafts"] = cpu_perf_drafts.run(m, a.reps, log)
     if "llama" in want:
         res["llama"] = llama(a.llama_bench, str(m.path), a.tokens)
-    res["load_end"] = load()
+    res["load_end"] = load_average()
     res["summary"] = summary(res)
     for line in res["summary"]:
         print(line)

@@ -27,7 +27,7 @@ def pin(cores: tuple[int, ...], threads: int) -> None:
                 pass
 
 
-def load() -> float:
+def load_average() -> float:
     return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else -1.0
 
 
@@ -56,7 +56,7 @@ class Models:
         from ssd_chat.engine.load import models
 
         t0 = time.perf_counter()
-        self.lm = models.load(models.PACKAGED, models.parse_placement("cpu", "float32"))
+        self.lm = models.load_model(models.PACKAGED, models.parse_placement("cpu", "float32"))
         self.load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         self.gguf = fast_weights.gguf_target(self.lm)

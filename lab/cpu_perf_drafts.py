@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from .cpu_perf_common import Models, forward, greedy, load, pin, timed
+from .cpu_perf_common import Models, forward, greedy, load_average, pin, timed
 
 TOKENS = 48
 
@@ -104,7 +104,7 @@ def run(m: Models, reps: int, log: Callable[[str], None]) -> dict[str, Any]:
         with torch.inference_mode():
             a = acceptance(model, prompts, conts)
             d = cost(model, reps)
-        out["drafts"][name] = {"acceptance": round(a, 4), "cost_ms": d, "estimates": estimates(a, d, v), "load": load()}
+        out["drafts"][name] = {"acceptance": round(a, 4), "cost_ms": d, "estimates": estimates(a, d, v), "load": load_average()}
         log(f"draft {name}: acceptance {a:.3f}, cost {d}")
     m.swapped(True)
     best = max(((n, e) for n, r in out["drafts"].items() for e in r["estimates"]), key=lambda t: t[1]["ssd_tok_per_s"])

@@ -137,7 +137,7 @@ class HFPath:
 
 def echo_peer(conn: Any) -> None:
     """The far end of the channel round trip: answers pings and spec requests like the speculator."""
-    from ssd_chat.engine.speculate.channel import Close, Ping, Pong, Reply, Spec
+    from ssd_chat.engine.speculate.channel import Close, Ping, Pong, Speculation, Spec
 
     while True:
         msg = conn.recv()
@@ -146,7 +146,7 @@ def echo_peer(conn: Any) -> None:
         if isinstance(msg, Ping):
             conn.send(Pong(msg.req))
         elif isinstance(msg, Spec):
-            conn.send(Reply(msg.req, (1, 2, 3, 4), False, True, None, 0.0, ((0, (5, 6)),), 0.0, 0.0))
+            conn.send(Speculation(msg.req, (1, 2, 3, 4), False, True, None, 0.0, ((0, (5, 6)),), 0.0, 0.0))
 
 
 def channel_rtt(k: int, vocab: int, reps: int) -> dict[str, float]:

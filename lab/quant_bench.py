@@ -183,7 +183,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--routes", nargs="+", help="only these routes (names as printed)")
     a = ap.parse_args()
-    lm = models.load(models.PACKAGED, models.parse_placement("cpu", "float32"))
+    lm = models.load_model(models.PACKAGED, models.parse_placement("cpu", "float32"))
     if a.decode:
         res = decode(lm, a.threads, a.tokens, a.routes)
         if a.json:

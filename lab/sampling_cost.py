@@ -36,7 +36,7 @@ from ssd_chat.engine.sampling.sampling import (
 from ssd_chat.engine.sampling.support import as_dense, stack
 from ssd_chat.engine.engine import Engine
 from ssd_chat.engine.load.gen_defaults import CHAT_DEFAULT
-from ssd_chat.engine.speculate.channel import Settings
+from ssd_chat.engine.params import SamplingParams
 from ssd_chat.engine.speculate.treedraw import draw_depth
 
 T, TOP_K, TOP_P, REP = (CHAT_DEFAULT[k] for k in ("temperature", "top_k", "top_p", "repetition_penalty"))
@@ -78,8 +78,8 @@ def main() -> None:
     dtoks = torch.tensor(drafts)
     prefixes = [chain[:2 + b % k] for b in range(a.branches)]
     drawn = torch.tensor(chain[:2]).repeat(a.branches, 1)
-    settings = Settings(T, TOP_K, TOP_P, 0, 1.0, REP)
-    depth_qs = [draw_depth(tree, pen, prefixes, drawn, settings, gen)[1] for _ in range(k)]
+    params = SamplingParams(T, TOP_P, TOP_K, 0, repetition_penalty=REP)
+    depth_qs = [draw_depth(tree, pen, prefixes, drawn, params, 1.0, gen)[1] for _ in range(k)]
 
     def fwd(runner, n, ids):
         runner.append(ids)
@@ -96,7 +96,7 @@ def main() -> None:
         "draw_greedy": lambda: int(dlogits.argmax()),
         "draw_sample": lambda: int(draw_draft(pen.rows(dlogits[None], drafts[:1], 2)[0], T, TOP_K, TOP_P, gen)[0]),
         "tree_draw_greedy": lambda: tree.argmax(dim=-1),
-        "tree_draw_sample": lambda: draw_depth(tree, pen, prefixes, drawn, settings, gen),
+        "tree_draw_sample": lambda: draw_depth(tree, pen, prefixes, drawn, params, 1.0, gen),
         "tree_q_round": lambda: as_dense(stack(depth_qs, 1)[a.branches - 1]),
     }
     times: dict[str, list[float]] = {name: [] for name in pieces}

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         log("tp_bench: needs two CPU cores")
         return 1
     c0, c01 = (cores[0],), (cores[0], cores[1])
-    lm = models.load(models.PACKAGED, models.parse_placement("cpu", "float32"), progress=lambda s, f: log(s))
+    lm = models.load_model(models.PACKAGED, models.parse_placement("cpu", "float32"), progress=lambda s, f: log(s))
     for cs in (c0, c01):
         with pinned(cs):
             fastlinear.prepare()  # the fast path's choices for 1 and 2 threads

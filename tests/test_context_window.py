@@ -80,7 +80,7 @@ async def test_the_app_keeps_chatting_past_the_window(small_context):
     from ssd_chat.tui.app import ChatApp
 
     engine = Engine(EngineConfig(mode="ar"), small_context)
-    app = ChatApp(Preloaded(engine), settings={"max_new_tokens": 6, "temperature": 0.0, "system": SYSTEM})
+    app = ChatApp(Preloaded(engine), settings={"sampling": SamplingParams.given({"max_new_tokens": 6, "temperature": 0.0}), "system": SYSTEM})
     async with app.run_test(size=(140, 45)) as pilot:
         await wait_until(pilot, lambda: app.chat_view.ready, timeout=60)
         app.chat_view.messages = [*app.chat_view.messages, *history(8)]  # a long chat so far (as after --resume)

@@ -37,7 +37,7 @@ def no_weights(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("weights were loaded before the error")
 
-    monkeypatch.setattr(models, "load", refuse)
+    monkeypatch.setattr(models, "load_model", refuse)
     monkeypatch.setattr(models, "model_folder", refuse)
 
 

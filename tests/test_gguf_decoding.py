@@ -29,7 +29,7 @@ PROMPTS = ([1, 2, 3], [5, 17, 40, 2, 9], [7, 7, 8, 60, 33, 12])
 
 
 def loaded(path, vocab: int = 96) -> LoadedModel:
-    """What models.load gives for a GGUF without a tokenizer of its own (float32, as transformers loads it)."""
+    """What models.load_model gives for a GGUF without a tokenizer of its own (float32, as transformers loads it)."""
     return LoadedModel(name=path.stem, spec=ModelSpec(path.stem, "gguf", str(path)), model=load_gguf(path),
                        tokenizer=CharTokenizer(vocab), placement=models.parse_placement("cpu", "float32"), folder=None)
 
@@ -60,7 +60,7 @@ def gguf_linears(model: nn.Module) -> tuple[int, int]:
 
 @pytest.mark.parametrize(("dtype", "want"), [(None, "gguf Q4_1"), ("float32", "float32")])
 def test_engine_load_computes_a_gguf_target_in_its_own_precision_by_default(gguf_path, monkeypatch, dtype, want):
-    monkeypatch.setattr(models, "load", lambda name, placement, *a, **k: loaded(gguf_path))
+    monkeypatch.setattr(models, "load_model", lambda name, placement, *a, **k: loaded(gguf_path))
     cfg = EngineConfig(target=str(gguf_path), mode="sd", draft="layers:2", target_device="cpu", **({"dtype": dtype} if dtype else {}))
     e = Engine.load(cfg)
     assert precision.of(e.target) == want and precision.of(e.draft) == want

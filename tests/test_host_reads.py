@@ -21,7 +21,7 @@ from ssd_chat.engine.decode.ssd import SSDDecoder
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.events import Round
 from ssd_chat.engine.params import SamplingParams
-from ssd_chat.engine.speculate.channel import Settings
+from ssd_chat.engine.speculate.channel import Begin
 from ssd_chat.engine.fanout import parse
 from ssd_chat.engine.speculate.speculator import Speculator
 
@@ -126,8 +126,7 @@ def test_the_speculator_reads_once_per_request_and_once_per_tree(pair, raw, para
     _, draft = pair
     k = 4
     sp = Speculator(draft.forwards, k, parse("uniform:2", k), "neural", vocab=64)
-    sp.begin(PROMPT, Settings(params["temperature"], params.get("top_k", 0), params.get("top_p", 1.0), params.get("seed"), 1.0,
-                              params.get("repetition_penalty", 1.0), params.get("frequency_penalty", 0.0)))
+    sp.begin(Begin(tuple(PROMPT), SamplingParams(**params)))
     seen = Counter()
     req, k_prev, bonus = 1, -1, 11
     for _ in range(6):
@@ -158,7 +157,7 @@ def test_the_tree_candidates_are_read_only_when_a_request_arrives_mid_tree(pair,
     _, draft = pair
     k = 3
     sp = Speculator(draft.forwards, k, parse("uniform:2", k), "neural", vocab=64)
-    sp.begin(PROMPT, Settings(0.0, 0, 1.0, 0, 1.0))
+    sp.begin(Begin(tuple(PROMPT), SamplingParams(seed=0)))
     sp.serve(1, -1, 11)
     with host.counting() as c:
         sp.build(lambda: False)

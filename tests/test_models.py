@@ -69,7 +69,7 @@ def test_placement_errors():
 
 
 def test_load_local_folder(tiny_dir):
-    m = models.load(str(tiny_dir), models.parse_placement("cpu"))
+    m = models.load_model(str(tiny_dir), models.parse_placement("cpu"))
     assert m.spec.kind == "folder" and m.num_params > 0 and m.eos_ids
 
 
@@ -137,7 +137,7 @@ def test_a_pickle_the_weights_only_loader_refuses_is_one_line(tmp_path, tiny_dir
     state = load_file(str(tiny_dir / "model.safetensors"))
     torch.save({**state, "training_args": argparse.Namespace(lr=1e-3)}, folder / "pytorch_model.bin")
     with pytest.raises(ModelError, match=r"pickle checkpoint .*\(argparse.Namespace\).*safetensors") as e:
-        models.load(str(folder), models.parse_placement("cpu", "float32"))
+        models.load_model(str(folder), models.parse_placement("cpu", "float32"))
     assert "\n" not in str(e.value)
     r = cli("ask", "--target", str(folder), "-n", "2", "hi")
     assert r.returncode == 1 and "Traceback" not in r.stderr

@@ -215,7 +215,7 @@ def test_without_network_one_message_names_the_target_and_the_draft(caches, monk
         raise NotCachedError(f"{repo_id}: cannot be downloaded now")
 
     monkeypatch.setattr(models, "_hub_download", no_network)
-    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("weights were loaded"))
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
     with pytest.raises(NotCachedError) as e:
         Engine.load(EngineConfig(target="qwen3-8b", draft="qwen3-0.6b", mode="sd", dtype="bfloat16"))
     msg = str(e.value)

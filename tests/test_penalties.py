@@ -117,14 +117,14 @@ def test_greedy_ssd_with_penalties_equals_ar(pair, k, fan_out, fallback):
 
 def test_speculator_tree_branches_are_penalized_for_their_own_prefix(pair):
     """Each greedy branch (j, c) drafts what penalized greedy drafting after its own prefix gives."""
-    from ssd_chat.engine.speculate.channel import Settings
+    from ssd_chat.engine.speculate.channel import Begin
     from ssd_chat.engine.fanout import parse
     from ssd_chat.engine.speculate.speculator import Speculator
 
     _, draft = pair
     k, prompt = 3, [7, 7, 8, 60, 33, 12]
     sp = Speculator(draft.forwards, k, parse("uniform:2", k), "neural", vocab=64)
-    sp.begin(prompt, Settings(0.0, 0, 1.0, 0, 1.0, 1.4, 0.6, 0.4, len(prompt)))
+    sp.begin(Begin(tuple(prompt), SamplingParams(seed=0, repetition_penalty=1.4, frequency_penalty=0.6, presence_penalty=0.4), prompt_len=len(prompt)))
     first, _ = sp.serve(1, -1, 11)
     sp.build()
     for (j, c), (toks, _q) in sp.tree.items():

@@ -30,7 +30,8 @@ def test_the_speculator_times_a_warm_draft_step_not_its_cold_first_call(tiny_dra
     """The 'vs SD 20x' on a first reply: begin() timed the draft's very first decode step (compiling, first touch)
     and every round charged SD k times that.  Now the first call is untimed and the estimate is plausible."""
     from ssd_chat.engine.speculate import speculator as spec_mod
-    from ssd_chat.engine.speculate.channel import Settings
+    from ssd_chat.engine.params import SamplingParams
+    from ssd_chat.engine.speculate.channel import Begin
     from ssd_chat.engine.fanout import parse
 
     clock = [0.0]
@@ -45,7 +46,7 @@ def test_the_speculator_times_a_warm_draft_step_not_its_cold_first_call(tiny_dra
         return real(ids)
 
     monkeypatch.setattr(sp, "_forward", forward)
-    sp.begin([1, 2, 3, 4, 5], Settings(0.0, 0, 1.0, 0, 1.0))
+    sp.begin(Begin((1, 2, 3, 4, 5), SamplingParams(seed=0)))
     assert sp.step_s == pytest.approx(0.01)
     reply, _ = sp.serve(1, -1, 7)
     assert reply.step_s == pytest.approx(sp.step_s)  # what the verifier charges SD per draft step

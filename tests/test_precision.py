@@ -131,7 +131,7 @@ def test_a_trained_draft_keeps_the_targets_blocks_and_q8_own_layers(target, tmp_
             p.add_(0.01 * torch.randn_like(p))
     folder = tmp_path / "draft"
     save(draft, folder, target.name, target.model)
-    ref = _logits(draft_folder.load(str(folder), target).model)
+    ref = _logits(draft_folder.load_draft_folder(str(folder), target).model)
     precision.to_gguf(target)  # the hash of the shared float weights is checked on the float view
     d = gguf_drafts.derive(str(folder), target)
     assert d.model.model.layers[0].self_attn.q_proj is precision.state(target).modules["model.layers.0.self_attn.q_proj"]
@@ -144,7 +144,7 @@ def test_a_trained_draft_keeps_the_targets_blocks_and_q8_own_layers(target, tmp_
 
 
 def test_precision_load_does_not_time_the_float_linears_it_replaces(gguf_path, monkeypatch):
-    """models.load installs the CPU fast path on every float32 linear (0.75 s of a warm start on the
+    """models.load_model installs the CPU fast path on every float32 linear (0.75 s of a warm start on the
     packaged model); a GGUF target in its own precision replaces them, so its load skips that."""
     from ssd_chat.engine.cpu import fastlinear
     from ssd_chat.engine.load import models
@@ -154,11 +154,11 @@ def test_precision_load_does_not_time_the_float_linears_it_replaces(gguf_path, m
     def fake_load(name, placement, *a, **k):
         lm = LoadedModel(name="tiny-gguf", spec=ModelSpec("tiny-gguf", "gguf", str(gguf_path)), model=load_gguf(gguf_path),
                          tokenizer=CharTokenizer(96), placement=placement)
-        seen.append(fastlinear.FastPath(timed=False).install(lm.model))  # what models.load's install does
+        seen.append(fastlinear.FastPath(timed=False).install(lm.model))  # what models.load_model's install does
         return lm
 
-    monkeypatch.setattr(models, "load", fake_load)
-    lm = precision.load(str(gguf_path), models.parse_placement("cpu", "auto"), None)
+    monkeypatch.setattr(models, "load_model", fake_load)
+    lm = precision.load_with_precision(str(gguf_path), models.parse_placement("cpu", "auto"), None)
     assert seen == [0] and precision.of(lm) == "gguf Q4_1"
-    lm = precision.load(str(gguf_path), models.parse_placement("cpu", "float32"), "float32")
+    lm = precision.load_with_precision(str(gguf_path), models.parse_placement("cpu", "float32"), "float32")
     assert seen[1] == 3 * 7 + 1 and precision.of(lm) == "float32"

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 from serving import tiny_chat_dir  # noqa: F401
 
-from ssd_chat.engine import Engine, EngineConfig, engine as engine_mod
+from ssd_chat.engine import MODES, Engine, EngineConfig, engine as engine_mod
 from ssd_chat.engine.load import models
 from ssd_chat.engine.startup import probe
 from ssd_chat.engine.startup import probe_store as ps
@@ -83,8 +83,6 @@ def timer(rates: dict[str, float], calls: list[str] | None = None):
 def eng(tiny_target, tiny_draft):
     return Engine(EngineConfig(target="tiny-target", draft="layers:1", mode="ssd"), tiny_target, tiny_draft, "SSD: candidate")
 
-
-MODES = ("ar", "sd", "ssd")
 
 
 def settle(eng, rates, path, calls=None, stages=None, measure="now"):
@@ -260,7 +258,7 @@ def test_config_shows_the_probes_figures_from_the_cache(figures, mode, tmp_path,
 
     monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("config loaded weights"))
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("config loaded weights"))
     pre = preflight.check(EngineConfig(target=models.PACKAGED, mode="auto"))
     rec = probe.record(result(*figures), QUIET, 1.0)
     ps.write(probe.key_fields(pre.config, pre.draft), rec)

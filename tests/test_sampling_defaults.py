@@ -47,16 +47,16 @@ def test_a_model_that_declares_nothing_gets_the_chat_default(tmp_path, data):
     got, source = gen_defaults.for_model(tmp_path)
     assert got == gen_defaults.CHAT_DEFAULT and "declares none" in source
     assert gen_defaults.for_model(None)[0] == gen_defaults.CHAT_DEFAULT
-    p = config.sampling_params({}, got)
+    p = config.sampling({}).over(got)
     assert p.temperature > 0 and p.repetition_penalty > 1.0
 
 
 def test_set_values_win_over_the_model_defaults_and_bench_keeps_greedy():
     model = {"temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.05}
-    p = config.sampling_params({"temperature": 0.0, "frequency_penalty": 0.5}, model)
+    p = config.sampling({"temperature": 0.0, "frequency_penalty": 0.5}).over(model)
     assert (p.temperature, p.top_p, p.repetition_penalty, p.frequency_penalty) == (0.0, 0.8, 1.05, 0.5)
     values, _ = config.resolve({})
-    plain = config.sampling_params(values)  # what bench / compare build: no model defaults
+    plain = config.sampling(values)  # what bench / compare build: no model defaults
     assert plain == SamplingParams() and plain.temperature == 0.0 and plain.repetition_penalty == 1.0
 
 
@@ -132,7 +132,7 @@ async def test_the_panel_shows_the_sampling_and_the_reply_uses_it():
             return super().stream(messages, params, stop)
 
     backend = ModelDefaults([ssd_events(["a"]), ssd_events(["b"])])
-    app = ChatApp(backend, settings={"frequency_penalty": 0.3})
+    app = ChatApp(backend, settings={"sampling": SamplingParams.given({"frequency_penalty": 0.3})})
     async with app.run_test(size=(140, 40)) as pilot:
         await wait_until(pilot, lambda: app.chat_view.ready)
         assert "sampling T 0.8 top-p 0.9 top-k 40 rep 1.1 freq 0.3" in plain(app.chat_view.panel.query_one("#setup"))
@@ -161,7 +161,7 @@ def test_ask_through_a_server_sends_the_penalties_it_was_given(monkeypatch, caps
 
     monkeypatch.setattr(server_client, "_request", fake_request)
     server = server_client.Server("http://127.0.0.1:9", {"id": "m", "ssd": {"config": {"target": "m"}}}, None)
-    values = {"max_new_tokens": 8, "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": -0.5, "top_k": None}
+    values = {"sampling": config.sampling({"max_new_tokens": 8, "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": -0.5})}
     assert server_client.answer(server, "hi", values, set(), False, None) == 0
     assert (sent["repetition_penalty"], sent["frequency_penalty"], sent["presence_penalty"]) == (1.3, 0.5, -0.5)
-    assert "top_k" not in sent and capsys.readouterr().out == "ok\n"
+    assert "top_k" not in sent and sent["max_tokens"] == 8 and capsys.readouterr().out == "ok\n"

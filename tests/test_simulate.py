@@ -41,12 +41,12 @@ def expected_accepted(alpha: float, k: int) -> float:
 
 def test_the_shipped_profiles_load_and_the_paper_setup_reproduces_its_figures():
     assert {"h100-70b-1b", "h200-8b-1b", "rtx4090-8b-1b"} <= set(simulate.names())
-    p = simulate.load("h100-70b-1b")
+    p = simulate.load_profile("h100-70b-1b")
     b = simulate.bounds(p, expected_accepted(p.acceptance, p.k), p.k, 0.861)  # the paper's hit rate
     assert b["ar"] == pytest.approx(p.paper["ar"], rel=0.01)
     assert b["sd"] == pytest.approx(p.paper["sd"], rel=0.02)
     assert b["ssd"] == pytest.approx(p.paper["ssd"], rel=0.02)
-    assert simulate.load("rtx4090-8b-1b").shared_device and p.sources and p.derivation
+    assert simulate.load_profile("rtx4090-8b-1b").shared_device and p.sources and p.derivation
 
 
 def test_cost_model():
@@ -58,13 +58,13 @@ def test_cost_model():
                                            ({"target": {"step_ms": 1, "bogus": 2}}, "bogus")])
 def test_a_bad_profile_is_one_clear_error(tmp_path, over, why):
     with pytest.raises(simulate.ProfileError, match=why):
-        simulate.load(_profile(tmp_path, **over))
+        simulate.load_profile(_profile(tmp_path, **over))
     with pytest.raises(simulate.ProfileError, match="unknown profile 'nope'"):
-        simulate.load("nope")
+        simulate.load_profile("nope")
 
 
 def test_padding_gives_the_modelled_times_and_counts_overruns(tmp_path):
-    pad = simulate.Padding(simulate.load(_profile(tmp_path)), None)
+    pad = simulate.Padding(simulate.load_profile(_profile(tmp_path)), None)
     for role, rows, want in (("target", 1, 0.012), ("target", 6, 0.013), ("draft", 20, 0.003)):
         t0 = time.perf_counter()
         with pad.forward(role, rows):
@@ -84,7 +84,7 @@ def test_a_shared_device_makes_forwards_take_turns(tmp_path):
     import threading
 
     path = _profile(tmp_path, shared_device=True)
-    pads = [simulate.Padding(simulate.load(path), str(tmp_path / "lock")) for _ in range(2)]
+    pads = [simulate.Padding(simulate.load_profile(path), str(tmp_path / "lock")) for _ in range(2)]
 
     both = threading.Barrier(2)
 

@@ -11,7 +11,7 @@ import torch
 from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
 from distribution import decoder_distribution_test
 from ssd_chat.engine.decode.ar import ARDecoder
-from ssd_chat.engine.speculate.channel import Channel, Settings
+from ssd_chat.engine.speculate.channel import Begin, Channel
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.events import Done, Notice, Round, Token
@@ -198,9 +198,8 @@ def test_tree_branches_equal_sequential_drafting(pair, temperature, compile):
     model, k = target.model, 3
     sp = Speculator(Forwards(model), k, parse("uniform:2", k), "neural", vocab=64, compile=compile)
     assert sp.runner.label == ("transformers" if compile == "transformers" else "core eager")
-    settings = Settings(temperature, 0, 1.0, 0, 1.0)
-    prompt = PROMPTS[2]
-    sp.begin(prompt, settings)
+    settings, prompt = SamplingParams(temperature, seed=0), PROMPTS[2]
+    sp.begin(Begin(tuple(prompt), settings))
     first, _ = sp.serve(1, -1, 11)  # round 1: a miss, neural fallback
     sp.build()
     assert len(sp.tree) == 2 * (k + 1)
@@ -268,6 +267,22 @@ def test_distribution_matches_target(small_pair, cfg, sampling):
         assert 0 < sum(hits) < len(hits)  # both the cache and the fallback produced verified drafts
     finally:
         dec.close()
+
+
+def test_the_speculator_is_sent_the_replys_own_sampling_params(pair, monkeypatch):
+    """The reply's SamplingParams travel to the speculator as they are (no settings type copied field by
+    field); what else it needs (Saguaro's C, the prompt's length) travels beside them in Begin."""
+    target, draft = pair
+    sent, orig = [], Channel.send
+    monkeypatch.setattr(Channel, "send", lambda self, msg: (sent.append(msg), orig(self, msg))[1])
+    params = SamplingParams(0.7, 0.9, 20, 5, max_new_tokens=6, repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.1)
+    dec = ssd(target, draft, k=2, saguaro_c=0.5)
+    try:
+        assert isinstance(list(dec.stream(PROMPTS[1], params))[-1], Done)
+    finally:
+        dec.close()
+    begin = next(m for m in sent if isinstance(m, Begin))
+    assert (begin.params, begin.saguaro_c, begin.prompt_len, begin.prompt_ids) == (params, 0.5, len(PROMPTS[1]), tuple(PROMPTS[1]))
 
 
 def test_distribution_test_catches_a_wrong_proposal(small_pair, monkeypatch):
@@ -344,20 +359,20 @@ def test_bad_draft_device_is_a_clear_error(pair):
 def test_a_request_the_tree_cannot_answer_stops_the_tree(pair):
     """A miss arriving while the speculator drafts its tree stops the tree (the fallback starts at once);
     a hit, a ping or nothing lets it finish; a new reply stops it."""
-    from ssd_chat.engine.speculate.channel import Begin, Ping, Spec
+    from ssd_chat.engine.speculate.channel import Ping, Spec
     from ssd_chat.engine.speculate.process import stops_tree
 
     target, draft = pair
     k = 3
     sp = Speculator(draft.forwards, k, parse("uniform:2", k), "neural", vocab=64)
-    sp.begin(PROMPTS[2], Settings(0.0, 0, 1.0, 0, 1.0))
+    sp.begin(Begin(tuple(PROMPTS[2]), SamplingParams(seed=0)))
     sp.serve(1, -1, 11)
     sp.build()
     assert len(sp.tree) == 2 * (k + 1)
     hit = next(iter(sp.tree))
     miss = next((j, c) for j in range(k + 1) for c in range(64) if (j, c) not in sp.tree)
     for msg, stops in ((Spec(2, *hit, 0.0), False), (Spec(2, *miss, 0.0), True), (Ping(2), False),
-                       (Begin((1, 2), Settings(0.0, 0, 1.0, 0, 1.0)), True)):
+                       (Begin((1, 2), SamplingParams(seed=0)), True)):
         sp.build(lambda msg=msg: stops_tree(msg, sp.building))
         assert (sp.tree == {}) == stops, msg
         assert sp.building == frozenset(sp.tree) or stops

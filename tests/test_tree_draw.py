@@ -18,7 +18,7 @@ import reference_sampling as ref
 from ssd_chat.engine.sampling import support
 from ssd_chat.engine.sampling.penalties import Penalties
 from ssd_chat.engine.sampling.sampling import logits_to_probs, make_generator, saguaro_reshape
-from ssd_chat.engine.speculate.channel import Settings
+from ssd_chat.engine.params import SamplingParams
 from ssd_chat.engine.speculate.treedraw import draw_depth
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,12 +34,15 @@ def _case(rng: random.Random, vocab: int) -> dict:
     few = rng.sample(range(vocab), 12)
     pick = lambda n: [rng.choice(few) for _ in range(n)]  # noqa: E731
     d = rng.randint(0, 3)
+    prompt, reply = pick(rng.randint(0, 10)), pick(rng.randint(0, 10))
+    prefixes = [pick(rng.randint(0, 4)) for _ in range(rows)]
+    drawn = torch.tensor([pick(d) for _ in range(rows)], dtype=torch.long).reshape(rows, d) if d else None
+    temperature, top_k, top_p = rng.choice([0.3, 0.8, 1.0, 1.7]), rng.choice([1, 3, 40, 40, vocab - 1]), rng.choice([1.0, 0.9, 0.5, 0.1])
+    saguaro_c = rng.choice([1.0, 1.0, 0.5])
+    rep, freq, pres = rng.choice([(1.0, 0.0, 0.0), (1.1, 0.0, 0.0), (1.5, 0.5, 0.4), (0.8, -0.3, 0.0)])
     return dict(
-        logits=logits, prompt=pick(rng.randint(0, 10)), reply=pick(rng.randint(0, 10)),
-        prefixes=[pick(rng.randint(0, 4)) for _ in range(rows)],
-        drawn=torch.tensor([pick(d) for _ in range(rows)], dtype=torch.long).reshape(rows, d) if d else None,
-        settings=Settings(rng.choice([0.3, 0.8, 1.0, 1.7]), rng.choice([1, 3, 40, 40, vocab - 1]), rng.choice([1.0, 0.9, 0.5, 0.1]),
-                          0, rng.choice([1.0, 1.0, 0.5]), *rng.choice([(1.0, 0.0, 0.0), (1.1, 0.0, 0.0), (1.5, 0.5, 0.4), (0.8, -0.3, 0.0)])),
+        logits=logits, prompt=prompt, reply=reply, prefixes=prefixes, drawn=drawn, saguaro_c=saguaro_c,
+        settings=SamplingParams(temperature, top_p, top_k, 0, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres),
         num_top=rng.choice([0, 2, 5]),
     )
 
@@ -54,14 +57,14 @@ def _reference(c: dict) -> tuple[torch.Tensor, float]:
         out.append(p)
         margin = min(margin, m)
     q = torch.stack(out)
-    return (saguaro_reshape(q, s.saguaro_c, c["num_top"]) if c["num_top"] else q), margin
+    return (saguaro_reshape(q, c["saguaro_c"], c["num_top"]) if c["num_top"] else q), margin
 
 
 def _depth(c: dict, seed: int):
     s = c["settings"]
     pen = Penalties(s.repetition_penalty, s.frequency_penalty, s.presence_penalty, c["prompt"], c["reply"])
     before = c["logits"].clone()
-    out = draw_depth(c["logits"], pen, c["prefixes"], c["drawn"], s, make_generator(seed), c["num_top"])
+    out = draw_depth(c["logits"], pen, c["prefixes"], c["drawn"], s, c["saguaro_c"], make_generator(seed), c["num_top"])
     assert torch.equal(c["logits"], before)  # penalized in place for the draw only: the logits are the tree's
     return out
 
@@ -90,7 +93,7 @@ def test_the_tree_depth_draws_follow_q():
     s = c["settings"]
     pen = Penalties(s.repetition_penalty, s.frequency_penalty, s.presence_penalty, c["prompt"], c["reply"])
     n = 3000
-    toks = torch.stack([draw_depth(c["logits"], pen, c["prefixes"], c["drawn"], s, gen, c["num_top"])[0] for _ in range(n)])
+    toks = torch.stack([draw_depth(c["logits"], pen, c["prefixes"], c["drawn"], s, c["saguaro_c"], gen, c["num_top"])[0] for _ in range(n)])
     for r in range(toks.shape[1]):
         want = c["want"][r]
         counts = torch.bincount(toks[:, r], minlength=want.shape[0]).double()
@@ -135,7 +138,7 @@ def test_equal_logits_inside_the_support_are_walked_by_ascending_id():
     x[2, [77, 8]] = 0.5
     for top_p in (0.5, 0.75, 0.3):
         c = dict(logits=x, prompt=[], reply=[], prefixes=[[], [], []], drawn=None, num_top=0,
-                 settings=Settings(0.7, 6, top_p, 0, 1.0))
+                 settings=SamplingParams(0.7, top_p, 6, 0), saguaro_c=1.0)
         want, _ = _reference(c)
         tok, q = _depth(c, 0)
         assert isinstance(q, support.Support)

@@ -11,7 +11,7 @@ from test_tui_rerun import chat, notices, saved
 
 from conftest import as_loaded, tiny_llama
 from ssd_chat.chat import attach
-from ssd_chat.engine import Engine, EngineConfig
+from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.history.store import History
 from ssd_chat.tui.app import ChatApp
 from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
@@ -98,7 +98,7 @@ async def test_attach_counts_with_the_real_tokenizer_and_refuses_a_file_larger_t
     small, big = tmp_path / "small.py", tmp_path / "big.txt"
     small.write_text(CODE)
     big.write_text("word " * 400)
-    app = ChatApp(Preloaded(Engine(EngineConfig(mode="ar"), small_context)), settings={"max_new_tokens": 4})
+    app = ChatApp(Preloaded(Engine(EngineConfig(mode="ar"), small_context)), settings={"sampling": SamplingParams.given({"max_new_tokens": 4})})
     async with app.run_test(size=(140, 45)) as pilot:
         await wait_until(pilot, lambda: app.chat_view.ready, timeout=60)
         view = app.chat_view

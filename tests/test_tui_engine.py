@@ -44,7 +44,7 @@ def direct_greedy_reply(engine: Engine, prompt: str, max_new_tokens: int) -> Don
 async def test_real_engine_reply_matches_a_direct_greedy_run(smollm2):
     engine = Engine(EngineConfig(mode="ar"), smollm2)
     direct = direct_greedy_reply(engine, "Name a colour.", 5)
-    app = ChatApp(Preloaded(engine), settings={"max_new_tokens": 5, "temperature": 0.0, "repetition_penalty": 1.0})
+    app = ChatApp(Preloaded(engine), settings={"sampling": SamplingParams.given({"max_new_tokens": 5, "temperature": 0.0, "repetition_penalty": 1.0})})
     async with app.run_test(size=(140, 45)) as pilot:
         await wait_until(pilot, lambda: app.chat_view.ready, timeout=60)
         await app.chat_view.submit("Name a colour.")
@@ -60,7 +60,7 @@ async def test_switching_an_ar_session_to_sd_derives_the_default_draft(smollm2):
     """Started in AR without --draft, `/mode sd` makes the shipped trained draft from the loaded target; greedy SD = AR."""
     engine = Engine(EngineConfig(mode="ar"), smollm2)
     direct = direct_greedy_reply(engine, "Name a colour.", 8)
-    app = ChatApp(Preloaded(engine), settings={"max_new_tokens": 8, "temperature": 0.0, "repetition_penalty": 1.0})
+    app = ChatApp(Preloaded(engine), settings={"sampling": SamplingParams.given({"max_new_tokens": 8, "temperature": 0.0, "repetition_penalty": 1.0})})
     async with app.run_test(size=(140, 45)) as pilot:
         await wait_until(pilot, lambda: app.chat_view.ready, timeout=60)
         await app.chat_view.submit("/mode sd")

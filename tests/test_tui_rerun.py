@@ -7,6 +7,7 @@ import pytest
 from test_tui import FakeBackend, ssd_events, wait_until
 from textual.widgets import Input
 
+from ssd_chat.engine import SamplingParams
 from ssd_chat.history.store import History
 from ssd_chat.tui.app import ChatApp
 from ssd_chat.chat.changes import FIELDS, parse_settings
@@ -235,7 +236,7 @@ class TestSettingsFields:
     @pytest.mark.asyncio
     async def test_top_p_top_k_seed_apply_and_bad_values_keep_the_dialog_open(self):
         backend = FakeBackend([ssd_events(["one"])])
-        app = ChatApp(backend, settings={"temperature": 0.8})
+        app = ChatApp(backend, settings={"sampling": SamplingParams.given({"temperature": 0.8})})
         async with app.run_test(size=(140, 45)) as pilot:
             await wait_until(pilot, lambda: app.chat_view.ready)
             await pilot.press("ctrl+o")

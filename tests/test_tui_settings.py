@@ -16,7 +16,7 @@ from serving import tiny_chat_dir  # noqa: E402,F401
 from test_tui import FakeBackend, plain, ssd_events, wait_until  # noqa: E402
 
 from ssd_chat.chat.backend import EngineBackend  # noqa: E402
-from ssd_chat.engine import Engine, EngineConfig  # noqa: E402
+from ssd_chat.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from ssd_chat.tui.app import ChatApp  # noqa: E402
 from ssd_chat.tui.widgets.settings_dialog import SettingsDialog  # noqa: E402
 
@@ -76,7 +76,7 @@ async def test_mode_auto_goes_back_to_autos_choice_from_the_command_and_the_dial
     from textual.widgets import Input, Select
 
     engine = loaded_in_auto(tiny_chat_dir, tmp_path, monkeypatch)
-    app = ChatApp(Preloaded(engine), settings={"max_new_tokens": 8, "temperature": 0.0})
+    app = ChatApp(Preloaded(engine), settings={"sampling": SamplingParams.given({"max_new_tokens": 8, "temperature": 0.0})})
     async with app.run_test(size=(150, 50)) as pilot:
         await wait_until(pilot, lambda: app.chat_view.ready)
         await pilot.pause()
@@ -188,7 +188,7 @@ async def test_the_settings_dialog_shows_the_k_started_with_while_loading():
 async def test_compare_leaves_auto_in_force(tiny_chat_dir, tmp_path, monkeypatch):  # noqa: F811
     """Ctrl+G switches through AR, SD and SSD; afterwards the engine is back in auto, not in a mode it named."""
     engine = loaded_in_auto(tiny_chat_dir, tmp_path, monkeypatch)
-    app = ChatApp(Preloaded(engine), settings={"max_new_tokens": 4, "temperature": 0.0})
+    app = ChatApp(Preloaded(engine), settings={"sampling": SamplingParams.given({"max_new_tokens": 4, "temperature": 0.0})})
     async with app.run_test(size=(150, 50)) as pilot:
         await wait_until(pilot, lambda: app.chat_view.ready)
         await app.chat_view.submit("/compare hi")

@@ -45,6 +45,25 @@ def test_the_largest_seed_and_the_seeds_derived_from_it_fit_torch():
         make_generator(derived)
 
 
+def test_settings_resolve_the_sampling_options_to_one_checked_samplingparams(monkeypatch, tmp_path):
+    """Flags, environment and config file give one SamplingParams (no sampling key stays untyped in the
+    settings); the model's defaults fill only what the user left unset; every copy is checked again."""
+    from dataclasses import replace
+
+    from ssd_chat.cli.options import settings
+
+    monkeypatch.setenv("SSD_CHAT_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setenv("SSD_CHAT_TOP_K", "7")
+    values = settings({"temperature": 0.3, "seed": 5})
+    s = values["sampling"]
+    assert isinstance(s, SamplingParams) and not set(config.SAMPLING_KEYS) & set(values)
+    assert (s.temperature, s.top_k, s.seed, s.max_new_tokens) == (0.3, 7, 5, 512)
+    got = s.over({"temperature": 0.9, "top_p": 0.8, "repetition_penalty": 1.1})
+    assert (got.temperature, got.top_p, got.top_k, got.repetition_penalty, got.seed) == (0.3, 0.8, 7, 1.1, 5)
+    with pytest.raises(ParamError, match=r"^top-k must be >= 0 \(0 disables it\), got -1$"):
+        replace(got, top_k=-1)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--temperature", "inf"], "temperature must be a finite number >= 0, got inf (--temperature on the command line)"),
     (["--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),

@@ -12,9 +12,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..chat.backend import Backend
-from ..chat.settings import sampling_settings
 from ..history.store import History
 from ..chat.session import Session
+from ..engine import SamplingParams
 from ..chat.terminal import printable
 from .actions import HELP, Attachments, ChatActions
 from .comparing import Comparison
@@ -31,7 +31,7 @@ class ChatController:
                  script: Iterable[str], type_delay_s: float) -> None:
         self.view, self.backend, self.history, self.recorder = view, backend, history, recorder
         self.session = self.new_session(settings.get("system") or None)
-        self.params: dict[str, Any] = sampling_settings(settings)
+        self.params: dict[str, Any] = settings.get("sampling", SamplingParams()).choices()  # resolved: cli/options.settings
         self.colour = bool(settings.get("colour_tokens"))
         self.conversation_id: int | None = None
         self.script = list(script) or list(backend.scripted_prompts)

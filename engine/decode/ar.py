@@ -12,7 +12,7 @@ from ..events import Event, Token
 from ..load.models import LoadedModel
 from ..model import forward
 from ..params import SamplingParams
-from .decoder import Decoder, Reply, context_budget
+from .decoder import Decoder, ReplyFrame, context_budget
 from . import logprobs
 from ..sampling.penalties import Penalties
 from ..sampling.sampling import make_generator, sample_next
@@ -28,7 +28,7 @@ class ARDecoder(Decoder):
     def _budget(self, num_prompt: int, params: SamplingParams) -> int:
         return context_budget(self.target, num_prompt, params)
 
-    def _reply(self, prompt_ids: list[int], r: Reply) -> Generator[Event, None, None]:
+    def _reply(self, prompt_ids: list[int], r: ReplyFrame) -> Generator[Event, None, None]:
         dev, params, builder = self.target.device, r.params, r.builder
         gen = make_generator(params.seed, dev)
         pen = Penalties.of(params, prompt_ids)

@@ -90,7 +90,7 @@ class Noticing(Protocol):
 
 
 @dataclass
-class Reply:
+class ReplyFrame:
     """One reply as the frame sees it; a mode's body reads and advances it."""
 
     builder: ReplyBuilder
@@ -133,7 +133,7 @@ class Decoder(ABC):
         builder = ReplyBuilder(self.target.tokenizer, self.target.eos_ids, params.stop, budget, params.ignore_eos)
         metrics = Metrics(self.mode)
         self._prepare()
-        r = Reply(builder, metrics, params, stop, self._noticed())
+        r = ReplyFrame(builder, metrics, params, stop, self._noticed())
         try:
             first = True
             for ev in self._reply(prompt_ids, r):
@@ -160,5 +160,5 @@ class Decoder(ABC):
         """Work before the reply's clock starts (SSD: the speculator's load)."""
 
     @abstractmethod
-    def _reply(self, prompt_ids: list[int], r: Reply) -> Generator[Event, None, None]:
+    def _reply(self, prompt_ids: list[int], r: ReplyFrame) -> Generator[Event, None, None]:
         """The mode's prefill and loop: ``while (yield from r.go_on()): <one step>``."""

@@ -27,7 +27,7 @@ from ..errors import ParamError
 from ..events import Event, Round
 from ..load.models import LoadedModel
 from ..params import SamplingParams
-from .decoder import Decoder, Noticing, Reply, context_budget, emit_block
+from .decoder import Decoder, Noticing, ReplyFrame, context_budget, emit_block
 from ..sampling.penalties import Penalties
 from . import outcome
 from .outcome import chain_rows
@@ -52,7 +52,7 @@ class SDDecoder(Decoder):
     def _noticed(self) -> tuple[Noticing, ...]:
         return self.target.forwards, self.draft.forwards
 
-    def _reply(self, prompt_ids: list[int], r: Reply) -> Generator[Event, None, None]:
+    def _reply(self, prompt_ids: list[int], r: ReplyFrame) -> Generator[Event, None, None]:
         tdev, ddev, params, builder, metrics = self.target.device, self.draft.device, r.params, r.builder, r.metrics
         gen = make_generator(params.seed, tdev)
         # the draft samples with its own generator on its own device (a different stream of the same seed)

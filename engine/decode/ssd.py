@@ -39,7 +39,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -56,11 +56,11 @@ from ..metrics import Metrics
 from ..model import forward, runner as kv
 from ..params import SamplingParams
 from .. import fanout
-from ..speculate.channel import Settings
+from ..speculate.channel import Begin
 from ..speculate.plan import Plan, plan  # noqa: F401 - Plan and plan: SSD's placement, public here
 from ..speculate.proposers import LocalProposer, NoProposer, Proposer, RemoteProposer
 from ..speculate.process import recipe_for
-from .decoder import Decoder, Noticing, Reply, context_budget, emit_block
+from .decoder import Decoder, Noticing, ReplyFrame, context_budget, emit_block
 from .detok import ReplyBuilder
 from ..sampling.penalties import Penalties
 from . import logprobs, outcome
@@ -70,7 +70,7 @@ LOAD_TIMEOUT_S = 180.0  # the speculator's start (imports + loading the draft)
 
 
 @dataclass
-class _Reply:
+class _VerifierState:
     """One reply's verifier state: what the round reads and advances."""
 
     target: kv.ModelRunner  # holds every token of `seq`; `pending` has no KV yet
@@ -192,10 +192,9 @@ class SSDDecoder(Decoder):
             sources.append(self._worker)
         return tuple(sources)
 
-    def _reply(self, prompt_ids: list[int], r: Reply) -> Generator[Event, None, None]:
+    def _reply(self, prompt_ids: list[int], r: ReplyFrame) -> Generator[Event, None, None]:
         cfg, params, metrics = self.engine.config, r.params, r.metrics
-        settings = Settings(params.temperature, params.top_k, params.top_p, params.seed, cfg.saguaro_c,
-                            params.repetition_penalty, params.frequency_penalty, params.presence_penalty, len(prompt_ids))
+        begin = Begin(tuple(prompt_ids), params, cfg.saguaro_c, len(prompt_ids))
         spec: Proposer | None = self._worker  # readied by _prepare
         if spec is None:
             yield self._switch(metrics, f"SSD speculator unavailable ({self._last_error}); {self._local_mode_name()} in this process", 0)
@@ -213,7 +212,7 @@ class SSDDecoder(Decoder):
             if spec is not None:
                 pins.enter_context(threads.pinned(self.plan.target_cores, self.plan.target_threads))
                 try:
-                    spec.begin(prompt_ids, settings)  # the draft's prefill overlaps the last row and the first token
+                    spec.begin(begin)  # the draft's prefill overlaps the last row and the first token
                 except SpeculatorError as e:
                     self._drop_worker(str(e))
                     spec = None
@@ -221,7 +220,7 @@ class SSDDecoder(Decoder):
                     yield self._switch(metrics, f"{e}; {self._local_mode_name()} in this process", 0)
             st = yield from self._prefill(prompt_ids, r, runner)
             if spec is None:
-                spec = self._local(st.seq, settings)
+                spec = self._local(st.seq, begin)
             spec.request(-1, st.pending, 0.0)  # the first round's drafts
             while (yield from r.go_on()):
                 try:
@@ -232,14 +231,14 @@ class SSDDecoder(Decoder):
                     self._drop_worker(str(e))
                     pins.close()  # unpin: the verifier has the machine to itself now
                     yield self._switch(metrics, f"{e}; continuing {self._local_mode_name()} in this process", st.index)
-                    spec = self._local(st.seq, settings)
+                    spec = self._local(st.seq, begin)
                     spec.request(-1, st.pending)
             if isinstance(spec, RemoteProposer):  # it served this reply: earlier failures were not its own
                 self._restarts = 0
         if metrics.num_rounds:
             metrics.sd_estimate_s = (metrics.t_first or metrics.prefill_s) + st.sd_s
 
-    def _prefill(self, prompt_ids: list[int], r: Reply, runner: kv.ModelRunner) -> Generator[Event, None, _Reply]:
+    def _prefill(self, prompt_ids: list[int], r: ReplyFrame, runner: kv.ModelRunner) -> Generator[Event, None, _VerifierState]:
         """The end of the target's prefill (``runner`` has been fed all but the last prompt token,
         :func:`forward.feed`); it samples the first token itself (spec §2.8)."""
         target, params, builder, metrics = self.engine.target, r.params, r.builder, r.metrics
@@ -256,9 +255,9 @@ class SSDDecoder(Decoder):
             ev = Token(pending, delta, "target", time.perf_counter() - r.t0, *lp)
             metrics.add(ev)
             yield ev
-        return _Reply(runner, builder, metrics, params, gen, r.t0, r.stop, list(prompt_ids), pending, pen)
+        return _VerifierState(runner, builder, metrics, params, gen, r.t0, r.stop, list(prompt_ids), pending, pen)
 
-    def _round(self, st: _Reply, spec: Proposer) -> Generator[Event, None, bool]:
+    def _round(self, st: _VerifierState, spec: Proposer) -> Generator[Event, None, bool]:
         """One SSD round: the drafts for the last outcome, one target forward over [bonus, d_1..d_k],
         the acceptance test, commit, events.  Returns False if cancelled while waiting for the drafts."""
         # 1. the speculation for this round: answered from the cache built while the last round was verified
@@ -313,9 +312,9 @@ class SSDDecoder(Decoder):
     def _has_local_draft(self) -> bool:
         return self.engine.draft is not None and self.engine.draft.model is not None
 
-    def _local(self, seq: list[int], settings: Settings) -> LocalProposer | NoProposer:
+    def _local(self, seq: list[int], begin: Begin) -> LocalProposer | NoProposer:
         """Drafts from this process from here on: plain SD with the in-process draft, else none (AR)."""
         d = self.engine.draft
         spec = LocalProposer(d.forwards, self.k, self.vocab, d.device, self.engine.config.compile) if self._has_local_draft() else NoProposer()
-        spec.begin(seq, settings)
+        spec.begin(replace(begin, prompt_ids=tuple(seq)))
         return spec

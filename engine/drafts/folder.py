@@ -2,7 +2,7 @@
 
 A folder holds ``draft.json`` (what the draft is and which target it was trained for, with a
 hash of the target weights it shares) and ``draft.safetensors`` (only the draft's own tensors).
-:func:`load` rebuilds the draft on top of the loaded target and refuses a target it does not
+:func:`load_draft_folder` rebuilds the draft on top of the loaded target and refuses a target it does not
 fit.  Writing a folder is training's job (``ssd_chat.train``).
 """
 
@@ -68,7 +68,7 @@ def label(folder: str | Path, alias: str | None = None) -> str:
     return f"{alias or manifest.get('name') or folder.name} ({shape_text(manifest)})"
 
 
-def load(folder: str | Path, target: LoadedModel, alias: str | None = None) -> LoadedModel:
+def load_draft_folder(folder: str | Path, target: LoadedModel, alias: str | None = None) -> LoadedModel:
     """Rebuild the draft in ``folder`` on top of ``target`` (refusing a target it was not trained for);
     ``alias``: the name it was chosen by (``trained``), for its label."""
     from safetensors.torch import load_file

@@ -118,7 +118,7 @@ def derive(name: str, target: LoadedModel) -> LoadedModel:
     if alias:
         name = shipped_draft(name, target)
     if draft_folder.is_draft_dir(name):
-        return draft_folder.load(name, target, alias)
+        return draft_folder.load_draft_folder(name, target, alias)
     base = target.model
     if name == "copy":
         model = copy.deepcopy(base)

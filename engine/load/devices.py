@@ -1,5 +1,5 @@
 """Where a model runs: ``--target-device`` / ``--draft-device`` and ``--dtype`` checked against the
-hardware present (:func:`parse_placement`), as a :class:`Placement` that :func:`models.load` follows.
+hardware present (:func:`parse_placement`), as a :class:`Placement` that :func:`models.load_model` follows.
 Every form (one device, lists, ranges, ``pipeline:``) is read by :mod:`placement`'s one grammar."""
 
 from __future__ import annotations

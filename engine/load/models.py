@@ -217,7 +217,7 @@ def eos_ids_of(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
 _TIMING = "timing matrix products on this CPU (first start only)"
 
 
-def load(
+def load_model(
     name: str,
     placement: Placement,
     trust_remote_code: bool = False,

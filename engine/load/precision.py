@@ -34,18 +34,18 @@ def wanted(spec_kind: str, device_type: str, dtype: str | None) -> bool:
     return spec_kind == "gguf" and device_type == "cpu" and (dtype or "auto").strip().lower() == "auto"
 
 
-def load(name: str, placement: Any, dtype: str | None, trust_remote_code: bool = False, progress: Any = None,
-         tqdm_class: Any = None) -> Any:
-    """:func:`models.load`, then a GGUF on the CPU without a dtype asked for (``dtype``: the option as
+def load_with_precision(name: str, placement: Any, dtype: str | None, trust_remote_code: bool = False, progress: Any = None,
+                        tqdm_class: Any = None) -> Any:
+    """:func:`models.load_model`, then a GGUF on the CPU without a dtype asked for (``dtype``: the option as
     given) computes in its own precision."""
     from ..cpu import fastlinear
     from . import models
 
     progress = progress or models._no_progress
     if not (wanted(models.resolve(name).kind, placement.device.type, dtype) and not placement.device_map):
-        return models.load(name, placement, trust_remote_code, progress, tqdm_class)
+        return models.load_model(name, placement, trust_remote_code, progress, tqdm_class)
     with fastlinear.suspended():  # the linears it would time and wrap are replaced next
-        lm = models.load(name, placement, trust_remote_code, progress, tqdm_class)
+        lm = models.load_model(name, placement, trust_remote_code, progress, tqdm_class)
     progress(f"reading {name}'s GGUF blocks", None)
     t0 = time.perf_counter()
     to_gguf(lm)

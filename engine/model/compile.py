@@ -37,7 +37,7 @@ from ..cpu import quant
 from . import aoti, background
 from .aoti import Trunk
 
-MODES = ("off", "on", "auto")
+COMPILE_MODES = ("off", "on", "auto")
 AUTO_WIDTH = 256  # attention window of the warm-up calls
 WIDTH_STEP = 16  # CPU graphs attend over windows padded to a multiple of this (see Compiler._cpu_width)
 
@@ -56,8 +56,8 @@ _default_compile = _compile
 class Compiler:
     def __init__(self, core: Trunk, mode: str, rows: tuple[int, ...], notify: Callable[[str], None] | None,
                  progress: Callable[[str], None] | None) -> None:
-        if mode not in MODES:
-            raise ValueError(f"compile must be one of {', '.join(MODES)}, got '{mode}'")
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got '{mode}'")
         self.core, self.mode = core, mode
         self.rows = sorted({int(r) for r in rows if int(r) > 0})
         self.cuda = core.device.type == "cuda"

@@ -6,7 +6,7 @@ core last what the profile says the real model takes on the real hardware: the f
 then sleeps until the modelled time has passed.  A forward whose real compute took longer is counted
 as an overrun (the report says so).  Padding only sleeps, so tokens are exactly what they would be.
 
-Profiles are JSON files in ``assets/profiles`` (see :func:`load`).  A profile with
+Profiles are JSON files in ``assets/profiles`` (see :func:`load_profile`).  A profile with
 ``shared_device`` models one GPU for both models: a forward holds the device (a lock file shared by
 the processes) for its modelled time, so the verifier and the speculator take turns.
 
@@ -75,7 +75,7 @@ def names() -> list[str]:
     return sorted(p.stem for p in _profile_dir().glob("*.json"))
 
 
-def load(name: str) -> Profile:
+def load_profile(name: str) -> Profile:
     """A profile by name (``assets/profiles/NAME.json``) or by the path of a JSON file."""
     path = Path(name)
     if not (path.suffix == ".json" and path.is_file()):
@@ -215,7 +215,7 @@ def active() -> Padding | None:
             _active.append(None)
         else:
             spec = json.loads(raw)
-            pad = Padding(slowed(load(spec["profile"]), spec.get("scale", 1.0)), spec.get("lock"))
+            pad = Padding(slowed(load_profile(spec["profile"]), spec.get("scale", 1.0)), spec.get("lock"))
             _active.append(pad)
             if spec.get("tallies") and spec.get("parent") != os.getpid():  # a speculator: its figures outlive it
                 atexit.register(_write_tallies, pad, spec["tallies"])

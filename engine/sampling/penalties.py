@@ -40,7 +40,7 @@ class Penalties:
 
     @classmethod
     def of(cls, params, prompt: Sequence[int] = (), reply: Sequence[int] = ()) -> "Penalties":
-        """From anything with the three penalty fields (SamplingParams, the speculator's Settings)."""
+        """From a reply's SamplingParams."""
         return cls(params.repetition_penalty, params.frequency_penalty, params.presence_penalty, prompt, reply)
 
     @torch.inference_mode()  # one mode for the counts, whichever mode the caller is in (the speculator's build is in it)

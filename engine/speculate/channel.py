@@ -5,13 +5,13 @@ timings) plus one shared-memory tensor ``[k, V]`` float32 for the draft's propos
 distributions q' of the k speculated tokens.  The speculator writes q' there *before* it
 answers and the verifier reads it before it sends its next request, so the buffer is
 never written while it is read.  Under greedy decoding, and for fast-fallback tokens,
-q' is a point mass on the token and nothing is written (``Reply.has_q`` is False).
+q' is a point mass on the token and nothing is written (``Speculation.has_q`` is False).
 
 Messages are the frozen dataclasses below.  Verifier -> speculator: :class:`Begin` (a new
 reply: prefill the prompt, no answer), :class:`Spec` (the outcome of the last round; answered
-with the speculation for the next one, a :class:`Reply`), :class:`Ping` (answered with a
+with the speculation for the next one, a :class:`Speculation`), :class:`Ping` (answered with a
 :class:`Pong`, to measure the round trip) and :class:`Close`.  Speculator -> verifier:
-:class:`Ready` once loaded, a :class:`Reply` per :class:`Spec`, :class:`Failed` if it failed
+:class:`Ready` once loaded, a :class:`Speculation` per :class:`Spec`, :class:`Failed` if it failed
 (then it exits).
 """
 
@@ -26,27 +26,17 @@ from typing import Any
 import torch
 
 from ..errors import SpeculatorError
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """Per-reply sampling settings the speculator needs (the draft samples like the target)."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int | None
-    saguaro_c: float
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    prompt_len: int | None = None  # tokens of Begin.prompt_ids that are prompt (the rest: reply so far); None: all
+from ..params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
 class Begin:
+    """A new reply, or the rest of one: the draft samples with the target's ``params``."""
+
     prompt_ids: tuple[int, ...]
-    settings: Settings
+    params: SamplingParams
+    saguaro_c: float = 1.0  # EngineConfig.saguaro_c: how q' is reshaped at temperature > 0
+    prompt_len: int | None = None  # tokens of prompt_ids that are prompt (the rest: reply so far); None: all
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +76,7 @@ class Failed:
 
 
 @dataclass(frozen=True, slots=True)
-class Reply:
+class Speculation:
     """The speculation for one round."""
 
     req: int
@@ -136,7 +126,7 @@ class Channel:
                     raise SpeculatorError("the speculator process exited unexpectedly") from None
                 if isinstance(msg, Failed):
                     raise SpeculatorError(f"the speculator failed: {msg.message}")
-                if want_req is not None and isinstance(msg, (Reply, Pong)) and msg.req != want_req:
+                if want_req is not None and isinstance(msg, (Speculation, Pong)) and msg.req != want_req:
                     continue  # an answer to a request of an abandoned reply
                 return msg
             if self.sentinel is not None and self.sentinel in ready:
@@ -149,7 +139,7 @@ class Channel:
         self._req += 1
         self.send(Spec(self._req, k_prev, bonus, verify_s))
 
-    def reply(self, timeout: float, stop: Any = None) -> Reply | None:
+    def reply(self, timeout: float, stop: Any = None) -> Speculation | None:
         """The speculation for the last request (None if ``stop`` was set while waiting)."""
         return self.recv(timeout, stop, want_req=self._req)
 
@@ -161,7 +151,7 @@ class Channel:
         self.recv(timeout, want_req=self._req)
         return time.perf_counter() - t0
 
-    def q_rows(self, reply: Reply) -> torch.Tensor | None:
+    def q_rows(self, reply: Speculation) -> torch.Tensor | None:
         """q' for the reply's tokens [k, V] (a copy), or None for point masses."""
         return self.qbuf[: len(reply.tokens)].clone() if reply.has_q else None
 

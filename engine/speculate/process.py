@@ -76,7 +76,7 @@ def build_model(recipe: Recipe) -> torch.nn.Module:
         model = gguf_drafts.derive(recipe.derived, base).model
     from ..cpu import fastlinear
 
-    fastlinear.install(model)  # as models.load does for the app's models (CPU float32 only)
+    fastlinear.install(model)  # as models.load_model does for the app's models (CPU float32 only)
     return model.eval()
 
 
@@ -161,7 +161,7 @@ def _serve_loop(conn: Any, spec: Speculator, qbuf: torch.Tensor, fault: _Fault |
         if isinstance(msg, Ping):
             conn.send(Pong(msg.req))
         elif isinstance(msg, Begin):
-            spec.begin(list(msg.prompt_ids), msg.settings)
+            spec.begin(msg)
         elif isinstance(msg, Spec):
             num_requests += 1
             if fault is not None:

@@ -1,7 +1,7 @@
 """Where an SSD round's drafts come from.  The round (:mod:`ssd`) calls one small interface and
 does not know which implementation it has:
 
-* ``begin(prompt_ids, settings)``: a new reply (or the rest of one), whose tokens all have target KV;
+* ``begin(Begin)``: a new reply (or the rest of one), whose tokens all have target KV;
 * ``request(k_prev, bonus, verify_s)``: the outcome of the last round (``k_prev`` drafts accepted,
   -1 for the first round, then ``bonus``), told as soon as it is known, so that the speculator
   serves the next round while the verifier commits this one;
@@ -32,7 +32,7 @@ from ..sampling.sampling import make_generator
 from ..drafts.drafter import ModelDrafter, plain_choice
 from ..model.forward import Forwards
 from ..errors import SpeculatorError
-from .channel import Begin, Channel, Close, Ready, Reply, Settings
+from .channel import Begin, Channel, Close, Ready, Speculation
 from ..fanout import FanOut
 from .process import Recipe, worker_main
 
@@ -51,7 +51,7 @@ class Proposal:
     q: torch.Tensor | None  # [k, V] the distributions they were drawn from; None: point masses
     draft_s: float  # drafting on the verifier's critical path
     sd_draft_s: float  # what SD would spend drafting these tokens (for the SD estimate)
-    cache: Reply | None = None  # SSD: the speculator's reply (where the drafts came from)
+    cache: Speculation | None = None  # SSD: the speculator's reply (where the drafts came from)
 
     def round_fields(self, wait_s: float) -> dict[str, Any]:
         """The SSD-only fields of this round's ``Round`` event (none for in-process drafts)."""
@@ -65,7 +65,7 @@ class Proposal:
 class Proposer(Protocol):
     """Where an SSD round's drafts come from (the module docstring)."""
 
-    def begin(self, prompt_ids: list[int], settings: Settings) -> None: ...
+    def begin(self, msg: Begin) -> None: ...
     def request(self, k_prev: int, bonus: int, verify_s: float = 0.0) -> None: ...
     def drafts(self, stop: threading.Event | None = None) -> Proposal | None: ...
 
@@ -108,8 +108,8 @@ class RemoteProposer:
         out, self._notices = self._notices, []
         return out
 
-    def begin(self, prompt_ids: list[int], settings: Settings) -> None:
-        self.channel.send(Begin(tuple(prompt_ids), settings))  # the draft's prefill overlaps the target's last prompt row
+    def begin(self, msg: Begin) -> None:
+        self.channel.send(msg)  # the draft's prefill overlaps the target's last prompt row
 
     def request(self, k_prev: int, bonus: int, verify_s: float) -> None:
         try:
@@ -143,14 +143,14 @@ class LocalProposer:
     def __init__(self, forwards: Forwards, k: int, vocab: int, device: torch.device, compile: str = "off") -> None:
         self.forwards, self.k, self.vocab, self.device, self.compile = forwards, k, vocab, device, compile
 
-    def begin(self, prompt_ids: list[int], settings: Settings) -> None:
-        self.settings = settings
-        self.gen = make_generator(None if settings.seed is None else settings.seed * 2 + 1, self.device)
+    def begin(self, msg: Begin) -> None:
+        self.params = msg.params
+        self.gen = make_generator(None if msg.params.seed is None else msg.params.seed * 2 + 1, self.device)
         self.drafter = ModelDrafter(self.forwards, self.vocab, self.device, self.compile, (1, self.k + 1))
-        self.drafter.prefill(list(prompt_ids))
-        self.ctx = list(prompt_ids)  # tokens the target has committed
-        n = len(self.ctx) if settings.prompt_len is None else settings.prompt_len
-        self.pen = Penalties.of(settings, self.ctx[:n], self.ctx[n:])
+        self.drafter.prefill(list(msg.prompt_ids))
+        self.ctx = list(msg.prompt_ids)  # tokens the target has committed
+        n = len(self.ctx) if msg.prompt_len is None else msg.prompt_len
+        self.pen = Penalties.of(msg.params, self.ctx[:n], self.ctx[n:])
         self.pending: int | None = None
         self.last: tuple[int, ...] = ()
 
@@ -165,7 +165,7 @@ class LocalProposer:
             self.pen.add([self.pending, *self.last[:k_prev]])  # type: ignore[list-item]
         self.pending = bonus
         self.drafter.rollback(len(self.ctx))
-        drafted, qs = self.drafter.propose(self.ctx + [bonus], self.k, plain_choice(self.settings, self.gen, self.pen, (bonus,)))
+        drafted, qs = self.drafter.propose(self.ctx + [bonus], self.k, plain_choice(self.params, self.gen, self.pen, (bonus,)))
         self.last = tuple(read(drafted, "local drafts"))  # the round's drafts, read once
         q = None if qs[0] is None else torch.stack(qs)  # type: ignore[arg-type]
         draft_s = time.perf_counter() - t0
@@ -175,7 +175,7 @@ class LocalProposer:
 class NoProposer:
     """Nothing to draft with: every round verifies no drafts, a plain target step (AR)."""
 
-    def begin(self, prompt_ids: list[int], settings: Settings) -> None:
+    def begin(self, msg: Begin) -> None:
         pass
 
     def request(self, k_prev: int, bonus: int, verify_s: float = 0.0) -> None:

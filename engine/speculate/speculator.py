@@ -45,7 +45,7 @@ from ..sampling.sampling import draw_draft, make_generator
 from ..sampling.support import Support, as_dense, stack
 from ..drafts.drafter import fit_vocab
 from ..model.forward import Forwards
-from .channel import Reply, Settings
+from .channel import Begin, Speculation
 from ..fanout import FanOut
 from .ngram import NGRAM_WINDOW, common_prefix as _common_prefix, ngram_next as _ngram_next
 from .treedraw import draw_depth
@@ -113,14 +113,14 @@ class Speculator:
         self._later: tuple | None = None  # a hit's outcome and branch, taken in after the reply (_settle)
 
     # -- per reply ------------------------------------------------------------------------
-    def begin(self, prompt_ids: list[int], settings: Settings) -> None:
+    def begin(self, msg: Begin) -> None:
         """A new reply: prefill the prompt (reusing the KV of a common prefix with the last reply)."""
         self._reset()
-        self.settings = settings
-        self.gen = make_generator(None if settings.seed is None else settings.seed * 2 + 1, self.device)
-        self.ctx = list(prompt_ids)
-        n = len(self.ctx) if settings.prompt_len is None else settings.prompt_len
-        self.pen = Penalties.of(settings, self.ctx[:n], self.ctx[n:])  # counts the reply's tokens in ctx
+        self.params, self.saguaro_c = msg.params, msg.saguaro_c
+        self.gen = make_generator(None if msg.params.seed is None else msg.params.seed * 2 + 1, self.device)
+        self.ctx = list(msg.prompt_ids)
+        n = len(self.ctx) if msg.prompt_len is None else msg.prompt_len
+        self.pen = Penalties.of(msg.params, self.ctx[:n], self.ctx[n:])  # counts the reply's tokens in ctx
         self._extend(self.ctx, logits_from=len(self.ctx))
         if not self.step_times and self.ctx:  # a timed decode step, for the SD estimate and --fallback auto
             n = self.runner.length
@@ -139,7 +139,7 @@ class Speculator:
         return statistics.median(self.step_times) if self.step_times else 0.0
 
     # -- serving a request ----------------------------------------------------------------
-    def serve(self, req: int, k_prev: int, bonus: int, verify_s: float = 0.0) -> tuple[Reply, torch.Tensor | None]:
+    def serve(self, req: int, k_prev: int, bonus: int, verify_s: float = 0.0) -> tuple[Speculation, torch.Tensor | None]:
         """The speculation for the round after outcome ``(k_prev, bonus)`` (k_prev = -1: the first round).
         Returns the reply and q' rows [k, V] (None: point masses)."""
         self._settle()
@@ -151,7 +151,7 @@ class Speculator:
             tokens, q = entry[0], (None if entry[1] is None else as_dense(entry[1]))
             self._later = (k_prev, bonus, verify_s, last, tokens)
             self.spec, self.spec_hit, self.spec_fallback = tokens, True, None
-            return Reply(req, tokens, q is not None, True, None, 0.0, predicted, build_s, self.step_s), q
+            return Speculation(req, tokens, q is not None, True, None, 0.0, predicted, build_s, self.step_s), q
         self._commit(k_prev, bonus, verify_s, *last)
         self._scratch = None
         kind = self._choose_fallback()
@@ -159,7 +159,7 @@ class Speculator:
         tokens, q = self._neural() if kind == "neural" else self._fast()
         fb_s = time.perf_counter() - t0
         self.spec, self.spec_hit, self.spec_fallback = tokens, False, kind
-        return Reply(req, tokens, q is not None, False, kind, fb_s, predicted, build_s, self.step_s), q
+        return Speculation(req, tokens, q is not None, False, kind, fb_s, predicted, build_s, self.step_s), q
 
     def _commit(self, k_prev: int, bonus: int, verify_s: float, spec: tuple[int, ...] | None, spec_hit: bool,
                 spec_fallback: str | None) -> None:
@@ -314,7 +314,7 @@ class Speculator:
             depth_logits.append(logits)
             fan = hit_list[d] if hit_list else 0
             drawn = torch.cat([first, toks[:, :d]], dim=1) if self.pen.active else None
-            x, q = draw_depth(logits, self.pen, prefixes, drawn, self.settings, self.gen, fan + 1 if fan > 0 else 0)
+            x, q = draw_depth(logits, self.pen, prefixes, drawn, self.params, self.saguaro_c, self.gen, fan + 1 if fan > 0 else 0)
             toks[:, d] = x
             if q is not None:
                 qs.append(q)
@@ -352,8 +352,8 @@ class Speculator:
     def _draw(self, logits: torch.Tensor, fan: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Tokens [n] for logits [n, V] and the q' [n, V] they were drawn from (None under greedy),
         Saguaro-reshaped over the top ``fan + 1`` (the candidates a bonus can come from)."""
-        s = self.settings
-        return draw_draft(logits, s.temperature, s.top_k, s.top_p, self.gen, s.saguaro_c, fan + 1 if fan > 0 else 0)  # type: ignore[return-value]
+        p = self.params
+        return draw_draft(logits, p.temperature, p.top_k, p.top_p, self.gen, self.saguaro_c, fan + 1 if fan > 0 else 0)  # type: ignore[return-value]
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         """Append ``ids`` to the draft's sequence (dropping a tree's scratch rows); logits [len(ids), V]."""

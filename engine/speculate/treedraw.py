@@ -17,13 +17,14 @@ import torch
 from ..sampling.penalties import Penalties
 from ..sampling.sampling import draw_draft
 from ..sampling.support import Support
+from ..params import SamplingParams
 
 
 def draw_depth(logits: torch.Tensor, pen: Penalties, prefixes: Sequence[Sequence[int]], drawn: torch.Tensor | None,
-               settings, gen: torch.Generator, num_top: int = 0) -> tuple[torch.Tensor, torch.Tensor | Support | None]:
+               params: SamplingParams, saguaro_c: float, gen: torch.Generator, num_top: int = 0) -> tuple[torch.Tensor, torch.Tensor | Support | None]:
     """Tokens [B] for ``logits`` [B, V] (left as they were) and q' ([B, V] or its support; None under
     greedy).  Row b is penalized for the committed tokens, ``prefixes[b]`` and ``drawn[b]`` ([B, d] on
-    the device); q' is Saguaro-reshaped over the top ``num_top`` when ``settings.saguaro_c`` < 1."""
-    s = settings
+    the device); q' is Saguaro-reshaped over the top ``num_top`` when ``saguaro_c`` < 1."""
+    p = params
     with pen.applied(logits, prefixes, drawn) as x:  # the draw's outputs are new tensors: none aliases x
-        return draw_draft(x, s.temperature, s.top_k, s.top_p, gen, s.saguaro_c, num_top, dense=False)
+        return draw_draft(x, p.temperature, p.top_k, p.top_p, gen, saguaro_c, num_top, dense=False)

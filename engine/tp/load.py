@@ -1,7 +1,7 @@
 """A tensor-parallel target: its config and tokenizer in this process, its weights split over ranks.
 
 ``--target-device cuda:0-3`` or ``cpu:0,cpu:1`` (:mod:`placement`) loads the target with
-:func:`load`: rank 0's shard in this process and ranks 1..N-1 in worker processes
+:func:`load_sharded`: rank 0's shard in this process and ranks 1..N-1 in worker processes
 (:class:`tp.TPCore`), each reading only its part of the safetensors.  The
 :class:`models.LoadedModel` it returns holds a weightless copy of the model (torch's ``meta``
 device) for what the decoders read without running it: the config, the generation config, the
@@ -77,8 +77,8 @@ class Sharded:
         self._core.close()
 
 
-def load(name: str, placement: Placement, compile: str, rows: tuple[int, ...], trust_remote_code: bool = False,
-         progress: models.ProgressFn = models._no_progress, tqdm_class: Any = None) -> models.LoadedModel:
+def load_sharded(name: str, placement: Placement, compile: str, rows: tuple[int, ...], trust_remote_code: bool = False,
+                 progress: models.ProgressFn = models._no_progress, tqdm_class: Any = None) -> models.LoadedModel:
     """Fetch ``name``, read its config and tokenizer here, and start its ranks (each loads its shard)."""
     t0 = time.perf_counter()
     spec = models.resolve(name)
@@ -132,6 +132,6 @@ def draft_base(target: models.LoadedModel, draft_device: str | None = "auto",
         plan = plan_target(",".join(tp.placement.ranks or ()) if tp.placement.device.type == "cuda" else "cpu", draft_device)
         where = "cpu" if plan.draft_device == "auto" else plan.draft_device
         progress(f"loading all of {target.name} on {where} for the derived draft", None)
-        tp.base = models.load(target.name, parse_placement(where, str(tp.placement.dtype).removeprefix("torch."),
+        tp.base = models.load_model(target.name, parse_placement(where, str(tp.placement.dtype).removeprefix("torch."),
                                                            "--draft-device"), progress=progress)
     return tp.base

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import BenchError
@@ -64,9 +64,8 @@ def probe(base_config: Any, models_for: Callable[[Plan], tuple[Any, Any]], promp
             total += time.perf_counter() - t0
             timed: tuple[float, int, float | None] = (0.0, 0, None)
             for n in (2, tokens):  # the first reply pays one-off costs (a compile, the speculator's start)
-                seed = settings.seed if settings.seed is not None else 1234  # the race's first repeat's seed
-                params = SamplingParams(settings.temperature, settings.top_p, settings.top_k, seed, n,
-                                        tuple(extra_stop), True)
+                s = settings.sampling  # the race's first repeat's seed
+                params = replace(s, seed=1234 if s.seed is None else s.seed, max_new_tokens=n, stop=tuple(extra_stop), ignore_eos=True)
                 t0 = time.perf_counter()
                 for ev in eng.stream(ids, params):
                     if isinstance(ev, Error):
@@ -87,7 +86,7 @@ def probe(base_config: Any, models_for: Callable[[Plan], tuple[Any, Any]], promp
             except Exception:  # noqa: BLE001 - closing is best effort
                 pass
         pin.restore()
-    return Estimate(out, load_s, total, per_slot * len(out), settings.max_new_tokens, not settings.ignore_eos, skipped)
+    return Estimate(out, load_s, total, per_slot * len(out), settings.max_new_tokens, not settings.sampling.ignore_eos, skipped)
 
 
 def duration(seconds: float) -> str:

@@ -227,7 +227,7 @@ def build_report(result: BenchRun, plans: list[Plan], settings: BenchSettings, p
         pp = [p for p in plans if p.protocol == proto and p.mode not in result.skipped]
         for p in pp:
             runs_by_mode[p.mode] = by_slot.get(p.slot_id, [])
-        protocols[proto] = summarize_protocol(proto, runs_by_mode, settings.temperature == 0, result.tokens, decode)
+        protocols[proto] = summarize_protocol(proto, runs_by_mode, settings.sampling.temperature == 0, result.tokens, decode)
         protocols[proto]["memory_bound"] = memory_bound(protocols[proto]["modes"], {p.mode: p.slot_id for p in pp},
                                                         result.weight_bytes, result.bandwidth)
         placements[proto] = {p.mode: {**{k: v for k, v in asdict(p).items() if k not in ("protocol", "mode")}, "slot": p.slot_id,
@@ -250,8 +250,8 @@ def build_report(result: BenchRun, plans: list[Plan], settings: BenchSettings, p
         "machine": machine,
         "models": models,
         "settings": {
-            "k": base.get("k"), "max_new_tokens": settings.max_new_tokens, "ignore_eos": settings.ignore_eos,
-            "temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k, "seed": settings.seed,
+            "k": base.get("k"), "max_new_tokens": settings.max_new_tokens, "ignore_eos": settings.sampling.ignore_eos,
+            **{k: getattr(settings.sampling, k) for k in ("temperature", "top_p", "top_k", "seed")},
             "repeats": settings.repeats, "warmup_tokens": settings.warmup_tokens, "modes": list(settings.modes),
             "fan_out": base.get("fan_out"), "budget": base.get("budget"), "saguaro_c": base.get("saguaro_c"),
             "fallback": base.get("fallback"), "pinning_enforced": Pinning().enforced,

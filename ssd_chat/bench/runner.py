@@ -12,6 +12,7 @@ from . import BenchError
 from .machine import Pinning, descendants_cpu_s, read_bandwidth, weight_bytes
 from .prompts import BenchPrompt
 from .protocols import Plan, cores_text
+from ..engine import SamplingParams
 
 DEFAULT_MAX_NEW = 128
 
@@ -23,11 +24,7 @@ class BenchSettings:
     max_new_tokens: int = DEFAULT_MAX_NEW
     repeats: int = 1
     warmup_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    ignore_eos: bool = True
+    sampling: SamplingParams = SamplingParams(ignore_eos=True)  # each run's, with its own seed (if unset), length and stops
 
 
 @dataclass
@@ -76,9 +73,8 @@ def run_bench(
         def one(key: tuple, prompt: BenchPrompt, repeat: int, max_new: int, order: int) -> dict[str, Any]:
             plan, eng = slots[key], engines[key]
             ids, extra_stop = encoded[prompt.id]
-            seed = settings.seed if settings.seed is not None else 1234 + repeat
-            params = SamplingParams(settings.temperature, settings.top_p, settings.top_k, seed, max_new,
-                                    tuple(extra_stop), settings.ignore_eos)
+            s = settings.sampling
+            params = replace(s, seed=1234 + repeat if s.seed is None else s.seed, max_new_tokens=max_new, stop=tuple(extra_stop))
             pin.apply(plan.cores, plan.threads)
             ranks = frozenset(_rank_pids(eng))  # a tensor-parallel target's own processes are not background work
             bg0 = descendants_cpu_s(ranks) if plan.mode != "ssd" else None
@@ -232,7 +228,7 @@ class ModelPool:
         return "cpu" if d.startswith("cpu") or d == "auto" and not _cuda() else d
 
     def models_for(self, plan: Plan) -> tuple[Any, Any]:
-        from ..engine import (derive_in_precision, draft_base, is_derived, load_in_precision, load_tp_target,
+        from ..engine import (derive_in_precision, draft_base, is_derived, load_with_precision, load_sharded,
                               parse_placement)
 
         tk = self._key(plan.target_device)
@@ -242,10 +238,10 @@ class ModelPool:
             place = parse_placement(plan.target_device, dtype or "auto")
             trust = bool(self.values.get("trust_remote_code"))
             if place.ranks:
-                self._targets[tk] = load_tp_target(self.values["target"], place, self.base_config.compile,
+                self._targets[tk] = load_sharded(self.values["target"], place, self.base_config.compile,
                                                  (1, self.base_config.k + 1), trust)
             else:
-                self._targets[tk] = load_in_precision(self.values["target"], place, dtype, trust)
+                self._targets[tk] = load_with_precision(self.values["target"], place, dtype, trust)
         target = self._targets[tk]
         if plan.mode == "ar" or self.draft_name is None:
             return target, None
@@ -256,7 +252,7 @@ class ModelPool:
             else:
                 self._progress(f"loading {self.draft_name} on {plan.draft_device}")
                 dtype = self.values.get("dtype")
-                self._drafts[dk] = load_in_precision(self.draft_name, parse_placement(plan.draft_device, dtype or "auto"), dtype,
+                self._drafts[dk] = load_with_precision(self.draft_name, parse_placement(plan.draft_device, dtype or "auto"), dtype,
                                                   bool(self.values.get("trust_remote_code")))
         return target, self._drafts[dk]
 

@@ -184,7 +184,7 @@ def race(profile: str, alphas: list[float], n_prompts: int, max_new: int, seed: 
     """The whole simulated race: AR once, then SD and SSD at each acceptance."""
     from ..engine import simulate, ARDecoder, Engine, EngineConfig, SDDecoder, SSDDecoder
 
-    prof = simulate.load(profile)
+    prof = simulate.load_profile(profile)
     k = prof.k
     t_start = time.perf_counter()
     threads = torch.get_num_threads()
@@ -269,7 +269,7 @@ def command(profile: str, acceptance: str, n_prompts: int, max_new: int, seed: i
     from .report import write_json
 
     try:
-        simulate.load(profile)
+        simulate.load_profile(profile)
         alphas = [float(a) for a in acceptance.split(",") if a.strip()]
     except simulate.ProfileError as e:
         raise fail(str(e), 2) from None
@@ -278,7 +278,7 @@ def command(profile: str, acceptance: str, n_prompts: int, max_new: int, seed: i
     if not alphas or not all(0.0 < a < 1.0 for a in alphas):
         raise fail(f"--acceptance takes a comma list of numbers in (0, 1), got '{acceptance}'", 2)
     if dry_run:
-        sim_render.print_plan(simulate.load(profile), alphas, n_prompts, max_new, console)
+        sim_render.print_plan(simulate.load_profile(profile), alphas, n_prompts, max_new, console)
         return 0
     say = (lambda s: None) if quiet else (lambda s: err.print(f"[dim]{s}…[/]", highlight=False))
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..engine import CONFIG_MODES
 from .settings import SAMPLING_KEYS
 
 # /command -> setting (the demo script's command files use the same names)
@@ -13,8 +14,6 @@ SLASH_KEYS = {"mode": "mode", "k": "k", "fan-out": "fan_out", "fanout": "fan_out
               "temperature": "temperature", "max": "max_new_tokens", "max-new-tokens": "max_new_tokens",
               "top-p": "top_p", "top-k": "top_k", "seed": "seed",
               "repeat-penalty": "repetition_penalty", "repetition-penalty": "repetition_penalty"}
-# auto: the mode auto chose for this machine (Engine.reconfigure)
-MODES = ("ar", "sd", "ssd", "auto")
 # the settings that change the engine (no reload); the others are sampling settings for the next reply
 ENGINE_CHANGES = ("mode", "k", "fan_out")
 
@@ -54,7 +53,7 @@ def parse_settings(raw: dict[str, str]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     if raw.get("mode"):
-        if raw["mode"] not in MODES:
+        if raw["mode"] not in CONFIG_MODES:
             raise ValueError(f"unknown mode '{raw['mode']}' (ar, sd, ssd or auto)")
         out["mode"] = raw["mode"]
     for key, (_, kind) in FIELDS.items():

@@ -18,10 +18,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine import Done, Error, Event, Notice, over_ar_bound, ssd_over_sd_bound
+from ..engine import MODES, Done, Error, Event, Notice, over_ar_bound, ssd_over_sd_bound
 from .stats import ran_as
 
-MODES = ("ar", "sd", "ssd")
 RATIOS = (("ssd", "ar"), ("ssd", "sd"), ("sd", "ar"))
 DEFAULT_MAX_NEW_TOKENS = 64  # nine runs of this on 2 CPU cores take a minute or two
 DEFAULT_REPEATS = 3

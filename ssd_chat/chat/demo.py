@@ -62,7 +62,6 @@ def _run(values: dict, prompts: list[str], simulate: str | None, work: str | Non
     import os
     import threading
 
-    from .settings import sampling_params
     from ..engine import SSDChatError, Done, Error, Notice, Round, Token
     from .loading import load_engine
     from .recorder import Recorder, RecordingError, at_speed_event
@@ -80,7 +79,7 @@ def _run(values: dict, prompts: list[str], simulate: str | None, work: str | Non
     try:
         backend = EngineBackend(values)
         backend.engine = load_engine(values)
-        params = sampling_params(values, backend.engine.sampling_defaults)
+        params = values["sampling"].over(backend.engine.sampling_defaults)
     except SSDChatError as e:
         raise fail(str(e)) from None
     rec = None

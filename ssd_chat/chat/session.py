@@ -71,7 +71,7 @@ def stream_messages(engine: Any, messages: list[dict[str, str]], params: Samplin
     yield from engine.stream(ids, params, stop)
 
 
-Reply = Callable[[list[dict[str, str]], SamplingParams, "threading.Event | None"], Iterator[Event]]
+ReplyStream = Callable[[list[dict[str, str]], SamplingParams, "threading.Event | None"], Iterator[Event]]
 
 
 class Session:
@@ -82,11 +82,11 @@ class Session:
     tests a script)."""
 
     def __init__(self, engine: Any = None, system: str | None = None, params: SamplingParams | None = None,
-                 messages: list[dict[str, str]] | None = None, *, reply: Reply | None = None) -> None:
+                 messages: list[dict[str, str]] | None = None, *, reply: ReplyStream | None = None) -> None:
         if reply is None and engine is None:
             raise ValueError("a Session needs an engine or a reply function")
         self.engine = engine
-        self.reply: Reply = reply or partial(stream_messages, engine)
+        self.reply: ReplyStream = reply or partial(stream_messages, engine)
         self.system = system
         self.params = params or SamplingParams()
         self.messages: list[dict[str, str]] = list(messages or [])

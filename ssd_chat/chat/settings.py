@@ -66,15 +66,10 @@ TYPES: dict[str, type] = {
 SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name in DEFAULTS)
 
 
-def sampling_settings(values: dict[str, Any]) -> dict[str, Any]:
-    """The sampling settings among ``values`` that are set."""
-    return {k: values[k] for k in SAMPLING_KEYS if values.get(k) is not None}
-
-
-def sampling_params(values: dict[str, Any], model_defaults: dict[str, Any] | None = None) -> SamplingParams:
-    """The settings that are set, over ``model_defaults`` (the loaded model's: ``Engine.sampling_defaults``),
-    over SamplingParams' own (greedy, no penalty: what bench and compare use)."""
-    return SamplingParams(**{**(model_defaults or {}), **sampling_settings(values)})
+def sampling(values: dict[str, Any]) -> SamplingParams:
+    """The sampling settings among ``values``, checked; those unset take the model's defaults once it has
+    loaded (:meth:`SamplingParams.over`), else SamplingParams' own (greedy, no penalty: bench and compare)."""
+    return SamplingParams.given({k: values.get(k) for k in SAMPLING_KEYS})
 
 
 def engine_config(values: dict[str, Any]) -> EngineConfig:
@@ -212,7 +207,7 @@ def check(values: dict[str, Any], sources: dict[str, str], path: Path | None = N
 
     def build(vals: dict[str, Any]) -> None:
         engine_config(vals)
-        sampling_params(vals)
+        sampling(vals)
 
     def passes(vals: dict[str, Any]) -> bool:
         try:
@@ -330,7 +325,7 @@ def _engine_error(values: dict[str, Any], ssd: bool) -> Exception | None:
 
     try:
         engine_config(values)
-        sampling_params(values)
+        sampling(values)
         if ssd:
             engine_config({**values, "mode": "ssd"})
         check_forms(values.get("target_device"), values.get("draft_device"))

@@ -10,7 +10,6 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ..chat.loading import load_engine
-from ..chat.settings import sampling_params
 from ..chat.stats import SAMPLING_SHOWN, STATS_SHOWN, format_stats, ran_as
 from .options import engine_options, fail, settings, utf8_text
 
@@ -69,7 +68,7 @@ def ask(
         raise fail(str(e)) from None
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
-    params = sampling_params(values, engine.sampling_defaults)  # the model's own where the user set none
+    params = values["sampling"].over(engine.sampling_defaults)  # the model's own where the user set none
     code = 0
     try:
         from ..chat.session import context_window

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -91,8 +92,8 @@ def bench_command(
         raise fail(str(e)) from None
     race = BenchSettings(
         modes=mode_list, protocols=protos, max_new_tokens=max_new, repeats=repeats,
-        temperature=float(values.get("temperature") or 0.0), top_p=float(values.get("top_p") or 1.0),
-        top_k=int(values.get("top_k") or 0), seed=values.get("seed"), ignore_eos=not stop_at_eos,
+        # without penalties: bench has no options for them
+        sampling=replace(values["sampling"], repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, ignore_eos=not stop_at_eos),
     )
     if dry_run:
         console.print(f"target {values['target']}, draft {values.get('draft') or '(default for the target)'}, dtype {values.get('dtype') or 'auto'}, "

@@ -31,14 +31,11 @@ def compare(
         raise typer.BadParameter("the prompt is empty", param_hint="PROMPT")
     # loaded as SD: the draft loads, no speculator starts until the SSD run
     values = settings({**given, "mode": "sd", "temperature": 0.0, "top_p": 1.0, "top_k": 0})
-    values["max_new_tokens"] = given_n or cmp.DEFAULT_MAX_NEW_TOKENS
     if values.get("system"):
         values["system"] = utf8_text(values["system"], "--system")
     from ..chat.loading import load_engine
-    from ..chat.settings import sampling_params
-
     try:
-        params = sampling_params(values)
+        params = replace(values["sampling"], max_new_tokens=given_n or cmp.DEFAULT_MAX_NEW_TOKENS)
         engine = load_engine(values)
     except ParamError as e:
         raise fail(str(e), 2) from None

@@ -39,7 +39,7 @@ def demo(
         if replay is not None or not headless or record is None:
             raise fail("--simulate makes a recording: use it with --headless --record FILE", 2)
         try:
-            sim.load(simulate)
+            sim.load_profile(simulate)
         except sim.ProfileError as e:
             raise fail(str(e), 2) from None
         if not slow_motion >= 1.0:

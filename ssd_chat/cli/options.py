@@ -99,7 +99,8 @@ def merge(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, Any
 
 
 def settings(values: dict[str, Any]) -> dict[str, Any]:
-    """Fill unset options from the environment/config file and the defaults."""
+    """Fill unset options from the environment/config file and the defaults; the sampling settings
+    become one checked SamplingParams, ``["sampling"]``."""
     from ..chat import settings as config
 
     try:
@@ -107,6 +108,7 @@ def settings(values: dict[str, Any]) -> dict[str, Any]:
         config.check(resolved, sources)
     except config.ConfigError as e:  # one line naming the flag, SSD_CHAT_* variable or config.toml entry
         raise fail(str(e), 2 if e.usage else 1) from None
+    resolved["sampling"] = config.sampling({k: resolved.pop(k) for k in config.SAMPLING_KEYS})
     return resolved
 
 

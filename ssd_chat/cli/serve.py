@@ -59,15 +59,14 @@ def serve(
 
     One request decodes at a time; the others wait in order. SIGTERM, SIGHUP or Ctrl-C finishes the reply being decoded, refuses the waiting ones, and exits. See docs/serve.md."""
     from ..chat.loading import load_engine
-    from ..chat.settings import engine_config, sampling_params
+    from ..chat.settings import engine_config
     from ..engine import ParamError, SSDChatError
     from ..server.app import create_app
     from ..server.app import serve as run_server
     from ..server.client import remove_state, write_state
 
-    values = settings(given)
+    values = settings(given)  # the sampling settings checked: the model's own defaults join after it loads
     try:
-        sampling_params(values)  # checked before loading; the model's own defaults join after it loads
         engine_config(values)
     except ParamError as e:
         raise fail(str(e), 2) from None
@@ -86,13 +85,13 @@ def serve(
 
     n = threads.coordinator()  # this thread runs the HTTP server: no OpenMP pool here (engine/threads.py)
 
-    def load():
+    def load_and_start():
         engine = load_engine(values, measure="background", log_stages=True)
         engine.decoder()  # SSD: the speculator starts loading its draft now, not at the first request
         return engine
 
     try:
-        engine = threads.call(n, load)
+        engine = threads.call(n, load_and_start)
     except ParamError as e:
         sock.close()
         raise fail(str(e), 2) from None
@@ -130,7 +129,7 @@ def serve(
         _say("ssd-chat: stopping: finishing the reply in progress")
 
     try:
-        defaults = sampling_params(values, engine.sampling_defaults)  # the model's own where the user set none
+        defaults = values["sampling"].over(engine.sampling_defaults)  # the model's own where the user set none
         app_ = create_app(engine, defaults, api_key=api_key, max_queue=max_queue, on_ready=ready,
                           max_body_mb=max_body_mb, ignore_tools=ignore_tools)
         run_server(app_, sock, on_signal=stopping)

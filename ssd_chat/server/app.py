@@ -45,7 +45,7 @@ from ..engine import prompt_ids, SamplingParams
 from .logprobs import TokenTexts
 from .limits import DEFAULT_MAX_BODY_MB, Guard, check_prompt_chars, max_token_chars, too_large
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .reply import Reply
+from .reply import OpenAIReply
 from .schema import APIError, ChatRequest, CompletionRequest, describe_validation, error_body
 from .tools import template_supports_tools
 from .engine_thread import END, EngineWorker, Job, QueueFull, ShuttingDown
@@ -243,7 +243,7 @@ class _API:
         except ShuttingDown:
             raise APIError(503, "the server is shutting down", code="shutting_down") from None
         watcher = asyncio.ensure_future(_watch_disconnect(request, job))
-        reply = Reply(self, job, req, chat_api, tools, echo)
+        reply = OpenAIReply(self, job, req, chat_api, tools, echo)
         try:
             first = await reply.next()  # waits for its turn; errors before any token are a plain HTTP error
         except BaseException:

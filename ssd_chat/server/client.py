@@ -216,11 +216,10 @@ def answer(server: Server, prompt: str, values: dict[str, Any], explicit: set[st
     """Stream one reply from ``server`` the way ``ask`` prints a local one; the exit status."""
 
     messages = ([{"role": "system", "content": values["system"]}] if values.get("system") else []) + [{"role": "user", "content": prompt}]
+    sampling = values["sampling"]
     body: dict[str, Any] = {"model": server.card["id"], "messages": messages, "stream": True, "return_token_ids": True,
-                            "stream_options": {"include_usage": True}, "max_tokens": values.get("max_new_tokens")}
-    for key in ("temperature", "top_p", "top_k", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty"):
-        if values.get(key) is not None:
-            body[key] = values[key]
+                            "stream_options": {"include_usage": True}, "max_tokens": sampling.max_new_tokens}
+    body.update({k: v for k, v in sampling.choices().items() if k != "max_new_tokens"})  # the server's where none was chosen
     if server.ssd_mode:
         body["ssd_mode"] = server.ssd_mode
     try:

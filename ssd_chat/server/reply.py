@@ -19,7 +19,7 @@ from .logprobs import CompletionLogprobs, chat_content
 from .engine_thread import END, Job, PromptLogprobs, ShuttingDown
 
 
-class Reply:
+class OpenAIReply:
     """One request's answer, built from its job's events (OpenAI's chat or completion shape).
     ``tools``: the names of the tools the model was shown; its calls are read from the text."""
 

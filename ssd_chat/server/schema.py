@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from ..chat.stats import SAMPLING_SHOWN
 from ..engine import MAX_LOGPROBS, SEED_MAX, SamplingParams
 
 
@@ -164,13 +165,12 @@ class _Common(_Strict):
     def sampling(self, defaults: SamplingParams, max_new_tokens: int, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
         """This request's settings over the server's defaults (``--temperature`` etc.)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        own = self.model_dump(include=set(SAMPLING_SHOWN), exclude_none=True)
+        if "top_k" in own:
+            own["top_k"] = max(0, own["top_k"])  # -1: off
         return replace(
             defaults,
-            temperature=defaults.temperature if self.temperature is None else self.temperature,
-            top_p=defaults.top_p if self.top_p is None else self.top_p,
-            top_k=defaults.top_k if self.top_k is None else max(0, self.top_k),
-            seed=defaults.seed if self.seed is None else self.seed,
-            **{k: getattr(self, k) for k in ("repetition_penalty", "frequency_penalty", "presence_penalty") if getattr(self, k) is not None},
+            **own,
             max_new_tokens=max_new_tokens,
             stop=stop + tuple(extra_stop),
             ignore_eos=self.ignore_eos,

@@ -15,7 +15,8 @@ from textual.widgets import Button, Input, Label, Select
 from ...chat.settings import SAMPLING_KEYS, EngineConfig
 from ...engine import DEFAULT_FAN_OUT, SamplingParams
 from ...chat.terminal import printable
-from ...chat.changes import ENGINE_CHANGES, FIELDS, MODES, check_engine, parse_settings
+from ...chat.changes import ENGINE_CHANGES, FIELDS, check_engine, parse_settings
+from ...engine import CONFIG_MODES
 
 
 class SettingsDialog(ModalScreen[dict | None]):
@@ -58,8 +59,8 @@ class SettingsDialog(ModalScreen[dict | None]):
 
     def _modes(self) -> list[tuple[str, str]]:
         resolved = self.current.get("mode") if self.current.get("auto") else None
-        modes = [(f"AUTO ({resolved.upper()} here)" if m == "auto" and resolved else m.upper(), m) for m in MODES]
-        if self.mode not in MODES:  # a mode of a replay's recording
+        modes = [(f"AUTO ({resolved.upper()} here)" if m == "auto" and resolved else m.upper(), m) for m in CONFIG_MODES]  # auto: the mode auto chose for this machine (Engine.reconfigure)
+        if self.mode not in CONFIG_MODES:  # a mode of a replay's recording
             modes.insert(0, (f"{self.mode.upper()} (unchanged)", self.mode))
         return modes
 
