@@ -3,21 +3,18 @@ prompt (the system prompt stays) and a notice says how many, in `ask`/the demo's
 
 from __future__ import annotations
 
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import as_loaded, tiny_llama
+from helpers.models import as_loaded, tiny_llama
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.events import Done, Notice
 from ssd_chat.session import Session, fit_context, reply_room
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import wait_until  # noqa: E402
+from helpers.tui import wait_until
 
 WINDOW = 192  # tokens: a few short turns fill it
 PARAMS = SamplingParams(max_new_tokens=6)
@@ -75,7 +72,7 @@ def test_a_single_message_longer_than_the_window_is_still_a_clear_error(small_co
 
 @pytest.mark.asyncio
 async def test_the_app_keeps_chatting_past_the_window(small_context):
-    from test_tui_engine import Preloaded
+    from helpers.tui import Preloaded
 
     from ssd_chat.tui.app import ChatApp
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -18,8 +16,7 @@ from ssd_chat.engine.events import Done, Round, Token
 from ssd_chat.engine.model import simulate
 from ssd_chat.recorder import Recorder, read
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import ssd_events, wait_until  # noqa: E402
+from helpers.tui import ssd_events, wait_until
 
 
 @pytest.mark.parametrize("args, says", [
@@ -106,7 +103,7 @@ async def test_the_replay_of_a_simulated_recording_says_so_in_the_panel_and_titl
     from ssd_chat.backend import ReplayBackend
     from ssd_chat.demo import simulated_info
     from ssd_chat.tui.app import ChatApp
-    from test_tui import plain
+    from helpers.tui import plain
 
     info = {"mode": "ssd", "k": 2, "target": "smollm2-135m-gguf", **simulated_info("h100-70b-1b", 40.0)}
     with Recorder(tmp_path / "r.jsonl", info) as rec:

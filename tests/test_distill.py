@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import CharTokenizer, as_loaded, random_prompts, tiny_llama
+from helpers.models import CharTokenizer, as_loaded, random_prompts, tiny_llama
 from ssd_chat import train as distill
 from ssd_chat.engine.drafts import folder as draft_folder, model as draft_model, shipped as drafts
 from ssd_chat.engine.model import runner as kv

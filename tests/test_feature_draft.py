@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from conftest import CharTokenizer, as_loaded, random_prompts, tiny_llama
-from distribution import compare, exact_distribution, sample_outcomes
+from helpers.models import CharTokenizer, as_loaded, random_prompts, tiny_llama
+from helpers.distribution import compare, exact_distribution, sample_outcomes
 from ssd_chat import train as distill
 from ssd_chat.engine.drafts import folder as draft_folder, model as draft_model, shipped as drafts
 from ssd_chat.engine.engine import Engine, EngineConfig

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import CharTokenizer
-from distribution import decoder_distribution_test
+from helpers.models import CharTokenizer
+from helpers.distribution import decoder_distribution_test
 from ssd_chat.engine.load import models, precision
 from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.engine import Engine, EngineConfig
@@ -21,7 +21,7 @@ from ssd_chat.engine.cpu.quant import GGUFLinear
 from ssd_chat.engine.decode.sd import SDDecoder
 from ssd_chat.engine.decode.ssd import SSDDecoder
 
-from test_quant import load_gguf, write_tiny_gguf
+from helpers.gguf import load_gguf, write_tiny_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = ([1, 2, 3], [5, 17, 40, 2, 9], [7, 7, 8, 60, 33, 12])
@@ -34,13 +34,13 @@ def loaded(path, vocab: int = 96) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory):
+def natural_gguf(tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", layers=3, seed=7, file_type=3, natural=True)
 
 
 @pytest.fixture(scope="module")
-def target(gguf_path) -> LoadedModel:
-    lm = loaded(gguf_path)
+def target(natural_gguf) -> LoadedModel:
+    lm = loaded(natural_gguf)
     precision.to_gguf(lm)
     return lm
 
@@ -58,9 +58,9 @@ def gguf_linears(model: nn.Module) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize(("dtype", "want"), [(None, "gguf Q4_1"), ("float32", "float32")])
-def test_engine_load_computes_a_gguf_target_in_its_own_precision_by_default(gguf_path, monkeypatch, dtype, want):
-    monkeypatch.setattr(models, "load", lambda name, placement, *a, **k: loaded(gguf_path))
-    cfg = EngineConfig(target=str(gguf_path), mode="sd", draft="layers:2", target_device="cpu", **({"dtype": dtype} if dtype else {}))
+def test_engine_load_computes_a_gguf_target_in_its_own_precision_by_default(natural_gguf, monkeypatch, dtype, want):
+    monkeypatch.setattr(models, "load", lambda name, placement, *a, **k: loaded(natural_gguf))
+    cfg = EngineConfig(target=str(natural_gguf), mode="sd", draft="layers:2", target_device="cpu", **({"dtype": dtype} if dtype else {}))
     e = Engine.load(cfg)
     assert precision.of(e.target) == want and precision.of(e.draft) == want
     if want == "float32":  # the reference path: transformers' float32 modules

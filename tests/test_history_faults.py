@@ -10,23 +10,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import FakeBackend, replies_text, ssd_events, wait_until  # noqa: E402
+from helpers.tui import FakeBackend, replies_text, ssd_events, wait_until
 
 from ssd_chat.cli import app as cli_app  # noqa: E402
 from ssd_chat.history import History, HistoryError  # noqa: E402
 from ssd_chat.tui.app import ChatApp  # noqa: E402
-
-
-def chat_db(path: Path, n: int = 3, long_reply_in: int | None = None) -> Path:
-    """Chats 1..n; chat ``long_reply_in``'s reply is long enough to live in overflow pages of its own."""
-    h = History(path)
-    for i in range(1, n + 1):
-        cid = h.new_conversation(f"chat {i}")
-        h.add_message(cid, "user", f"question {i}")
-        h.add_message(cid, "assistant", ("Z" if i == long_reply_in else "A") * (20_000 if i == long_reply_in else 20))
-    h.close()  # the last connection checkpoints the WAL into the file
-    return path
+from helpers.history import chat_db
 
 
 def damage_reply_pages(path: Path) -> int:
@@ -315,7 +304,7 @@ def test_a_database_locked_mid_session_in_a_real_terminal(tmp_path):
     import time
 
     pexpect = pytest.importorskip("pexpect")
-    from test_recorder import replay_saving_chats, shipped
+    from helpers.history import replay_saving_chats, shipped
 
     from ssd_chat.recorder import read
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_history_faults import chat_db  # noqa: E402
-from test_tui import FakeBackend, replies_text, ssd_events, wait_until  # noqa: E402
+from helpers import TESTS
+from helpers.history import chat_db
+from helpers.tui import FakeBackend, replies_text, ssd_events, wait_until
 
 from ssd_chat.cli import app as cli_app  # noqa: E402
 from ssd_chat.history import History  # noqa: E402
@@ -205,7 +205,7 @@ def test_the_apps_own_write_sequence_across_a_lock_loses_no_turn(tmp_path):
 
 
 def _replayable() -> list[Path]:
-    from test_recorder import shipped
+    from helpers.history import shipped
 
     from ssd_chat.recorder import read
 
@@ -221,7 +221,7 @@ def test_locked_then_free_again_in_a_real_terminal(tmp_path, source):
     import time
 
     pexpect = pytest.importorskip("pexpect")
-    from test_recorder import replay_saving_chats
+    from helpers.history import replay_saving_chats
 
     from ssd_chat.recorder import read
 
@@ -329,8 +329,8 @@ def test_reading_commands_on_a_real_read_only_folder_and_full_disk(tmp_path, fau
         chat_db(d / "h.db", n=2)
         setup = f"mount --bind -o ro {d} {d}; ! touch {d}/probe 2>/dev/null"
     else:
-        make = f"{sys.executable} -c 'import sys; sys.path.insert(0, \"{Path(__file__).parent}\"); " \
-               f"from test_history_faults import chat_db; from pathlib import Path; chat_db(Path(\"{d}/h.db\"), n=2)'"
+        make = f"PYTHONPATH={TESTS} {sys.executable} -c '" \
+               f"from helpers.history import chat_db; from pathlib import Path; chat_db(Path(\"{d}/h.db\"), n=2)'"
         setup = f"mount -t tmpfs -o size=1m tmpfs {d}; {make}; dd if=/dev/zero of={d}/fill bs=4k 2>/dev/null || true"
     r = _in_own_mounts(f"{setup}; {cli} list --db {d}/h.db; {cli} show 2 --db {d}/h.db")
     assert r.returncode == 0, r.stdout + r.stderr

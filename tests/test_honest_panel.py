@@ -4,16 +4,13 @@ other mode, estimated otherwise; the reason auto chose the mode is shown next to
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 
 from ssd_chat.engine.events import Done
 from ssd_chat.tui.figures import Baseline, baseline_from_reply, panel_values
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import WORDS, FakeBackend, plain, ssd_events, wait_until  # noqa: E402
+from helpers.tui import WORDS, FakeBackend, plain, ssd_events, wait_until
 
 
 def ar_events(words: list[str], dt: float) -> list:

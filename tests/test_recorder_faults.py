@@ -17,9 +17,8 @@ from typer.testing import CliRunner
 from ssd_chat.cli import app as cli_app
 from ssd_chat.recorder import Recorder, RecordingError, read
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_recorder import WORDS, make_recording, shipped  # noqa: E402
-from test_tui import FakeBackend, replies_text, ssd_events, wait_until  # noqa: E402
+from helpers.history import WORDS, make_recording, shipped
+from helpers.tui import FakeBackend, replies_text, ssd_events, wait_until
 
 needs_dev_full = pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
 

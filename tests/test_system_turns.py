@@ -8,7 +8,7 @@ import json
 import sqlite3
 
 import pytest
-from test_tui import FakeBackend, ssd_events, wait_until
+from helpers.tui import FakeBackend, ssd_events, wait_until
 from typer.testing import CliRunner
 
 from ssd_chat.cli import app as cli_app

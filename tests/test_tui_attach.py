@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_tui import FakeBackend, ssd_events, wait_until
-from test_tui_rerun import chat, notices, saved
+from helpers.tui import chat, FakeBackend, notices, saved, ssd_events, wait_until
 
-from conftest import as_loaded, tiny_llama
+from helpers.models import as_loaded, tiny_llama
 from ssd_chat import attach
 from ssd_chat.engine import Engine, EngineConfig
 from ssd_chat.history import History
@@ -93,7 +92,7 @@ def small_context(smol_tokenizer):
 
 @pytest.mark.asyncio
 async def test_attach_counts_with_the_real_tokenizer_and_refuses_a_file_larger_than_the_context(tmp_path, small_context):
-    from test_tui_engine import Preloaded
+    from helpers.tui import Preloaded
 
     small, big = tmp_path / "small.py", tmp_path / "big.txt"
     small.write_text(CODE)

@@ -5,8 +5,7 @@ reply's context is the branch on screen, and --resume opens it (scripted streams
 from __future__ import annotations
 
 import pytest
-from test_tui import FakeBackend, ssd_events, wait_until
-from test_tui_rerun import chat, on_screen
+from helpers.tui import chat, FakeBackend, on_screen, ssd_events, wait_until
 
 from ssd_chat.history import History
 from ssd_chat.tui.app import ChatApp

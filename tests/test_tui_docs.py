@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import colorsys
 import re
-import sys
 from pathlib import Path
 
 import pytest
 from rich.style import Style
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import FakeBackend, wait_until  # noqa: E402
+from helpers.tui import FakeBackend, wait_until
 
 from ssd_chat.tui.app import ChatApp  # noqa: E402
 from ssd_chat.tui.widgets import chat_log  # noqa: E402

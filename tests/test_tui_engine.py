@@ -2,34 +2,18 @@
 
 from __future__ import annotations
 
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.engine.events import Done
 from ssd_chat.tui.app import ChatApp
-from ssd_chat.backend import EngineBackend
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import AssistantMessage, plain, wait_until  # noqa: E402
+from ssd_chat.tui.widgets.chat_log import AssistantMessage
+from helpers.tui import plain, Preloaded, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-class Preloaded(EngineBackend):
-    def __init__(self, engine: Engine) -> None:
-        super().__init__({"mode": "ar"})
-        self._engine = engine
-
-    def load(self, progress) -> None:
-        progress("loading target", 0.5)
-        self.engine = self._engine
-
-    def close(self) -> None:  # the session fixture owns the model
-        self.engine = None
 
 
 def direct_greedy_reply(engine: Engine, prompt: str, max_new_tokens: int) -> Done:

@@ -3,13 +3,10 @@ Textual markup in it is neither obeyed nor allowed to crash a render."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import FakeBackend, plain, ssd_events, wait_until  # noqa: E402
+from helpers.tui import FakeBackend, plain, ssd_events, wait_until
 
 from ssd_chat.history import History  # noqa: E402
 from ssd_chat.tui.app import ChatApp  # noqa: E402

@@ -8,12 +8,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import FakeBackend, ssd_events, wait_until  # noqa: E402
+from helpers.tui import FakeBackend, ssd_events, wait_until
 
 from ssd_chat.history import History  # noqa: E402
 from ssd_chat.tui.app import ChatApp  # noqa: E402

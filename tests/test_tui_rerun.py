@@ -4,7 +4,7 @@ and deleting a saved chat after a confirmation (scripted streams, no model)."""
 from __future__ import annotations
 
 import pytest
-from test_tui import FakeBackend, ssd_events, wait_until
+from helpers.tui import chat, FakeBackend, notices, on_screen, saved, ssd_events, wait_until
 from textual.widgets import Input
 
 from ssd_chat.history import History
@@ -13,30 +13,6 @@ from ssd_chat.tui.changes import FIELDS, parse_settings
 from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
 from ssd_chat.tui.widgets.confirm_dialog import ConfirmDialog
 from ssd_chat.tui.widgets.settings_dialog import SettingsDialog
-
-
-def saved(path, all_branches: bool = False) -> list[tuple[str, list[tuple[str, str]]]]:
-    """Every saved chat, newest first: (title, [(role, content)]) of its current branch (or of every message)."""
-    h = History(path)
-    try:
-        return [(c.title, [(m.role, m.content) for m in h.messages(c.id, all_branches)]) for c in h.list_conversations()]
-    finally:
-        h.close()
-
-
-def on_screen(app: ChatApp) -> list[tuple[str, str]]:
-    return [("user" if isinstance(w, UserMessage) else "assistant", w.text)
-            for w in app.chat_view.chat.children if isinstance(w, (UserMessage, AssistantMessage))]
-
-
-async def chat(app: ChatApp, pilot, *prompts: str) -> None:
-    for p in prompts:
-        await app.chat_view.submit(p)
-        await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished and not app.chat_view._reply_worker.is_running)
-
-
-def notices(app: ChatApp) -> list[str]:
-    return [n.text for n in app.query("Notice")]
 
 
 class TestRegenerate:

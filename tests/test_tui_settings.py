@@ -5,15 +5,12 @@ field is never empty in AR; a prompt sent while loading is a passing notificatio
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from serving import tiny_chat_dir  # noqa: E402,F401
-from test_tui import FakeBackend, plain, ssd_events, wait_until  # noqa: E402
+from helpers.tui import FakeBackend, plain, ssd_events, wait_until
 
 from ssd_chat.backend import EngineBackend  # noqa: E402
 from ssd_chat.engine import Engine, EngineConfig  # noqa: E402
@@ -167,7 +164,7 @@ async def test_a_prompt_sent_while_loading_leaves_no_line_in_the_chat():
 async def test_the_settings_dialog_shows_the_k_started_with_while_loading():
     from textual.widgets import Input
 
-    from test_tui_loading import SlowEngineBackend
+    from helpers.tui import SlowEngineBackend
 
     backend = SlowEngineBackend()
     app = ChatApp(backend, settings={"k": 5})
