@@ -9,24 +9,17 @@ import pytest
 from ssd_chat import compare as cmp
 from ssd_chat.engine import Engine, EngineConfig
 from ssd_chat.engine.load import models
-from ssd_chat.engine.events import Done, Token
-from ssd_chat.engine.metrics import Metrics
 from ssd_chat.backend import EngineBackend
 
 from helpers.cli import cli
-from helpers.tui import FakeBackend, plain, wait_until
+from helpers.tui import FakeBackend, plain, ready, timed_reply, wait_until
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def reply(mode: str, ids: list[int], dt: float = 0.01) -> list:
-    m = Metrics(mode)
-    events = []
-    for i, t in enumerate(ids):
-        ev = Token(t, f"w{t} ", "target", (i + 1) * dt)
-        m.add(ev)
-        events.append(ev)
-    return events + [Done("length", "".join(e.text for e in events), tuple(ids), m.stats(len(ids) * dt + dt))]
+    """Tokens at ``dt`` each (no rounds), ending one ``dt`` after the last."""
+    return timed_reply(mode, ids, dt, rounds=False, end_s=len(ids) * dt + dt)
 
 
 # -- the loop -------------------------------------------------------------------------------------
@@ -115,8 +108,7 @@ async def test_ctrl_g_compares_the_typed_prompt_in_three_modes():
     ids = list(range(1, 11))
     backend = ModeBackend({"ar": ids, "sd": ids, "ssd": ids})
     app = ChatApp(backend)
-    async with app.run_test(size=(150, 50)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(150, 50)) as pilot:
         app.chat_view.prompt.set_text("Why is the sky blue?")
         await pilot.press("ctrl+g")
         n = 3 * cmp.DEFAULT_REPEATS + 1
@@ -145,8 +137,7 @@ async def test_ctrl_g_on_the_real_engine_gives_identical_outputs(tiny_dir):
 
     app = ChatApp(Preloaded({"mode": "ar"}), settings={"max_new_tokens": 8})
     try:
-        async with app.run_test(size=(150, 50)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        async with ready(app, size=(150, 50)) as pilot:
             await app.chat_view.submit("/compare Hello there")
             await wait_until(pilot, lambda: app.chat_view.switching is None and any(
                 "outputs:" in plain(w) for w in app.chat_view.chat.query("Static")), timeout=120)

@@ -14,7 +14,7 @@ from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.events import Done, Notice
 from ssd_chat.session import Session, fit_context, reply_room
 
-from helpers.tui import wait_until
+from helpers.tui import ready, submit
 
 WINDOW = 192  # tokens: a few short turns fill it
 PARAMS = SamplingParams(max_new_tokens=6)
@@ -78,11 +78,9 @@ async def test_the_app_keeps_chatting_past_the_window(small_context):
 
     engine = Engine(EngineConfig(mode="ar"), small_context)
     app = ChatApp(Preloaded(engine), settings={"max_new_tokens": 6, "temperature": 0.0, "system": SYSTEM})
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready, timeout=60)
+    async with ready(app, 60, size=(140, 45)) as pilot:
         app.chat_view.messages = [*app.chat_view.messages, *history(8)]  # a long chat so far (as after --resume)
-        await app.chat_view.submit("And after 8?")
-        await wait_until(pilot, lambda: app.chat_view.current.finished, timeout=60)
+        await submit(pilot, app, "And after 8?", 60)
         assert app.chat_view.current.status == "done"
         notices = [n.text for n in app.query(".notice")]
         assert any("this reply does not see the oldest" in n for n in notices), notices

@@ -268,8 +268,8 @@ def test_cuda_graph_trees_get_thread_local_state_in_any_thread():
     assert seen == [False, True, True]
 
 
-def test_compiled_rows_pad_up(monkeypatch, tmp_path):
-    """The seam returns the graph uncompiled, so padding and routing are tested without inductor."""
+def uncompiled_graphs(monkeypatch, tmp_path) -> list[int]:
+    """The compile seam returns each graph as it is, counting the rows of every call (the list returned)."""
     monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path))
     calls: list[int] = []
 
@@ -280,6 +280,12 @@ def test_compiled_rows_pad_up(monkeypatch, tmp_path):
         return run
 
     monkeypatch.setattr(core_compile, "_compile", fake)
+    return calls
+
+
+def test_compiled_rows_pad_up(monkeypatch, tmp_path):
+    """The seam returns the graph uncompiled, so padding and routing are tested without inductor."""
+    calls = uncompiled_graphs(monkeypatch, tmp_path)
     model = randomize(tiny_llama(seed=0))
     core = Core(model, "tiny", compile="on", rows=(1, 4))
     ref = Core(model, "tiny")
@@ -293,16 +299,7 @@ def test_compiled_rows_pad_up(monkeypatch, tmp_path):
 def test_a_one_row_draft_step_runs_compiled_and_a_prefill_eagerly(monkeypatch, tmp_path):
     """A draft's step asks for the last row's logits: with one row that is a decode step (the compiled
     graph); several rows with last or none are a prefill (eager)."""
-    monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path))
-    calls: list[int] = []
-
-    def fake(fn, cuda):
-        def run(ks, vs, ids, *rest):
-            calls.append(ids.shape[0])
-            return fn(ks, vs, ids, *rest)
-        return run
-
-    monkeypatch.setattr(core_compile, "_compile", fake)
+    calls = uncompiled_graphs(monkeypatch, tmp_path)
     core = Core(randomize(tiny_llama(seed=0)), "tiny", compile="on", rows=(1, 4))
     core.append(PROMPT, logits="none")
     core.append([5, 6], logits="last")

@@ -16,7 +16,7 @@ from ssd_chat.engine.events import Done, Round, Token
 from ssd_chat.engine.model import simulate
 from ssd_chat.recorder import Recorder, read
 
-from helpers.tui import ssd_events, wait_until
+from helpers.tui import ready, ssd_events
 
 
 @pytest.mark.parametrize("args, says", [
@@ -111,8 +111,7 @@ async def test_the_replay_of_a_simulated_recording_says_so_in_the_panel_and_titl
         for ev in ssd_events(["Yes", "."]):
             rec.event(ev)
     app = ChatApp(ReplayBackend(read(tmp_path / "r.jsonl"), speed=100))
-    async with app.run_test(size=(150, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(150, 45)) as pilot:
         setup = " ".join(plain(app.chat_view.panel.query_one("#setup")).split())
         assert "SIMULATED h100-70b-1b" in setup and "40x slow motion" in setup
         assert "padded to h100-70b-1b (simulated, 40x slow motion)" in setup

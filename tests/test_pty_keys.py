@@ -55,7 +55,7 @@ class Screen(App):
 
 def spawn(tmp_path, *, timeout: float) -> Screen:
     env = env_with_helpers(app_env(tmp_path, SSD_CHAT_DATA_DIR=str(tmp_path / "data")))
-    return Screen([str(tmp_path / "out.json")], env, timeout, code=APP)
+    return Screen([str(tmp_path / "out.json")], env, timeout, command=["-c", APP])
 
 
 def test_a_long_paste_typed_key_by_key_keeps_the_app_answering(tmp_path):

@@ -14,7 +14,7 @@ from ssd_chat.engine.events import Done, Round, Token
 from ssd_chat.recorder import Recorder, RecordingError, read, replay
 
 from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
-from helpers.tui import plain, ssd_events, wait_until
+from helpers.tui import plain, ready, ssd_events, wait_until
 from helpers.history import make_recording, shipped, WORDS
 
 def test_round_trip_gives_the_same_events(tmp_path):
@@ -147,8 +147,7 @@ async def test_app_record_writes_what_a_replay_plays_back(tmp_path):
     events = ssd_events(WORDS, hits=[True, False])
     rec = Recorder(tmp_path / "s.jsonl", {"mode": "ssd", "target": "fake-target"})
     app = ChatApp(FakeBackend([events]), recorder=rec)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(120, 40)) as pilot:
         await app.chat_view.submit("record me")
         await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
         await pilot.press("ctrl+c")

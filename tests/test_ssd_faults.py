@@ -54,16 +54,22 @@ def check_exact_with_notice(seed2_pair, evs, done, prompt, n, notice_re):
     assert notice_re in notices[0].message and "as SD" in notices[0].message, notices[0].message
 
 
+def killed_at_round(dec, index: int, prompt: list[int], max_new_tokens: int) -> tuple[list, int]:
+    """A reply whose speculator process is killed (SIGKILL) at round ``index``: (its events, that pid)."""
+    dec.ping()
+    pid = dec.worker_pid
+    evs = []
+    for ev in dec.stream(prompt, SamplingParams(max_new_tokens=max_new_tokens)):
+        evs.append(ev)
+        if isinstance(ev, Round) and ev.index == index:
+            os.kill(pid, signal.SIGKILL)
+    return evs, pid
+
+
 def test_killed_mid_reply(seed2_pair):
     dec = ssd(*seed2_pair, k=3, fan_out="uniform:2")
     try:
-        dec.ping()
-        pid = dec.worker_pid
-        evs = []
-        for ev in dec.stream(PROMPTS[1], SamplingParams(max_new_tokens=60)):
-            evs.append(ev)
-            if isinstance(ev, Round) and ev.index == 2:
-                os.kill(pid, signal.SIGKILL)
+        evs, pid = killed_at_round(dec, 2, PROMPTS[1], 60)
         check_exact_with_notice(seed2_pair, evs, evs[-1], PROMPTS[1], 60, "")
         assert gone(pid)
         # the reply says what produced it: SSD for the rounds before the kill, SD after
@@ -115,13 +121,7 @@ def test_no_draft_in_process_continues_as_ar(seed2_pair, monkeypatch):
     dec = ssd(*seed2_pair, k=2)
     monkeypatch.setattr(type(dec), "_has_local_draft", lambda self: False)
     try:
-        dec.ping()
-        pid = dec.worker_pid
-        evs = []
-        for ev in dec.stream(PROMPTS[0], SamplingParams(max_new_tokens=40)):
-            evs.append(ev)
-            if isinstance(ev, Round) and ev.index == 1:
-                os.kill(pid, signal.SIGKILL)
+        evs, pid = killed_at_round(dec, 1, PROMPTS[0], 40)
         done = evs[-1]
         assert isinstance(done, Done) and done.token_ids == run(ARDecoder(seed2_pair[0]), PROMPTS[0], max_new_tokens=40)[1].token_ids
         assert any(isinstance(e, Notice) and "as AR" in e.message for e in evs)

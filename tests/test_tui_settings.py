@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.tui import FakeBackend, plain, ssd_events, wait_until
+from helpers.tui import FakeBackend, plain, ready, ssd_events, wait_until
 
 from ssd_chat.backend import EngineBackend  # noqa: E402
 from ssd_chat.engine import Engine, EngineConfig  # noqa: E402
@@ -74,8 +74,7 @@ async def test_mode_auto_goes_back_to_autos_choice_from_the_command_and_the_dial
 
     engine = loaded_in_auto(tiny_chat_dir, tmp_path, monkeypatch)
     app = ChatApp(Preloaded(engine), settings={"max_new_tokens": 8, "temperature": 0.0})
-    async with app.run_test(size=(150, 50)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(150, 50)) as pilot:
         await pilot.pause()
         assert "auto → SD" in setup_text(app) and f"why {WHY}" in setup_text(app), setup_text(app)
         for way in ("command", "dialog"):
@@ -118,8 +117,7 @@ async def test_the_settings_dialog_shows_k_and_fan_out_in_ar(tiny_target, tiny_d
 
     engine = Engine(EngineConfig(target="tiny-target", draft="layers:1", mode="ar", k=4, fan_out="uniform:2"), tiny_target, tiny_draft)
     app = ChatApp(Preloaded(engine))
-    async with app.run_test(size=(150, 50)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(150, 50)) as pilot:
         await pilot.press("ctrl+o")
         await wait_until(pilot, lambda: isinstance(app.screen, SettingsDialog))
         assert app.screen.query_one("#k", Input).value == "4"
@@ -186,8 +184,7 @@ async def test_compare_leaves_auto_in_force(tiny_chat_dir, tmp_path, monkeypatch
     """Ctrl+G switches through AR, SD and SSD; afterwards the engine is back in auto, not in a mode it named."""
     engine = loaded_in_auto(tiny_chat_dir, tmp_path, monkeypatch)
     app = ChatApp(Preloaded(engine), settings={"max_new_tokens": 4, "temperature": 0.0})
-    async with app.run_test(size=(150, 50)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(150, 50)) as pilot:
         await app.chat_view.submit("/compare hi")
         await wait_until(pilot, lambda: app.chat_view.switching is None and any("outputs:" in n.text for n in app.query("Notice")), 240)
         assert engine.auto and engine.config.mode == "sd"

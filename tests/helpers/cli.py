@@ -11,7 +11,6 @@ def cli(*args, env=None, input=None, timeout=300):
                           env=env, input=input, timeout=timeout)
 
 
-
 FAKE = """#!{python}
 # a stand-in for llama.cpp's llama-bench: records its arguments and CPU affinity, prints -o json
 import json, os, sys, time

@@ -9,6 +9,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
 
+
 def _f16_bytes(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float16).view(np.uint8).reshape(*a.shape[:-1], 2)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 from ssd_chat.history import History
@@ -17,7 +18,6 @@ def chat_db(path: Path, n: int = 3, long_reply_in: int | None = None) -> Path:
         h.add_message(cid, "assistant", ("Z" if i == long_reply_in else "A") * (20_000 if i == long_reply_in else 20))
     h.close()  # the last connection checkpoints the WAL into the file
     return path
-
 
 
 WORDS = ["Speculative", " decoding", " drafts", " tokens", " and", " verifies", " them", "."]
@@ -51,3 +51,16 @@ sys.exit(launch({"db": sys.argv[1]}, backend=ReplayBackend(read(sys.argv[2]), fl
 def replay_saving_chats(db: Path, source: Path, speed: float) -> list[str]:
     return ["-c", REPLAY_SAVING_CHATS, str(db), str(source), str(speed)]
 
+
+def lock(path: Path, readers_too: bool = False) -> sqlite3.Connection:
+    """Another program's write lock (``readers_too``: exclusive locking mode, which even keeps readers out)."""
+    other = sqlite3.connect(path)
+    if readers_too:
+        other.execute("PRAGMA locking_mode = EXCLUSIVE")
+    other.execute("BEGIN EXCLUSIVE")
+    return other
+
+
+def release(other: sqlite3.Connection) -> None:
+    other.rollback()
+    other.close()

@@ -10,6 +10,7 @@ import torch
 
 from ssd_chat.engine.load.models import LoadedModel, ModelSpec, Placement
 
+
 class CharTokenizer:
     """A tokenizer for small-vocabulary test models: token i decodes to chr(ord('a') + i)."""
 
@@ -73,7 +74,6 @@ def as_loaded(model, tokenizer, name: str = "tiny", eos_ids=frozenset()) -> Load
     )
 
 
-
 def randomize(model: torch.nn.Module, seed: int = 3) -> torch.nn.Module:
     """Random norm weights and biases (transformers initialises them to 1 and 0, which would hide a
     norm or bias the core forgot)."""
@@ -104,13 +104,11 @@ def tiny_qwen(kind: str, dtype=torch.float64, tied: bool = False) -> torch.nn.Mo
 PROMPT = [3, 17, 42, 5, 9, 61, 0, 33, 12]
 
 
-
 def save_tiny(folder, tokenizer, seed=0):
     model = tiny_llama(vocab_size=len(tokenizer.get_vocab()), seed=seed, dtype=torch.float32)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
-
 
 
 def save_chat_model(folder, tokenizer):
@@ -123,3 +121,13 @@ def save_chat_model(folder, tokenizer):
     # (a model that declares nothing would get the chat default: sampling, engine/load/gen_defaults.py)
     (folder / "generation_config.json").write_text(json.dumps({"do_sample": False}), encoding="utf-8")
     return folder
+
+
+def saved_draft(result, target: LoadedModel, folder) -> LoadedModel:
+    """The draft that training gave (``result``) saved to ``folder``, then derived from it for ``target``
+    as a user's ``--draft FOLDER`` is."""
+    from ssd_chat import train
+    from ssd_chat.engine.drafts import shipped
+
+    train.save(result.draft, folder, target.name, target.model)
+    return shipped.derive(str(folder), target)

@@ -34,7 +34,6 @@ def last_reply(db_path) -> tuple[str, str] | None:
     return row
 
 
-
 def speculators(pid: int) -> list[psutil.Process]:
     """The app's spawned worker processes (not multiprocessing's resource tracker)."""
     out = []
@@ -58,7 +57,6 @@ def turns(db) -> list[tuple[str, dict]]:
     return [(status, json.loads(s)) for status, s in rows]
 
 
-
 def fresh_cache(tmp_path):
     """A cache dir with everything of the real one (the converted model, timed kernels) but no mode probe."""
     real, mine = cache_dir(), tmp_path / "cache"
@@ -75,21 +73,20 @@ def flat(text: str) -> str:
     return re.sub(r"[\s▏│]", "", text)
 
 
-
 def app_env(tmp_path, **more: str) -> dict:
     """The environment of an app under test: a colour terminal and a config dir of its own."""
     return dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"), **more)
 
 
 class App:
-    """``python -m ssd_chat ARGS`` (or ``exe ARGS``, or ``python -c CODE ARGS``) in a 45x150 pseudo-terminal,
-    and all it wrote.  As a context manager it ends the app if a test failed while it ran."""
+    """``python -m ssd_chat ARGS`` (or ``exe ARGS``, or ``python COMMAND... ARGS``) in a pseudo-terminal of
+    45x150, and all it wrote.  As a context manager it ends the app if a test failed while it ran."""
 
-    def __init__(self, args: list[str], env: dict, timeout: float, *, exe: str | None = None, code: str | None = None,
-                 cwd: str | None = None) -> None:
-        cmd, head = (exe, []) if exe else (sys.executable, ["-c", code] if code is not None else ["-m", "ssd_chat"])
-        self.child = pexpect.spawn(cmd, [*head, *args], env=env, dimensions=(45, 150), encoding="utf-8",
-                                   codec_errors="replace", timeout=timeout, cwd=cwd)
+    def __init__(self, args: list[str], env: dict, timeout: float, *, exe: str | None = None,
+                 command: list[str] | None = None, **spawn) -> None:
+        cmd, head = (exe, []) if exe else (sys.executable, ["-m", "ssd_chat"] if command is None else command)
+        spawn = {"dimensions": (45, 150), "encoding": "utf-8", "codec_errors": "replace", **spawn}
+        self.child = pexpect.spawn(cmd, [*head, *args], env=env, timeout=timeout, **spawn)
         self.raw: list[str] = []
 
     def __enter__(self) -> App:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -61,6 +62,24 @@ def ssd_events(words: list[str], k: int = 3, hits: list[bool] | None = None, dt:
     metrics.sd_estimate_s = 0.004 * r
     events.append(Done("eos", "".join(words), tuple(ids), metrics.stats(t + dt)))
     return events
+
+
+def timed_reply(mode: str, ids: list[int], dt: float, k: int = 3, draft: float = 0.0, verify: float = 0.0,
+                rounds: bool = True, end_s: float | None = None) -> list[Event]:
+    """A greedy reply at ``dt`` per token; SD/SSD (with ``rounds``) in rounds of two tokens with the given
+    draft/verify times; it ends at ``end_s`` (default: with its last token)."""
+    m = Metrics(mode)
+    events = []
+    for i, t in enumerate(ids):
+        ev = Token(t, f"w{t} ", "target", (i + 1) * dt)
+        m.add(ev)
+        events.append(ev)
+        if rounds and mode != "ar" and i % 2 == 1:
+            r = Round(i // 2, tuple(range(k)), 1, t, 2, draft, verify, (i + 1) * dt)
+            m.add(r)
+            events.append(r)
+    text = "".join(e.text for e in events if isinstance(e, Token))
+    return events + [Done("length", text, tuple(ids), m.stats(len(ids) * dt if end_s is None else end_s))]
 
 
 class FakeBackend(Backend):
@@ -132,7 +151,6 @@ def replies_text(app: ChatApp) -> list[str]:
     return [m.text for m in app.query(AssistantMessage)]
 
 
-
 def saved(path, all_branches: bool = False) -> list[tuple[str, list[tuple[str, str]]]]:
     """Every saved chat, newest first: (title, [(role, content)]) of its current branch (or of every message)."""
     h = History(path)
@@ -147,6 +165,41 @@ def on_screen(app: ChatApp) -> list[tuple[str, str]]:
             for w in app.chat_view.chat.children if isinstance(w, (UserMessage, AssistantMessage))]
 
 
+def scripted_app(db, *replies: str) -> tuple[ChatApp, FakeBackend]:
+    """An app that saves its chats in ``db``, whose backend answers each prompt with the next of ``replies``."""
+    backend = FakeBackend([ssd_events([r]) for r in replies])
+    return ChatApp(backend, history=History(db)), backend
+
+
+@contextlib.asynccontextmanager
+async def ready(app: ChatApp, timeout: float = 10.0, **run_test):
+    """``app`` under Textual's Pilot (``run_test``'s options), once its chat view is ready; yields the pilot."""
+    async with app.run_test(**run_test) as pilot:
+        await wait_until(pilot, lambda: app.chat_view.ready, timeout)
+        yield pilot
+
+
+@contextlib.asynccontextmanager
+async def after_chat(db, replies: tuple[str, ...], prompts: tuple[str, ...], **run_test):
+    """A :func:`scripted_app` (``replies``) under Pilot once ``prompts`` were answered; yields (app, backend, pilot)."""
+    app, backend = scripted_app(db, *replies)
+    async with ready(app, **run_test) as pilot:
+        await chat(app, pilot, *prompts)
+        yield app, backend, pilot
+
+
+async def submit(pilot, app: ChatApp, prompt: str, timeout: float = 10.0) -> None:
+    """Send ``prompt`` as if typed, and wait until its reply has finished."""
+    await app.chat_view.submit(prompt)
+    await wait_until(pilot, lambda: app.chat_view.current.finished, timeout)
+
+
+async def press_for_reply(pilot, app: ChatApp, key: str, calls: int) -> None:
+    """Press ``key`` and wait until the reply it starts (the backend's ``calls``-th) has finished."""
+    await pilot.press(key)
+    await wait_until(pilot, lambda: len(app.backend.calls) == calls and app.chat_view.current.finished)
+
+
 async def chat(app: ChatApp, pilot, *prompts: str) -> None:
     for p in prompts:
         await app.chat_view.submit(p)
@@ -155,7 +208,6 @@ async def chat(app: ChatApp, pilot, *prompts: str) -> None:
 
 def notices(app: ChatApp) -> list[str]:
     return [n.text for n in app.query("Notice")]
-
 
 
 class Preloaded(EngineBackend):
@@ -169,7 +221,6 @@ class Preloaded(EngineBackend):
 
     def close(self) -> None:  # the session fixture owns the model
         self.engine = None
-
 
 
 class FakeEngine:
