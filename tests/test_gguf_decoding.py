@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = ([1, 2, 3], [5, 17, 40, 2, 9], [7, 7, 8, 60, 33, 12])
 
 
-def loaded(path, vocab: int = 96) -> LoadedModel:
+def gguf_loaded(path, vocab: int = 96) -> LoadedModel:
     """What models.load gives for a GGUF without a tokenizer of its own (float32, as transformers loads it)."""
     return LoadedModel(name=path.stem, spec=ModelSpec(path.stem, "gguf", str(path)), model=load_gguf(path),
                        tokenizer=CharTokenizer(vocab), placement=models.parse_placement("cpu", "float32"), folder=None)
@@ -40,7 +40,7 @@ def natural_gguf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target(natural_gguf) -> LoadedModel:
-    lm = loaded(natural_gguf)
+    lm = gguf_loaded(natural_gguf)
     precision.to_gguf(lm)
     return lm
 
@@ -59,7 +59,7 @@ def gguf_linears(model: nn.Module) -> tuple[int, int]:
 
 @pytest.mark.parametrize(("dtype", "want"), [(None, "gguf Q4_1"), ("float32", "float32")])
 def test_engine_load_computes_a_gguf_target_in_its_own_precision_by_default(natural_gguf, monkeypatch, dtype, want):
-    monkeypatch.setattr(models, "load", lambda name, placement, *a, **k: loaded(natural_gguf))
+    monkeypatch.setattr(models, "load", lambda name, placement, *a, **k: gguf_loaded(natural_gguf))
     cfg = EngineConfig(target=str(natural_gguf), mode="sd", draft="layers:2", target_device="cpu", **({"dtype": dtype} if dtype else {}))
     e = Engine.load(cfg)
     assert precision.of(e.target) == want and precision.of(e.draft) == want
@@ -120,7 +120,7 @@ def test_the_speculator_process_rebuilds_the_same_gguf_draft(target, draft_name)
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> LoadedModel:
     path = write_tiny_gguf(tmp_path_factory.mktemp("gguf8") / "v8.gguf", layers=2, seed=11, file_type=3, vocab=8, natural=True)
-    lm = loaded(path, vocab=8)
+    lm = gguf_loaded(path, vocab=8)
     precision.to_gguf(lm)
     return lm
 

@@ -17,11 +17,6 @@ from helpers.cli import cli
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory, smol_tokenizer):
-    return save_tiny(tmp_path_factory.mktemp("tiny") / "tiny-smol", smol_tokenizer)
-
-
-@pytest.fixture(scope="session")
 def other_tok_dir(tmp_path_factory, smol_tokenizer):
     """A tiny model whose tokenizer swaps two vocabulary entries."""
     folder = save_tiny(tmp_path_factory.mktemp("tiny") / "tiny-other", smol_tokenizer, seed=1)

@@ -40,7 +40,7 @@ def start(tmp_path, cache, prompt: str | None, timeout: float = 420):
              app_env(tmp_path, SSD_CHAT_CACHE_DIR=str(cache), HF_HUB_OFFLINE="1"), timeout) as app:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            app.pump(0.3, 0.3)
+            app.read(0.3)
             m = TITLE.search(app.screen())
             if mode is None and m:
                 mode = m.group(1).lower()
@@ -56,7 +56,7 @@ def start(tmp_path, cache, prompt: str | None, timeout: float = 420):
                 if saved and all(s in ("done", "stopped") for s, _ in saved):
                     break
         time.sleep(1.0)
-        app.pump(1.0, 1.0)
+        app.read(1.0)
         helpers = list({p.pid: p for p in helpers + speculators(app.child.pid)}.values())
         app.quit()
     gone, alive = psutil.wait_procs(helpers, timeout=10)
@@ -102,11 +102,11 @@ class Loaded(App):
         super().__init__(["--db", str(db)], app_env(tmp_path, SSD_CHAT_CACHE_DIR=str(cache), HF_HUB_OFFLINE="1"), timeout)
         deadline, self.mode = time.monotonic() + timeout, None
         while self.mode is None and time.monotonic() < deadline and self.child.isalive():
-            self.pump(0.3, 0.3)
+            self.read(0.3)
             m = TITLE.search(self.screen())
             self.mode = m.group(1).lower() if m else None
         time.sleep(1.0)  # the panel's final frame
-        self.pump(0.3, 0.3)
+        self.read(0.3)
         assert self.mode is not None, self.screen()[-3000:]
 
     def quit(self) -> None:

@@ -29,7 +29,7 @@ def run_app(tmp_path, args: list[str], want_turns: int, prompt: str | None, time
         deadline = time.monotonic() + timeout
         sent = prompt is None
         while time.monotonic() < deadline:
-            app.pump(0.3, 0.3)
+            app.read(0.3)
             if not sent and "SSD · smollm2" in app.screen():  # loaded: the title shows the mode
                 app.send_line(prompt)
                 sent = True
@@ -40,7 +40,7 @@ def run_app(tmp_path, args: list[str], want_turns: int, prompt: str | None, time
             if len(saved) >= want_turns and all(s in ("done", "stopped") for s, _ in saved) or not app.child.isalive():
                 break
         time.sleep(1.0)
-        app.pump(1.0, 1.0)
+        app.read(1.0)
         try:
             app.quit()
         except pexpect.EOF:

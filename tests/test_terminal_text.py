@@ -72,7 +72,7 @@ def test_the_app_shows_a_resumed_chat_without_obeying_its_escapes(tmp_path):
     with App(["--db", str(db), "--resume", "1", "--target", str(tmp_path / "no-model")], _env(tmp_path), 60) as app:
         app.until(lambda: "could not load the model" in "".join(app.raw), 60, poll=0.5)
         time.sleep(0.5)
-        app.pump(0.5, 0.5)
+        app.read(0.5)
         app.quit(30)
         app.raw.append(app.child.before or "")
     out = app.raw

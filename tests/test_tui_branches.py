@@ -48,7 +48,7 @@ def labels(app: ChatApp) -> list[tuple[str, str]]:
 
 @pytest.mark.asyncio
 async def test_regenerate_leaves_two_replies_and_left_right_switch_between_them(tmp_path):
-    async with after_chat(tmp_path / "h.db", ("one", "again", "next"), ("a"), size=(140, 45)) as (app, backend, pilot):
+    async with after_chat(tmp_path / "h.db", ("one", "again", "next"), ("a",), size=(140, 45)) as (app, backend, pilot):
         await press_for_reply(pilot, app, "f5", 2)
         assert labels(app) == [("a", ""), ("again", "‹ 2/2 ›")]
         await focus_back_to(app, pilot, AssistantMessage, "again")

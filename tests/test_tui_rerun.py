@@ -159,7 +159,7 @@ class TestEdit:
 
     @pytest.mark.asyncio
     async def test_an_edit_left_open_ends_with_a_new_chat(self, tmp_path):
-        async with after_chat(tmp_path / "h.db", ("one", "fresh"), ("first"), size=(140, 45)) as (app, backend, pilot):
+        async with after_chat(tmp_path / "h.db", ("one", "fresh"), ("first",), size=(140, 45)) as (app, backend, pilot):
             cmd = next(c for c in app.get_system_commands(app.screen) if c.title == "Edit your last message")
             await cmd.callback()
             assert app.chat_view.editing is not None and app.chat_view.prompt.text == "first"
@@ -277,7 +277,7 @@ class TestDeleteChat:
     async def test_deleting_the_open_chat_goes_on_in_a_new_saved_chat(self, tmp_path):
         """Once the open chat was deleted, its next message had no chat to go to: the failed write put the
         whole history in memory for the rest of the session."""
-        async with after_chat(tmp_path / "h.db", ("one", "two"), ("doomed"), size=(140, 45)) as (app, backend, pilot):
+        async with after_chat(tmp_path / "h.db", ("one", "two"), ("doomed",), size=(140, 45)) as (app, backend, pilot):
             await pilot.press("ctrl+r")
             await wait_until(pilot, lambda: app.screen.query("#chat-list"))
             await pilot.press("d")

@@ -110,12 +110,20 @@ class App:
             if time.monotonic() >= end:
                 return
 
+    def read(self, timeout: float) -> None:
+        """One read of what the app wrote, waiting ``timeout`` seconds at most."""
+        try:
+            self.raw.append(self.child.read_nonblocking(1 << 20, timeout=timeout))
+        except (pexpect.TIMEOUT, pexpect.EOF):
+            pass
+
     def until(self, done: str | Callable[[], object], seconds: float, poll: float = 0.3) -> bool:
-        """Read until ``done`` (text on the screen, or a condition) holds, for ``seconds`` at most."""
+        """Read until ``done`` (text on the screen, or a condition) holds, for ``seconds`` at most; it is
+        checked after every read (each waits ``poll`` seconds at most)."""
         check = (lambda: done in self.text()) if isinstance(done, str) else done
         end = time.monotonic() + seconds
         while not check() and time.monotonic() < end and self.child.isalive():
-            self.pump(poll, poll)
+            self.read(poll)
         return bool(check())
 
     def screen(self, since: int = 0) -> str:
