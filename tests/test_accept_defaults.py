@@ -11,7 +11,7 @@ import copy
 
 import pytest
 
-from conftest import CharTokenizer, as_loaded, tiny_llama
+from helpers.models import CharTokenizer, as_loaded, tiny_llama
 from ssd_chat.engine.decode.sd import SDDecoder
 from ssd_chat.engine.decode.ssd import SSDDecoder
 from ssd_chat.engine.engine import Engine, EngineConfig

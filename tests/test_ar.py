@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from conftest import CharTokenizer, as_loaded, tiny_llama
-from distribution import decoder_distribution_test
+from helpers.models import CharTokenizer, as_loaded, tiny_llama
+from helpers.distribution import decoder_distribution_test
 from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.events import Done, Token

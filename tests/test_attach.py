@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 
-from test_models import cli, tiny_dir  # noqa: F401 - tiny_dir: a fixture (a tiny model, context 512)
+from helpers.cli import cli
 
 from ssd_chat.chat import attach
 from ssd_chat.chat.code_blocks import blocks

@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 from transformers.integrations import sdpa_attention
 
-from conftest import tiny_llama
+from helpers.models import tiny_llama
 from ssd_chat.engine.model import attention
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import CharTokenizer, as_loaded, tiny_llama
+from helpers.models import CharTokenizer, as_loaded, tiny_llama
 from ssd_chat.engine.cpu import quant
 from ssd_chat.engine.engine import Engine, EngineConfig
 from ssd_chat.engine.events import Done, Notice, Token

@@ -13,8 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
-from test_models import tiny_dir  # noqa: F401 - a fixture
+from helpers.models import CharTokenizer, as_loaded, perturbed, tiny_llama
 from ssd_chat.bench import BenchError
 from ssd_chat.bench import render as br_render
 from ssd_chat.bench import report as br

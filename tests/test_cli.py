@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from test_models import cli, tiny_dir  # noqa: F401 - tiny_dir: a fixture
+from helpers.cli import cli
 
 
 

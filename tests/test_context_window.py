@@ -3,21 +3,18 @@ prompt (the system prompt stays) and a notice says how many, in `ask`/the demo's
 
 from __future__ import annotations
 
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import as_loaded, tiny_llama
+from helpers.models import as_loaded, tiny_llama
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.engine.errors import ParamError
 from ssd_chat.engine.events import Done, Notice
 from ssd_chat.chat.session import Session, fit_context, reply_room
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import wait_until  # noqa: E402
+from helpers.tui import ready, submit
 
 WINDOW = 192  # tokens: a few short turns fill it
 PARAMS = SamplingParams(max_new_tokens=6)
@@ -75,17 +72,15 @@ def test_a_single_message_longer_than_the_window_is_still_a_clear_error(small_co
 
 @pytest.mark.asyncio
 async def test_the_app_keeps_chatting_past_the_window(small_context):
-    from test_tui_engine import Preloaded
+    from helpers.tui import Preloaded
 
     from ssd_chat.tui.app import ChatApp
 
     engine = Engine(EngineConfig(mode="ar"), small_context)
     app = ChatApp(Preloaded(engine), settings={"sampling": SamplingParams.given({"max_new_tokens": 6, "temperature": 0.0}), "system": SYSTEM})
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready, timeout=60)
+    async with ready(app, 60, size=(140, 45)) as pilot:
         app.chat_view.messages = [*app.chat_view.messages, *history(8)]  # a long chat so far (as after --resume)
-        await app.chat_view.submit("And after 8?")
-        await wait_until(pilot, lambda: app.chat_view.current.finished, timeout=60)
+        await submit(pilot, app, "And after 8?", 60)
         assert app.chat_view.current.status == "done"
         notices = [n.text for n in app.query(".notice")]
         assert any("this reply does not see the oldest" in n for n in notices), notices

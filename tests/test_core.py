@@ -11,36 +11,9 @@ from ssd_chat.engine.model.core import Core, supports
 from ssd_chat.engine.errors import ModelError
 from ssd_chat.engine.model.cache import MIN_CAPACITY, StaticKV, bucket
 
-from conftest import as_loaded, tiny_llama
+from helpers.models import as_loaded, PROMPT, randomize, tiny_llama, tiny_qwen
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _randomize(model: torch.nn.Module, seed: int = 3) -> torch.nn.Module:
-    """Random norm weights and biases (transformers initialises them to 1 and 0, which would hide a
-    norm or bias the core forgot)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype) if "norm" in name
-                        else 0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return model
-
-
-def tiny_qwen(kind: str, dtype=torch.float64, tied: bool = False) -> torch.nn.Module:
-    """A random Qwen3 (q/k norms, head_dim set apart from hidden/heads) or Qwen2 (qkv biases)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    common = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=tied,
-                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(11)
-    if kind == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=24, **common))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    return _randomize(model.to(dtype).eval())
 
 
 def tiny_tied(dtype=torch.float64) -> torch.nn.Module:
@@ -53,18 +26,15 @@ def tiny_tied(dtype=torch.float64) -> torch.nn.Module:
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(12)
-    return _randomize(LlamaForCausalLM(cfg).to(dtype).eval())
+    return randomize(LlamaForCausalLM(cfg).to(dtype).eval())
 
 
 MODELS = {
-    "llama": lambda: _randomize(tiny_llama(seed=0)),
+    "llama": lambda: randomize(tiny_llama(seed=0)),
     "llama-tied-llama3rope": tiny_tied,
     "qwen3": lambda: tiny_qwen("qwen3"),
     "qwen2": lambda: tiny_qwen("qwen2"),
 }
-PROMPT = [3, 17, 42, 5, 9, 61, 0, 33, 12]
-
-
 def hf_logits(model: torch.nn.Module, seq: list[int]) -> torch.Tensor:
     """transformers' logits for every position of ``seq`` (a fresh cache)."""
     return kv.forward(model, torch.tensor(seq), kv.new_cache(model))
@@ -149,7 +119,7 @@ def test_int8_copy_through_the_core_equals_the_same_module_through_transformers(
 
 
 def test_layers_draft_core_shares_the_targets_weights():
-    target = as_loaded(_randomize(tiny_llama(seed=0, layers=3)), None)
+    target = as_loaded(randomize(tiny_llama(seed=0, layers=3)), None)
     draft = drafts.derive("layers:2", target).model
     tcore, dcore = Core(target.model, "target"), Core(draft, "layers:2")
     assert len(dcore.layers) == 2 and len(dcore.kv.k) == 2
@@ -194,7 +164,7 @@ def test_rollback_to_the_prompt_then_a_different_continuation():
 
 
 def test_a_reply_that_reaches_the_bucket_limit_grows_the_cache():
-    model = _randomize(tiny_llama(seed=0, max_pos=2048))
+    model = randomize(tiny_llama(seed=0, max_pos=2048))
     core = Core(model, "tiny")
     seq = [(7 * i + 3) % 64 for i in range(MIN_CAPACITY - 2)]
     core.append(seq)
@@ -209,7 +179,7 @@ def test_a_reply_that_reaches_the_bucket_limit_grows_the_cache():
 
 
 def test_the_context_limit():
-    model = _randomize(tiny_llama(seed=0, max_pos=300))
+    model = randomize(tiny_llama(seed=0, max_pos=300))
     core = Core(model, "tiny", lookahead=8)
     seq = [(5 * i + 1) % 64 for i in range(300)]
     out = core.append(seq, logits="last").logits  # the whole context: positions 0..299
@@ -298,8 +268,8 @@ def test_cuda_graph_trees_get_thread_local_state_in_any_thread():
     assert seen == [False, True, True]
 
 
-def test_compiled_rows_pad_up(monkeypatch, tmp_path):
-    """The seam returns the graph uncompiled, so padding and routing are tested without inductor."""
+def uncompiled_graphs(monkeypatch, tmp_path) -> list[int]:
+    """The compile seam returns each graph as it is, counting the rows of every call (the list returned)."""
     monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path))
     calls: list[int] = []
 
@@ -310,7 +280,13 @@ def test_compiled_rows_pad_up(monkeypatch, tmp_path):
         return run
 
     monkeypatch.setattr(core_compile, "_compile", fake)
-    model = _randomize(tiny_llama(seed=0))
+    return calls
+
+
+def test_compiled_rows_pad_up(monkeypatch, tmp_path):
+    """The seam returns the graph uncompiled, so padding and routing are tested without inductor."""
+    calls = uncompiled_graphs(monkeypatch, tmp_path)
+    model = randomize(tiny_llama(seed=0))
     core = Core(model, "tiny", compile="on", rows=(1, 4))
     ref = Core(model, "tiny")
     core.append(PROMPT), ref.append(PROMPT)
@@ -323,17 +299,8 @@ def test_compiled_rows_pad_up(monkeypatch, tmp_path):
 def test_a_one_row_draft_step_runs_compiled_and_a_prefill_eagerly(monkeypatch, tmp_path):
     """A draft's step asks for the last row's logits: with one row that is a decode step (the compiled
     graph); several rows with last or none are a prefill (eager)."""
-    monkeypatch.setenv("SSD_CHAT_CACHE_DIR", str(tmp_path))
-    calls: list[int] = []
-
-    def fake(fn, cuda):
-        def run(ks, vs, ids, *rest):
-            calls.append(ids.shape[0])
-            return fn(ks, vs, ids, *rest)
-        return run
-
-    monkeypatch.setattr(core_compile, "_compile", fake)
-    core = Core(_randomize(tiny_llama(seed=0)), "tiny", compile="on", rows=(1, 4))
+    calls = uncompiled_graphs(monkeypatch, tmp_path)
+    core = Core(randomize(tiny_llama(seed=0)), "tiny", compile="on", rows=(1, 4))
     core.append(PROMPT, logits="none")
     core.append([5, 6], logits="last")
     assert calls == []

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
-from distribution import decoder_distribution_test
+from helpers.models import CharTokenizer, as_loaded, tiny_llama
+from helpers.distribution import decoder_distribution_test
 from ssd_chat.engine.drafts import shipped as drafts
 from ssd_chat.engine.model import cache as static_kv
 from ssd_chat.engine.engine import Engine, EngineConfig
@@ -16,12 +16,6 @@ from ssd_chat.engine.events import Done, Error, Notice, Round
 from ssd_chat.engine.params import SamplingParams
 
 PROMPTS = ([1, 2, 3], [5, 17, 40, 2, 9], [7, 7, 8, 60, 33, 12])
-
-
-@pytest.fixture(scope="module")
-def pair():
-    base = tiny_llama(head_scale=3.0)  # varied, non-repeating greedy text
-    return as_loaded(base, CharTokenizer(64), "t"), as_loaded(perturbed(base, 0.1), CharTokenizer(64), "d")
 
 
 def reply(eng: Engine, prompt: list[int], n: int = 32, **kw) -> tuple[tuple[int, ...], list]:
@@ -56,12 +50,6 @@ def test_greedy_on_the_core_equals_the_transformers_path(pair, mode, k, fan_out,
     assert info["forward"] == "core eager" and ref_info["forward"] == "transformers"
     if mode != "ar":  # the SSD speculator's draft: as its process reported it
         assert info["draft_forward"] == "core eager" and ref_info["draft_forward"] == "transformers"
-
-
-@pytest.fixture(scope="module")
-def small_pair():
-    base = tiny_llama(vocab_size=8, seed=3, head_scale=1.5)
-    return as_loaded(base, CharTokenizer(8), "t8"), as_loaded(perturbed(base, 0.3), CharTokenizer(8), "d8")
 
 
 @pytest.mark.parametrize(("cfg", "sampling"), [

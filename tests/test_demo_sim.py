@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -18,8 +16,7 @@ from ssd_chat.engine.events import Done, Round, Token
 from ssd_chat.engine.model import simulate
 from ssd_chat.chat.recorder import Recorder, read
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import ssd_events, wait_until  # noqa: E402
+from helpers.tui import ready, ssd_events
 
 
 @pytest.mark.parametrize("args, says", [
@@ -106,7 +103,7 @@ async def test_the_replay_of_a_simulated_recording_says_so_in_the_panel_and_titl
     from ssd_chat.chat.backend import ReplayBackend
     from ssd_chat.chat.demo import simulated_info
     from ssd_chat.tui.app import ChatApp
-    from test_tui import plain
+    from helpers.tui import plain
 
     info = {"mode": "ssd", "k": 2, "target": "smollm2-135m-gguf", **simulated_info("h100-70b-1b", 40.0)}
     with Recorder(tmp_path / "r.jsonl", info) as rec:
@@ -114,8 +111,7 @@ async def test_the_replay_of_a_simulated_recording_says_so_in_the_panel_and_titl
         for ev in ssd_events(["Yes", "."]):
             rec.event(ev)
     app = ChatApp(ReplayBackend(read(tmp_path / "r.jsonl"), speed=100))
-    async with app.run_test(size=(150, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(150, 45)) as pilot:
         setup = " ".join(plain(app.chat_view.panel.query_one("#setup")).split())
         assert "SIMULATED h100-70b-1b" in setup and "40x slow motion" in setup
         assert "padded to h100-70b-1b (simulated, 40x slow motion)" in setup

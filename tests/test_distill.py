@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import CharTokenizer, as_loaded, random_prompts, tiny_llama
+from helpers.models import as_loaded, CharTokenizer, random_prompts, saved_draft, tiny_llama
 from ssd_chat import train as distill
 from ssd_chat.engine.drafts import folder as draft_folder, model as draft_model, shipped as drafts
 from ssd_chat.engine.model import runner as kv
@@ -135,8 +135,7 @@ def test_save_and_load_round_trip_gives_identical_logits(trained, tmp_path):
     names = set(load_file(str(tmp_path / "d" / draft_folder.WEIGHTS)))
     assert names == set(draft_model.trainable_state(result.draft)) | {"vocab_ids"}
     # the default half-precision save stays close
-    distill.save(result.draft, tmp_path / "h", target.name, target.model)
-    half = drafts.derive(str(tmp_path / "h"), target)
+    half = saved_draft(result, target, tmp_path / "h")
     torch.testing.assert_close(kv.forward(half.model, ids, kv.new_cache(half.model))[:, result.draft.lm_head.ids],
                                want[:, result.draft.lm_head.ids], rtol=0, atol=0.05)
 
@@ -172,8 +171,7 @@ def test_a_broken_draft_folder_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_sd_with_the_trained_draft_equals_ar(trained, tmp_path, k):
     target, result, _, _ = trained
-    distill.save(result.draft, tmp_path / "d", target.name, target.model)
-    draft = drafts.derive(str(tmp_path / "d"), target)
+    draft = saved_draft(result, target, tmp_path / "d")
     params = SamplingParams(max_new_tokens=40)
     for prompt in random_prompts(3, seed=9):
         out = {}

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import CharTokenizer, as_loaded, tiny_llama
+from helpers.models import CharTokenizer, as_loaded, tiny_llama
 from ssd_chat.engine.drafts import shipped as drafts
 from ssd_chat.engine.model import runner as kv
 from ssd_chat.engine.decode.ar import ARDecoder

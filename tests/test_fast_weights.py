@@ -18,15 +18,10 @@ from ssd_chat.engine.model.core import Core
 from ssd_chat.engine.load.models import LoadedModel, ModelSpec, Placement
 from ssd_chat.engine.cpu.quant import GGUFLinear
 
-from conftest import CharTokenizer
-from test_quant import load_gguf, write_tiny_gguf
+from helpers.models import CharTokenizer
+from helpers.gguf import load_gguf, write_tiny_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", layers=3, seed=5)
 
 
 @pytest.fixture

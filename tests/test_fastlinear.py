@@ -261,7 +261,7 @@ def test_a_trained_drafts_reduced_head_is_served_too(path) -> None:
 
 def test_the_int8_draft_of_an_installed_target_is_quantized(path) -> None:
     """torch's quantization swaps exactly-typed nn.Linear modules: the int8 copy puts them back first."""
-    from conftest import CharTokenizer, as_loaded, tiny_llama
+    from helpers.models import CharTokenizer, as_loaded, tiny_llama
     from ssd_chat.engine.drafts import shipped as drafts
 
     model = tiny_llama(dtype=torch.float32)

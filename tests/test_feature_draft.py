@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from conftest import CharTokenizer, as_loaded, random_prompts, tiny_llama
-from distribution import compare, exact_distribution, sample_outcomes
+from helpers.models import as_loaded, CharTokenizer, random_prompts, saved_draft, tiny_llama
+from helpers.distribution import compare, exact_distribution, sample_outcomes
 from ssd_chat import train as distill
 from ssd_chat.engine.drafts import folder as draft_folder, model as draft_model, shipped as drafts
 from ssd_chat.engine.engine import Engine, EngineConfig
@@ -170,8 +170,7 @@ def test_a_feature_draft_refuses_any_other_target(trained, tmp_path):
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_sd_with_a_feature_draft_equals_ar(trained, tmp_path, k):
     target, result, _, _ = trained
-    distill.save(result.draft, tmp_path / "d", target.name, target.model)
-    draft = drafts.derive(str(tmp_path / "d"), target)
+    draft = saved_draft(result, target, tmp_path / "d")
     params = SamplingParams(max_new_tokens=40)
     accepted = 0
     for prompt in [[5], *random_prompts(3, seed=9)]:

@@ -13,7 +13,7 @@ from ssd_chat.engine.load import gguf_map
 from ssd_chat.engine.cpu import quant
 from ssd_chat.engine.model.core import Core
 
-from test_quant import load_gguf, write_tiny_gguf
+from helpers.gguf import load_gguf, write_tiny_gguf
 
 
 @pytest.fixture(autouse=True)

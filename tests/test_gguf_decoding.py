@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import CharTokenizer
-from distribution import decoder_distribution_test
+from helpers.models import CharTokenizer
+from helpers.distribution import decoder_distribution_test
 from ssd_chat.engine.drafts import gguf as gguf_drafts
 from ssd_chat.engine.load import models, precision
 from ssd_chat.engine.decode.ar import ARDecoder
@@ -22,26 +22,26 @@ from ssd_chat.engine.cpu.quant import GGUFLinear
 from ssd_chat.engine.decode.sd import SDDecoder
 from ssd_chat.engine.decode.ssd import SSDDecoder
 
-from test_quant import load_gguf, write_tiny_gguf
+from helpers.gguf import load_gguf, write_tiny_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = ([1, 2, 3], [5, 17, 40, 2, 9], [7, 7, 8, 60, 33, 12])
 
 
-def loaded(path, vocab: int = 96) -> LoadedModel:
+def gguf_loaded(path, vocab: int = 96) -> LoadedModel:
     """What models.load_model gives for a GGUF without a tokenizer of its own (float32, as transformers loads it)."""
     return LoadedModel(name=path.stem, spec=ModelSpec(path.stem, "gguf", str(path)), model=load_gguf(path),
                        tokenizer=CharTokenizer(vocab), placement=models.parse_placement("cpu", "float32"), folder=None)
 
 
 @pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory):
+def natural_gguf(tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", layers=3, seed=7, file_type=3, natural=True)
 
 
 @pytest.fixture(scope="module")
-def target(gguf_path) -> LoadedModel:
-    lm = loaded(gguf_path)
+def target(natural_gguf) -> LoadedModel:
+    lm = gguf_loaded(natural_gguf)
     precision.to_gguf(lm)
     return lm
 
@@ -59,9 +59,9 @@ def gguf_linears(model: nn.Module) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize(("dtype", "want"), [(None, "gguf Q4_1"), ("float32", "float32")])
-def test_engine_load_computes_a_gguf_target_in_its_own_precision_by_default(gguf_path, monkeypatch, dtype, want):
-    monkeypatch.setattr(models, "load_model", lambda name, placement, *a, **k: loaded(gguf_path))
-    cfg = EngineConfig(target=str(gguf_path), mode="sd", draft="layers:2", target_device="cpu", **({"dtype": dtype} if dtype else {}))
+def test_engine_load_computes_a_gguf_target_in_its_own_precision_by_default(natural_gguf, monkeypatch, dtype, want):
+    monkeypatch.setattr(models, "load_model", lambda name, placement, *a, **k: gguf_loaded(natural_gguf))
+    cfg = EngineConfig(target=str(natural_gguf), mode="sd", draft="layers:2", target_device="cpu", **({"dtype": dtype} if dtype else {}))
     e = Engine.load(cfg)
     assert precision.of(e.target) == want and precision.of(e.draft) == want
     if want == "float32":  # the reference path: transformers' float32 modules
@@ -121,7 +121,7 @@ def test_the_speculator_process_rebuilds_the_same_gguf_draft(target, draft_name)
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> LoadedModel:
     path = write_tiny_gguf(tmp_path_factory.mktemp("gguf8") / "v8.gguf", layers=2, seed=11, file_type=3, vocab=8, natural=True)
-    lm = loaded(path, vocab=8)
+    lm = gguf_loaded(path, vocab=8)
     precision.to_gguf(lm)
     return lm
 

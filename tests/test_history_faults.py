@@ -3,30 +3,18 @@ writes carry on in memory, reads fail with one line, the rest of the history sta
 
 from __future__ import annotations
 
-import sqlite3
 import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import FakeBackend, replies_text, ssd_events, wait_until  # noqa: E402
+from helpers.tui import FakeBackend, ready, replies_text, ssd_events, submit, wait_until
 
 from ssd_chat.cli import app as cli_app  # noqa: E402
 from ssd_chat.history.store import History, HistoryError  # noqa: E402
 from ssd_chat.tui.app import ChatApp  # noqa: E402
-
-
-def chat_db(path: Path, n: int = 3, long_reply_in: int | None = None) -> Path:
-    """Chats 1..n; chat ``long_reply_in``'s reply is long enough to live in overflow pages of its own."""
-    h = History(path)
-    for i in range(1, n + 1):
-        cid = h.new_conversation(f"chat {i}")
-        h.add_message(cid, "user", f"question {i}")
-        h.add_message(cid, "assistant", ("Z" if i == long_reply_in else "A") * (20_000 if i == long_reply_in else 20))
-    h.close()  # the last connection checkpoints the WAL into the file
-    return path
+from helpers.history import chat_db, lock, release
 
 
 def damage_reply_pages(path: Path) -> int:
@@ -67,8 +55,7 @@ def test_write_while_another_program_holds_the_lock_goes_on_in_a_memory_copy(tmp
     cid = h.new_conversation("first")
     h.add_message(cid, "user", "first")
     mid = h.add_message(cid, "assistant", "", status="streaming")
-    other = sqlite3.connect(path)
-    other.execute("BEGIN EXCLUSIVE")  # another ssd-chat, or a sqlite3 shell, mid-transaction
+    other = lock(path)  # another ssd-chat, or a sqlite3 shell, mid-transaction
     try:
         h.update_message(mid, "an answer", "done")  # the write that fails: the chat moves to memory
         assert h.warning and "locked" in h.warning and "in memory" in h.warning
@@ -76,8 +63,7 @@ def test_write_while_another_program_holds_the_lock_goes_on_in_a_memory_copy(tmp
         assert [m.content for m in h.messages(cid)] == ["first", "an answer", "second"]
         assert [c.title for c in h.list_conversations()] == ["first"]
     finally:
-        other.rollback()
-        other.close()
+        release(other)
     h.close()  # the lock is gone: what was written meanwhile is saved, in order
     assert [m.content for m in History(path).messages(cid)] == ["first", "an answer", "second"]
 
@@ -178,14 +164,12 @@ def test_every_chats_command_calls_an_unreadable_chat_list_corrupt(tmp_path):
 
 def test_chats_delete_that_the_file_refuses_says_so(tmp_path, monkeypatch):
     db = chat_db(tmp_path / "h.db", n=1)
-    other = sqlite3.connect(db)
-    other.execute("BEGIN EXCLUSIVE")
+    other = lock(db)
     monkeypatch.setattr(History, "__init__", _short_timeout(History.__init__))
     try:
         r = CliRunner().invoke(cli_app, ["chats", "delete", "1", "--db", str(db)])
     finally:
-        other.rollback()
-        other.close()
+        release(other)
     assert r.exit_code == 1 and "locked" in r.stderr and "deleted" not in r.stdout
     assert [c.id for c in History(db).list_conversations()] == [1]
 
@@ -232,20 +216,14 @@ async def test_the_app_goes_on_when_the_database_is_locked_mid_chat(tmp_path):
     path = tmp_path / "h.db"
     app = ChatApp(FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["three"])]),
                   history=History(path, timeout_s=0.1))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
-        await app.chat_view.submit("first")
-        await wait_until(pilot, lambda: app.chat_view.current.finished)
-        other = sqlite3.connect(path)
-        other.execute("BEGIN EXCLUSIVE")
+    async with ready(app, size=(120, 40)) as pilot:
+        await submit(pilot, app, "first")
+        other = lock(path)
         try:
-            await app.chat_view.submit("second")
-            await wait_until(pilot, lambda: app.chat_view.current.finished)
-            await app.chat_view.submit("third")
-            await wait_until(pilot, lambda: app.chat_view.current.finished)
+            await submit(pilot, app, "second")
+            await submit(pilot, app, "third")
         finally:
-            other.rollback()
-            other.close()
+            release(other)
         assert replies_text(app) == ["one", "two", "three"]
         assert any("could not write the chat history" in n.text for n in app.query(".notice"))
         assert [m.content for m in app.history.messages(app.chat_view.conversation_id)] == ["first", "one", "second", "two", "third", "three"]
@@ -258,12 +236,10 @@ async def test_the_app_on_an_unreadable_chat_list_says_so_and_chats_without_savi
     path = damaged_chat_list(chat_db(tmp_path / "h.db"))
     before = path.read_bytes()
     app = ChatApp(FakeBackend([ssd_events(["still here"])]), history=History(path))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(120, 40)) as pilot:
         notices = [n.text for n in app.query(".notice")]
         assert any(str(path) in n and "corrupt" in n and "will not be saved" in n for n in notices), notices
-        await app.chat_view.submit("a new chat")
-        await wait_until(pilot, lambda: app.chat_view.current.finished)
+        await submit(pilot, app, "a new chat")
         assert replies_text(app) == ["still here"]
         assert app.chat_view.messages == [{"role": "user", "content": "a new chat"}, {"role": "assistant", "content": "still here"}]
         await pilot.press("ctrl+c")
@@ -278,8 +254,7 @@ async def test_the_app_resumes_a_chat_the_database_will_not_save_to(tmp_path):
     app = ChatApp(FakeBackend([ssd_events(["more"])]), history=h, resume=1)
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_until(pilot, lambda: app.chat_view.ready and app.chat_view.messages)
-        await app.chat_view.submit("go on")
-        await wait_until(pilot, lambda: app.chat_view.current.finished)
+        await submit(pilot, app, "go on")
         assert replies_text(app)[-1] == "more"
         assert app.chat_view.messages[-2:] == [{"role": "user", "content": "go on"}, {"role": "assistant", "content": "more"}]
         await pilot.press("ctrl+c")
@@ -290,13 +265,11 @@ async def test_the_app_resumes_a_chat_the_database_will_not_save_to(tmp_path):
 async def test_the_app_resuming_a_damaged_chat_says_so_and_goes_on(tmp_path):
     h = History(damaged_db(tmp_path))
     app = ChatApp(FakeBackend([ssd_events(["fine"])]), history=h, resume=2)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(120, 40)) as pilot:
         notices = [n.text for n in app.query(".notice")]
         assert any(n.startswith("cannot resume: could not read chat 2") for n in notices), notices
         assert app.chat_view.conversation_id is None and app.chat_view.messages == []
-        await app.chat_view.submit("a new chat")
-        await wait_until(pilot, lambda: app.chat_view.current.finished)
+        await submit(pilot, app, "a new chat")
         assert app.history.warning is None  # the undamaged part of the file still takes the new chat
         await pilot.press("ctrl+r")
         await wait_until(pilot, lambda: app.screen.query("#chat-list"))
@@ -311,50 +284,38 @@ async def test_the_app_resuming_a_damaged_chat_says_so_and_goes_on(tmp_path):
 def test_a_database_locked_mid_session_in_a_real_terminal(tmp_path):
     """The real app (a recorded session replayed, no model) while another program takes the
     database's write lock after the first reply: the session plays to the end, one warning, exit 0."""
-    import os
     import time
 
-    pexpect = pytest.importorskip("pexpect")
-    from test_recorder import replay_saving_chats, shipped
+    pytest.importorskip("pexpect")
+    from helpers.history import replay_saving_chats, shipped
+    from helpers.pty import App, app_env
 
     from ssd_chat.chat.recorder import read
 
     source = next(p for p in shipped() if len(read(p).turns) >= 3)
     turns = len(read(source).turns)
     db = tmp_path / "h.db"
-    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"),
-               SSD_CHAT_DATA_DIR=str(tmp_path / "data"), HF_HUB_OFFLINE="1")
-    child = pexpect.spawn(sys.executable, replay_saving_chats(db, source, 20.0),
-                          env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=120)
-    screen: list[str] = []
     other = None
-    deadline = time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline:
-            try:
-                screen.append(child.read_nonblocking(65536, timeout=0.3))
-            except pexpect.TIMEOUT:
-                pass
-            except pexpect.EOF:  # the app is gone (it crashed)
-                break
-            text = "".join(screen)
-            if other is None and text.count("last reply") >= 1:  # the first reply is saved: now lock the file
-                other = sqlite3.connect(db)
-                other.execute("BEGIN EXCLUSIVE")
-            if text.count("last reply") >= turns and text.rfind("last reply") > text.rfind("streaming…"):
-                break
-        if child.isalive():
-            time.sleep(0.5)
-            child.send("\x03")
-            child.expect(pexpect.EOF, timeout=30)
-            screen.append(child.before or "")
-    finally:
-        child.close(force=True)
-        if other is not None:
-            other.rollback()
-            other.close()
-    text = "".join(screen)
+    with App([], app_env(tmp_path, SSD_CHAT_DATA_DIR=str(tmp_path / "data"), HF_HUB_OFFLINE="1"), 120,
+             command=replay_saving_chats(db, source, 20.0)) as app:
+        try:
+            def played() -> bool:
+                nonlocal other
+                text = "".join(app.raw)
+                if other is None and text.count("last reply") >= 1:  # the first reply is saved: now lock the file
+                    other = lock(db)
+                return text.count("last reply") >= turns and text.rfind("last reply") > text.rfind("streaming…")
+
+            app.until(played, 120)  # (or the app is gone: it crashed)
+            if app.child.isalive():
+                time.sleep(0.5)
+                app.quit(30)
+                app.raw.append(app.child.before or "")
+        finally:
+            if other is not None:
+                release(other)
+    text = "".join(app.raw)
     assert other is not None and "could not write the chat history" in text, text[-3000:]
     assert "Traceback" not in text and "IntegrityError" not in text
     assert text.count("last reply") >= turns and text.rfind("last reply") > text.rfind("streaming…")
-    assert child.exitstatus == 0, text[-3000:]
+    assert app.child.exitstatus == 0, text[-3000:]

@@ -4,7 +4,6 @@ file read-only, so a read-only folder or a full disk does not stop them."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import sqlite3
 import subprocess
@@ -14,28 +13,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_history_faults import chat_db  # noqa: E402
-from test_tui import FakeBackend, replies_text, ssd_events, wait_until  # noqa: E402
+from helpers import TESTS
+from helpers.history import chat_db, lock, release
+from helpers.tui import FakeBackend, ready, replies_text, ssd_events, submit, wait_until
 
 from ssd_chat.cli import app as cli_app  # noqa: E402
 from ssd_chat.history.store import History  # noqa: E402
 from ssd_chat.history.files import Pending  # noqa: E402
 from ssd_chat.tui.app import ChatApp  # noqa: E402
-
-
-def lock(path: Path, readers_too: bool = False) -> sqlite3.Connection:
-    """Another program's write lock (``readers_too``: exclusive locking mode, which even keeps readers out)."""
-    other = sqlite3.connect(path)
-    if readers_too:
-        other.execute("PRAGMA locking_mode = EXCLUSIVE")
-    other.execute("BEGIN EXCLUSIVE")
-    return other
-
-
-def release(other: sqlite3.Connection) -> None:
-    other.rollback()
-    other.close()
 
 
 def saved(path: Path, cid: int) -> list[str]:
@@ -114,14 +99,11 @@ async def test_the_app_says_once_when_saving_resumes_and_saves_the_whole_chat(tm
     path = tmp_path / "h.db"
     app = ChatApp(FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["three"])]),
                   history=History(path, timeout_s=0.1))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
-        await app.chat_view.submit("first")
-        await wait_until(pilot, lambda: app.chat_view.current.finished)
+    async with ready(app, size=(120, 40)) as pilot:
+        await submit(pilot, app, "first")
         other = lock(path)
         try:
-            await app.chat_view.submit("second")
-            await wait_until(pilot, lambda: app.chat_view.current.finished)
+            await submit(pilot, app, "second")
         finally:
             release(other)
 
@@ -129,8 +111,7 @@ async def test_the_app_says_once_when_saving_resumes_and_saves_the_whole_chat(tm
             return [n.text for n in app.query(".notice") if word in n.text]
 
         await wait_until(pilot, lambda: notices("saving the chat history"))  # when idle, too
-        await app.chat_view.submit("third")
-        await wait_until(pilot, lambda: app.chat_view.current.finished)
+        await submit(pilot, app, "third")
         assert replies_text(app) == ["one", "two", "three"]
         assert len(notices("could not write the chat history")) == 1
         assert len(notices("saving the chat history")) == 1
@@ -145,11 +126,9 @@ async def test_the_warning_about_a_locked_database_at_the_start_shows_once(tmp_p
     other = lock(path, readers_too=True)
     try:
         app = ChatApp(FakeBackend([ssd_events(["one"]), ssd_events(["two"])]), history=History(path, timeout_s=0.1))
-        async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        async with ready(app, size=(120, 40)) as pilot:
             for prompt in ("first", "second"):
-                await app.chat_view.submit(prompt)
-                await wait_until(pilot, lambda: app.chat_view.current.finished)
+                await submit(pilot, app, prompt)
             warnings = [n.text for n in app.query(".notice") if "could not open the chat history" in n.text]
             assert len(warnings) == 1, warnings
             await pilot.press("ctrl+c")
@@ -205,7 +184,7 @@ def test_the_apps_own_write_sequence_across_a_lock_loses_no_turn(tmp_path):
 
 
 def _replayable() -> list[Path]:
-    from test_recorder import shipped
+    from helpers.history import shipped
 
     from ssd_chat.chat.recorder import read
 
@@ -220,48 +199,39 @@ def test_locked_then_free_again_in_a_real_terminal(tmp_path, source):
     its labels, so how often one shows says nothing about how many replies finished."""
     import time
 
-    pexpect = pytest.importorskip("pexpect")
-    from test_recorder import replay_saving_chats
+    pytest.importorskip("pexpect")
+    from helpers.history import replay_saving_chats
+    from helpers.pty import App, app_env
 
     from ssd_chat.chat.recorder import read
 
     turns = len(read(source).turns)
     db = tmp_path / "h.db"
-    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"),
-               SSD_CHAT_DATA_DIR=str(tmp_path / "data"), HF_HUB_OFFLINE="1")
-    child = pexpect.spawn(sys.executable, replay_saving_chats(db, source, 20.0),
-                          env=env, dimensions=(60, 150), encoding="utf-8", codec_errors="replace", timeout=120)
-    screen: list[str] = []
     other, released = None, False
-    deadline = time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline:
-            try:
-                screen.append(child.read_nonblocking(65536, timeout=0.3))
-            except pexpect.TIMEOUT:
-                pass
-            except pexpect.EOF:
-                break
-            text = "".join(screen)
-            if other is None and text.count("last reply") >= 1:
-                other = lock(db)
-            if other is not None and not released and "could not write the chat history" in text:
+    with App([], app_env(tmp_path, SSD_CHAT_DATA_DIR=str(tmp_path / "data"), HF_HUB_OFFLINE="1"), 120,
+             command=replay_saving_chats(db, source, 20.0), dimensions=(60, 150)) as app:
+        try:
+            def saved_again() -> bool:
+                nonlocal other, released
+                text = "".join(app.raw)
+                if other is None and text.count("last reply") >= 1:
+                    other = lock(db)
+                if other is not None and not released and "could not write the chat history" in text:
+                    release(other)
+                    released = True
+                return released and "saving the chat history" in text and finished_in_file(db) >= turns
+
+            app.until(saved_again, 120)
+            if app.child.isalive():
+                time.sleep(0.5)
+                app.quit(30)
+                app.raw.append(app.child.before or "")
+        finally:
+            if other is not None and not released:
                 release(other)
-                released = True
-            if released and "saving the chat history" in text and finished_in_file(db) >= turns:
-                break
-        if child.isalive():
-            time.sleep(0.5)
-            child.send("\x03")
-            child.expect(pexpect.EOF, timeout=30)
-            screen.append(child.before or "")
-    finally:
-        child.close(force=True)
-        if other is not None and not released:
-            release(other)
-    text = "".join(screen)
+    text = "".join(app.raw)
     assert released and "saving the chat history" in text, text[-3000:]
-    assert "Traceback" not in text and child.exitstatus == 0, text[-3000:]
+    assert "Traceback" not in text and app.child.exitstatus == 0, text[-3000:]
     h = History(db)
     [conv] = h.list_conversations()
     msgs = h.messages(conv.id)
@@ -329,8 +299,8 @@ def test_reading_commands_on_a_real_read_only_folder_and_full_disk(tmp_path, fau
         chat_db(d / "h.db", n=2)
         setup = f"mount --bind -o ro {d} {d}; ! touch {d}/probe 2>/dev/null"
     else:
-        make = f"{sys.executable} -c 'import sys; sys.path.insert(0, \"{Path(__file__).parent}\"); " \
-               f"from test_history_faults import chat_db; from pathlib import Path; chat_db(Path(\"{d}/h.db\"), n=2)'"
+        make = f"PYTHONPATH={TESTS} {sys.executable} -c '" \
+               f"from helpers.history import chat_db; from pathlib import Path; chat_db(Path(\"{d}/h.db\"), n=2)'"
         setup = f"mount -t tmpfs -o size=1m tmpfs {d}; {make}; dd if=/dev/zero of={d}/fill bs=4k 2>/dev/null || true"
     r = _in_own_mounts(f"{setup}; {cli} list --db {d}/h.db; {cli} show 2 --db {d}/h.db")
     assert r.returncode == 0, r.stdout + r.stderr

@@ -4,16 +4,13 @@ other mode, estimated otherwise; the reason auto chose the mode is shown next to
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 
 from ssd_chat.engine.events import Done
 from ssd_chat.tui.widgets.figures import Baseline, baseline_from_reply, panel_values
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import WORDS, FakeBackend, plain, ssd_events, wait_until  # noqa: E402
+from helpers.tui import FakeBackend, plain, ready, ssd_events, wait_until, WORDS
 
 
 def ar_events(words: list[str], dt: float) -> list:
@@ -37,8 +34,7 @@ async def test_an_ar_reply_in_the_chat_makes_the_next_ssd_reply_measured():
     ar = ar_events(WORDS, dt=0.002)  # SSD 2x faster: under its bound (mean accepted length)
     backend = FakeBackend([ssd, ar, ssd_events(WORDS)])
     app = ChatApp(backend)
-    async with app.run_test(size=(150, 50)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(150, 50)) as pilot:
         await app.chat_view.submit("first")  # SSD, nothing measured yet: no AR figure (no 1-row step to cost AR with), and the panel says so
         await wait_until(pilot, lambda: app.chat_view.current.finished)
         assert app.chat_view.panel.values["vs_ar"] == "—" and app.chat_view.panel.values["basis"] == "AR: not measured · SD: estimate"
@@ -84,8 +80,7 @@ async def test_the_panel_says_why_auto_chose_the_mode():
     backend = FakeBackend([])
     backend.info_.update(mode="ar", mode_reason="AR: this process has 1 CPU core; a second core would enable SSD")
     app = ChatApp(backend)
-    async with app.run_test(size=(150, 50)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(150, 50)) as pilot:
         await pilot.pause()
         setup = plain(app.chat_view.panel.query_one("#setup"))
         assert "why" in setup and "a second core would enable SSD" in " ".join(setup.split())
@@ -143,8 +138,7 @@ async def test_the_figures_lay_out_the_screen_only_when_their_height_changes(mon
     from ssd_chat.tui.app import ChatApp
 
     app = ChatApp(FakeBackend([ssd_events(WORDS)]))
-    async with app.run_test(size=(150, 50)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(150, 50)) as pilot:
         await pilot.pause()  # the panel's first drawing, once the screen has its layout
         fig = app.chat_view.panel.query_one("#figures", Static)
         seen: list[bool] = []

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
+from helpers.models import CharTokenizer, as_loaded, perturbed, tiny_llama
 from ssd_chat.engine.sampling import host
 from ssd_chat.engine.decode.sd import SDDecoder
 from ssd_chat.engine.decode.ssd import SSDDecoder
@@ -32,7 +32,7 @@ SAMPLINGS = [{"temperature": 0.0}, {"temperature": 1.0, "seed": 3},
 
 
 @pytest.fixture(scope="module")
-def pair():
+def sharp_pair():
     target = tiny_llama(vocab_size=64)
     return as_loaded(target, CharTokenizer(64), "t"), as_loaded(perturbed(target, 0.2), CharTokenizer(64), "d")
 
@@ -82,23 +82,23 @@ def split(c: Counter) -> tuple[Counter, int]:
 
 
 @pytest.mark.parametrize("params", SAMPLINGS, ids=["greedy", "sampled", "penalized"])
-def test_an_sd_round_reads_the_device_once(pair, raw, params):
+def test_an_sd_round_reads_the_device_once(sharp_pair, raw, params):
     """The draft loop keeps its tokens on the device, the acceptance test runs there, and the round
     reads the drafts, the accepted length and the bonus in one go.  On the CPU the top-k sampler also
     reads its tie check (a CPU tensor: no sync); nothing else is read."""
-    dec = SDDecoder(Engine(EngineConfig(mode="sd", k=4), *pair))
+    dec = SDDecoder(Engine(EngineConfig(mode="sd", k=4), *sharp_pair))
     for helper, total in per_round(dec.stream(PROMPT, SamplingParams(max_new_tokens=40, **params)), raw):
         device, on_cpu = split(helper)
         assert device == Counter(round=1) and total == 1 + on_cpu, (helper, total)
         assert on_cpu == 0 or set(helper) == {"round", "cpu: tie check"}
 
 
-def test_an_sd_round_on_the_dense_sampler_reads_once_in_all(pair, raw, monkeypatch):
+def test_an_sd_round_on_the_dense_sampler_reads_once_in_all(sharp_pair, raw, monkeypatch):
     """Off the CPU the sampler takes the dense path (no tie check): the round's one read is all."""
     from ssd_chat.engine.sampling import sampling
 
     monkeypatch.setattr(sampling, "top_support", lambda *a, **kw: None)
-    dec = SDDecoder(Engine(EngineConfig(mode="sd", k=4), *pair))
+    dec = SDDecoder(Engine(EngineConfig(mode="sd", k=4), *sharp_pair))
     for helper, total in per_round(dec.stream(PROMPT, SamplingParams(max_new_tokens=40, **SAMPLINGS[2])), raw):
         assert helper == Counter(round=1) and total == 1, (helper, total)
 
@@ -108,9 +108,9 @@ def test_on_host_refuses_a_tensor_off_the_cpu():
         host.on_host(torch.zeros(1, device="meta"), "x")
 
 
-def test_an_ssd_round_reads_the_device_once(pair, raw):
+def test_an_ssd_round_reads_the_device_once(sharp_pair, raw):
     """The verifier's side: one read per round (the speculator runs in its own process)."""
-    dec = SSDDecoder(Engine(EngineConfig(mode="ssd", k=3, fan_out="uniform:2"), *pair))
+    dec = SSDDecoder(Engine(EngineConfig(mode="ssd", k=3, fan_out="uniform:2"), *sharp_pair))
     try:
         for helper, total in per_round(dec.stream(PROMPT, SamplingParams(max_new_tokens=30, temperature=1.0, seed=2)), raw):
             assert helper == Counter(round=1) and total == 1, (helper, total)
@@ -119,11 +119,11 @@ def test_an_ssd_round_reads_the_device_once(pair, raw):
 
 
 @pytest.mark.parametrize("params", SAMPLINGS, ids=["greedy", "sampled", "penalized"])
-def test_the_speculator_reads_once_per_request_and_once_per_tree(pair, raw, params):
+def test_the_speculator_reads_once_per_request_and_once_per_tree(sharp_pair, raw, params):
     """Serving a request reads at most once (a miss: the neural fallback's k tokens; a hit: nothing,
     the tree was read when it was built), and building the tree reads once (every branch's candidate
     and its k tokens), the glue, the candidates and the k depths staying on the device."""
-    _, draft = pair
+    _, draft = sharp_pair
     k = 4
     sp = Speculator(draft.forwards, k, parse("uniform:2", k), "neural", vocab=64)
     sp.begin(Begin(tuple(PROMPT), SamplingParams(**params)))
@@ -148,13 +148,13 @@ def test_the_speculator_reads_once_per_request_and_once_per_tree(pair, raw, para
     assert seen["hit"] >= 2 and seen["miss"] >= 2, seen
 
 
-def test_the_tree_candidates_are_read_only_when_a_request_arrives_mid_tree(pair, raw):
+def test_the_tree_candidates_are_read_only_when_a_request_arrives_mid_tree(sharp_pair, raw):
     """The worker's abort check asks for the outcomes the tree answers only when a request is waiting;
     that is one read, and the tree's own read after it still makes one."""
     from ssd_chat.engine.speculate.channel import Spec
     from ssd_chat.engine.speculate.process import stops_tree
 
-    _, draft = pair
+    _, draft = sharp_pair
     k = 3
     sp = Speculator(draft.forwards, k, parse("uniform:2", k), "neural", vocab=64)
     sp.begin(Begin(tuple(PROMPT), SamplingParams(seed=0)))

@@ -18,7 +18,7 @@ from ssd_chat.engine.cpu import quant
 from ssd_chat.engine.model.core import Core, attend_rows
 from ssd_chat.engine.cpu.quant import GGUFLinear
 
-from test_quant import blocks, gguf_weight, load_gguf, write_tiny_gguf
+from helpers.gguf import blocks, gguf_weight, load_gguf, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512", "AMX")),
                                 reason="torch's int4 CPU GEMM needs AVX2")

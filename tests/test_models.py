@@ -10,21 +10,10 @@ import sys
 import pytest
 import torch
 
-from conftest import tiny_llama
+from helpers.models import save_tiny
 from ssd_chat.engine.load import models
 from ssd_chat.engine.errors import DeviceError, ModelError, TokenizerMismatchError
-
-
-def save_tiny(folder, tokenizer, seed=0):
-    model = tiny_llama(vocab_size=len(tokenizer.get_vocab()), seed=seed, dtype=torch.float32)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory, smol_tokenizer):
-    return save_tiny(tmp_path_factory.mktemp("tiny") / "tiny-smol", smol_tokenizer)
+from helpers.cli import cli
 
 
 @pytest.fixture(scope="session")
@@ -91,11 +80,6 @@ def _hub_cache(root, repo_id, src):
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text("0" * 40)
     return root
-
-
-def cli(*args, env=None, input=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "ssd_chat", *args], capture_output=True, text=True,
-                          env=env, input=input, timeout=timeout)
 
 
 def test_hub_id_from_local_cache_offline(tmp_path, tiny_dir, monkeypatch):

@@ -248,7 +248,7 @@ def _pull_via(hub_url: str, env_extra: dict, *names: str):
 
 
 def test_pull_downloads_from_a_local_hub_and_list_then_shows_it(tmp_path):
-    from tests.hub_server import Hub
+    from helpers.hub import Hub
 
     files = {"config.json": b"{\"a\": 1}", "tokenizer.json": b"{}", "model.safetensors": b"w" * 300_000, "original/x.pth": b"p" * 10}
     env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "SSD_CHAT_CACHE_DIR": str(tmp_path / "ssd"), "HF_TOKEN": "hf_test"}
@@ -269,7 +269,7 @@ def test_pull_downloads_from_a_local_hub_and_list_then_shows_it(tmp_path):
 
 
 def test_pull_of_a_gated_repo_from_a_local_hub_names_the_licence_page(tmp_path):
-    from tests.hub_server import Hub
+    from helpers.hub import Hub
 
     env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_TOKEN": "hf_test"}
     with Hub({"meta-llama/Llama-3.2-1B-Instruct": {"config.json": b"{}"}}, gated={"meta-llama/Llama-3.2-1B-Instruct"}) as hub:
@@ -286,7 +286,7 @@ def test_ctrl_c_stops_a_pull_at_once_with_one_line_and_the_next_pull_fetches_onl
     import sys
     import time
 
-    from tests.hub_server import Hub
+    from helpers.hub import Hub
 
     big = b"w" * 20_000_000
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_TOKEN": "hf_test", "HF_HUB_DISABLE_XET": "1"}

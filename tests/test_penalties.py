@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
-from distribution import compare, decoder_distribution_test, exact_distribution, sample_outcomes
+from helpers.models import CharTokenizer, as_loaded, perturbed, tiny_llama
+from helpers.distribution import compare, decoder_distribution_test, exact_distribution, sample_outcomes
 from ssd_chat.engine.sampling import penalties as penalties_mod
 from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.engine import Engine, EngineConfig
@@ -61,12 +61,6 @@ def test_out_of_range_penalties_are_param_errors(bad):
 
 
 # -- greedy: AR as transformers, SD and SSD as AR ---------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def pair():
-    base = tiny_llama(head_scale=3.0)
-    return as_loaded(base, CharTokenizer(64), "t"), as_loaded(perturbed(base, 0.1), CharTokenizer(64), "d")
 
 
 def ids(stream, prompt, **kw):
@@ -143,7 +137,7 @@ def test_speculator_tree_branches_are_penalized_for_their_own_prefix(pair):
 
 
 @pytest.fixture(scope="module")
-def small_pair():
+def sharp_small_pair():
     """Vocabulary 8, a sharp head (large logits: the penalties move much mass), a draft that agrees part of the time."""
     base = tiny_llama(vocab_size=8, seed=3, head_scale=3.0)
     return as_loaded(base, CharTokenizer(8), "t8"), as_loaded(perturbed(base, 0.3), CharTokenizer(8), "d8")
@@ -158,8 +152,8 @@ def repeats(outcome):
 STRONG = dict(temperature=1.0, repetition_penalty=2.0, frequency_penalty=2.0, presence_penalty=1.0)
 
 
-def test_ar_samples_the_penalized_distribution(small_pair):
-    target, _ = small_pair
+def test_ar_samples_the_penalized_distribution(sharp_small_pair):
+    target, _ = sharp_small_pair
     params = SamplingParams(**STRONG)
     res = decoder_distribution_test(ARDecoder(target).stream, target, SPROMPT, params, n=3, num_samples=1000)
     assert res.p_value > P_MIN, res
@@ -177,15 +171,15 @@ def _ssd(target, draft, **cfg):
 
 @pytest.mark.parametrize("sampling", [STRONG, dict(temperature=0.8, top_k=5, repetition_penalty=0.7, frequency_penalty=-0.5)],
                          ids=["strong", "encouraging-topk5"])
-def test_sd_samples_the_penalized_distribution(small_pair, sampling):
-    res = decoder_distribution_test(_sd(*small_pair).stream, small_pair[0], SPROMPT, SamplingParams(**sampling), n=3, num_samples=1200)
+def test_sd_samples_the_penalized_distribution(sharp_small_pair, sampling):
+    res = decoder_distribution_test(_sd(*sharp_small_pair).stream, sharp_small_pair[0], SPROMPT, SamplingParams(**sampling), n=3, num_samples=1200)
     assert res.p_value > P_MIN, res
 
 
 @pytest.mark.parametrize("cfg", [dict(k=2, fan_out="uniform:2", saguaro_c=1.0), dict(k=2, fan_out="2,1,1", saguaro_c=0.5, fallback="fast")],
                          ids=["C1", "C0.5-fast"])
-def test_ssd_samples_the_penalized_distribution(small_pair, cfg):
-    dec = _ssd(*small_pair, **cfg)
+def test_ssd_samples_the_penalized_distribution(sharp_small_pair, cfg):
+    dec = _ssd(*sharp_small_pair, **cfg)
     try:
         hits = []
 
@@ -197,7 +191,7 @@ def test_ssd_samples_the_penalized_distribution(small_pair, cfg):
 
         params = SamplingParams(**STRONG)
         counts = sample_outcomes(stream, SPROMPT, params, 3, 1000)
-        exact = exact_distribution(small_pair[0], SPROMPT, 3, params)
+        exact = exact_distribution(sharp_small_pair[0], SPROMPT, 3, params)
         for key in (None, repeats):  # the full test, and the statistic the planted bug below is caught by
             res = compare(counts, exact, key=key)
             assert res.p_value > P_MIN, res
@@ -239,22 +233,22 @@ def _chain_off_by_one(pen, logits, chain):
 
 @pytest.mark.parametrize("bug,chain_bug", [(_same_prefix, _chain_same_prefix), (_off_by_one, _chain_off_by_one)],
                          ids=["same-prefix", "off-by-one"])
-def test_sd_distribution_test_catches_rows_penalized_for_the_wrong_prefix(small_pair, monkeypatch, bug, chain_bug):
+def test_sd_distribution_test_catches_rows_penalized_for_the_wrong_prefix(sharp_small_pair, monkeypatch, bug, chain_bug):
     from ssd_chat.engine.decode import sd as sd_mod
 
     monkeypatch.setattr(Penalties, "rows", bug)
     monkeypatch.setattr(sd_mod, "chain_rows", chain_bug)  # SD's verify penalizes its rows on the device
-    res = decoder_distribution_test(_sd(*small_pair).stream, small_pair[0], SPROMPT, SamplingParams(**STRONG), n=3, num_samples=1200)
+    res = decoder_distribution_test(_sd(*sharp_small_pair).stream, sharp_small_pair[0], SPROMPT, SamplingParams(**STRONG), n=3, num_samples=1200)
     assert res.p_value < P_MIN, res
 
 
-def test_ssd_distribution_test_catches_rows_penalized_for_the_wrong_prefix(small_pair, monkeypatch):
+def test_ssd_distribution_test_catches_rows_penalized_for_the_wrong_prefix(sharp_small_pair, monkeypatch):
     """SSD's first token comes from the prefill, so only the third of three tokens can come from a
     verification row past the first: the test reads the statistic that row decides (are neighbours
     equal?), whose exact distribution follows from the full one.  The bug is the verifier's (this
     process); the speculator may or may not share it, which only changes acceptance."""
     monkeypatch.setattr(penalties_mod.Penalties, "rows", _same_prefix)
-    target, draft = small_pair
+    target, draft = sharp_small_pair
     dec = _ssd(target, draft, k=2, fan_out="uniform:2", saguaro_c=1.0)
     try:
         params = SamplingParams(**STRONG)

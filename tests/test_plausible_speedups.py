@@ -10,9 +10,10 @@ import json
 import pytest
 
 from ssd_chat.chat import compare as cmp
-from ssd_chat.engine.events import Done, Round, Stats, Token
-from ssd_chat.engine.metrics import Metrics, over_ar_bound, ssd_over_sd_bound
+from ssd_chat.engine.events import Stats
+from ssd_chat.engine.metrics import over_ar_bound, ssd_over_sd_bound
 from ssd_chat.tui.widgets.figures import Baseline, baseline_from_reply, baselines_from_bench, panel_values, speedup_vs
+from helpers.tui import timed_reply
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -109,22 +110,6 @@ def test_bench_baselines_take_the_bench_bound(tmp_path):
     report["protocols"]["equal"]["bound"] = {"ssd_over_sd_max": 1.1}
     p.write_text(json.dumps(report))
     assert {b.mode: b.ssd_bound for b in baselines_from_bench(p)}["sd"] == pytest.approx(1.1)
-
-
-# -- compare: interleaved repeats, spread, bound -----------------------------------------------
-def timed_reply(mode: str, ids: list[int], dt: float, k: int = 3, draft: float = 0.0, verify: float = 0.0) -> list:
-    """A greedy reply at ``dt`` per token; SD/SSD in rounds of two tokens with the given draft/verify times."""
-    m = Metrics(mode)
-    events = []
-    for i, t in enumerate(ids):
-        ev = Token(t, f"w{t} ", "target", (i + 1) * dt)
-        m.add(ev)
-        events.append(ev)
-        if mode != "ar" and i % 2 == 1:
-            r = Round(i // 2, tuple(range(k)), 1, t, 2, draft, verify, (i + 1) * dt)
-            m.add(r)
-            events.append(r)
-    return events + [Done("length", "".join(e.text for e in events if isinstance(e, Token)), tuple(ids), m.stats(len(ids) * dt))]
 
 
 def scripted(dts: dict[str, list[float]], ids: list[int]):

@@ -14,16 +14,11 @@ from ssd_chat.engine.load.models import LoadedModel, ModelSpec, Placement
 from ssd_chat.engine.cpu.quant import GGUFLinear
 from ssd_chat.train.folder import save
 
-from conftest import CharTokenizer
-from test_quant import load_gguf, write_tiny_gguf
+from helpers.models import CharTokenizer
+from helpers.gguf import load_gguf, write_tiny_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 IDS = [1, 5, 9, 2, 77, 31, 4, 60]
-
-
-@pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", layers=3, seed=5, file_type=3)
 
 
 @pytest.fixture

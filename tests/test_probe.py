@@ -11,7 +11,6 @@ import os
 from dataclasses import replace
 
 import pytest
-from serving import tiny_chat_dir  # noqa: F401
 
 from ssd_chat.engine import MODES, Engine, EngineConfig, engine as engine_mod
 from ssd_chat.engine.load import models

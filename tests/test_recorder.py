@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -15,20 +13,9 @@ from ssd_chat.cli import app as cli_app
 from ssd_chat.engine.events import Done, Round, Token
 from ssd_chat.chat.recorder import Recorder, RecordingError, read, replay
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import AssistantMessage, UserMessage, plain, ssd_events, wait_until  # noqa: E402
-
-WORDS = ["Speculative", " decoding", " drafts", " tokens", " and", " verifies", " them", "."]
-
-
-def make_recording(path: Path, turns: list[tuple[str, list]]) -> None:
-    with Recorder(path, {"mode": "ssd", "target": "t", "draft": "d", "k": 3}) as rec:
-        for prompt, events in turns:
-            rec.turn(prompt, None, {"mode": "ssd", "k": 3})
-            for ev in events:
-                rec.event(ev)
-        rec.vocab({900: "x", 950: "zz"})
-
+from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
+from helpers.tui import plain, ready, ssd_events, wait_until
+from helpers.history import make_recording, shipped, WORDS
 
 def test_round_trip_gives_the_same_events(tmp_path):
     e1, e2 = ssd_events(WORDS, hits=[True, False]), ssd_events(["Yes", "."])
@@ -116,26 +103,6 @@ async def test_replay_in_the_app_types_prompts_and_shows_recorded_rounds(tmp_pat
         assert "zz" in str(app.chat_view.cache.predicted_cell(miss))
 
 
-def shipped() -> list[Path]:
-    import ssd_chat.assets
-
-    return sorted((Path(ssd_chat.assets.__file__).parent / "recordings").glob("*.jsonl"))
-
-
-# The real app on a recorded session that keeps its chat in the history file ``argv[1]`` (``demo --replay``
-# keeps none): what the history fault tests drive in a real terminal, with no model to load.
-REPLAY_SAVING_CHATS = """import sys
-from ssd_chat.chat.backend import ReplayBackend
-from ssd_chat.chat.recorder import read
-from ssd_chat.cli.chat import launch
-sys.exit(launch({"db": sys.argv[1]}, backend=ReplayBackend(read(sys.argv[2]), float(sys.argv[3])), type_delay_s=0.0))
-"""
-
-
-def replay_saving_chats(db: Path, source: Path, speed: float) -> list[str]:
-    return ["-c", REPLAY_SAVING_CHATS, str(db), str(source), str(speed)]
-
-
 def test_shipped_recordings_are_real_ssd_runs_with_hits_and_misses():
     assert shipped(), "no recorded session in assets/recordings"
     ssd_files = 0
@@ -175,13 +142,12 @@ async def test_shipped_recording_plays_in_the_app():
 @pytest.mark.asyncio
 async def test_app_record_writes_what_a_replay_plays_back(tmp_path):
     from ssd_chat.tui.app import ChatApp
-    from test_tui import FakeBackend
+    from helpers.tui import FakeBackend
 
     events = ssd_events(WORDS, hits=[True, False])
     rec = Recorder(tmp_path / "s.jsonl", {"mode": "ssd", "target": "fake-target"})
     app = ChatApp(FakeBackend([events]), recorder=rec)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(120, 40)) as pilot:
         await app.chat_view.submit("record me")
         await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
         await pilot.press("ctrl+c")

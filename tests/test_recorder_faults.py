@@ -4,10 +4,8 @@ notice while the chat goes on; a damaged recording is refused up front, naming i
 from __future__ import annotations
 
 import json
-import os
 import resource
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -17,9 +15,8 @@ from typer.testing import CliRunner
 from ssd_chat.cli import app as cli_app
 from ssd_chat.chat.recorder import Recorder, RecordingError, read
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_recorder import WORDS, make_recording, shipped  # noqa: E402
-from test_tui import FakeBackend, replies_text, ssd_events, wait_until  # noqa: E402
+from helpers.history import WORDS, make_recording, shipped
+from helpers.tui import FakeBackend, ready, replies_text, ssd_events, submit
 
 needs_dev_full = pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
 
@@ -42,16 +39,12 @@ async def test_a_recording_that_fails_mid_session_stops_with_one_notice(tmp_path
     rec = Recorder(tmp_path / "s.jsonl", {"mode": "ssd"})
     replies = [ssd_events(["one"]), ssd_events(WORDS), ssd_events(["three"])]
     app = ChatApp(FakeBackend(replies, delay=0.002), recorder=rec)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
-        await app.chat_view.submit("first")
-        await wait_until(pilot, lambda: app.chat_view.current.finished)
+    async with ready(app, size=(120, 40)) as pilot:
+        await submit(pilot, app, "first")
         rec._f.close()
         rec._f = open("/dev/full", "w")  # noqa: SIM115 - the disk is full from now on
-        await app.chat_view.submit("second")
-        await wait_until(pilot, lambda: app.chat_view.current.finished)
-        await app.chat_view.submit("third")
-        await wait_until(pilot, lambda: app.chat_view.current.finished)
+        await submit(pilot, app, "second")
+        await submit(pilot, app, "third")
         assert replies_text(app) == ["one", "".join(WORDS), "three"]
         stopped = [n.text for n in app.query(".notice") if "recording stopped" in n.text]
         assert stopped == [f"warning: recording stopped: cannot write {tmp_path / 's.jsonl'} (No space left on device); "
@@ -64,7 +57,9 @@ async def test_a_recording_that_fails_mid_session_stops_with_one_notice(tmp_path
 def test_a_disk_that_fills_mid_session_in_a_real_terminal(tmp_path):
     """The real app replaying a shipped session while recording it, with the process's file size
     limit (RLIMIT_FSIZE) as the full disk: the replay plays to the end, the recording stops once."""
-    pexpect = pytest.importorskip("pexpect")
+    pytest.importorskip("pexpect")
+    from helpers.pty import App, app_env
+
     source = next(p for p in shipped() if len(read(p).turns) >= 2)
     out_file = tmp_path / "copy.jsonl"
     limit = 3000  # the header and part of the first turn fit
@@ -73,36 +68,23 @@ def test_a_disk_that_fills_mid_session_in_a_real_terminal(tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"),
-               SSD_CHAT_DATA_DIR=str(tmp_path / "data"), HF_HUB_OFFLINE="1")
-    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", "--db", str(tmp_path / "h.db"), "demo", "--replay", str(source),
-                                           "--speed", "50", "--type-delay", "0", "--record", str(out_file)],
-                          env=env, dimensions=(45, 150), encoding="utf-8", codec_errors="replace", timeout=120,
-                          preexec_fn=small_disk)
-    screen: list[str] = []
     turns = len(read(source).turns)
-    deadline = time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline:
-            try:
-                screen.append(child.read_nonblocking(65536, timeout=0.5))
-            except pexpect.TIMEOUT:
-                pass
-            so_far = "".join(screen)
-            # every reply has ended: the panel went from "streaming…" to "last reply" once per turn
-            if so_far.count("last reply") >= turns and so_far.rfind("last reply") > so_far.rfind("streaming…"):
-                break
+    with App(["--db", str(tmp_path / "h.db"), "demo", "--replay", str(source), "--speed", "50", "--type-delay", "0",
+              "--record", str(out_file)], app_env(tmp_path, SSD_CHAT_DATA_DIR=str(tmp_path / "data"), HF_HUB_OFFLINE="1"),
+             120, preexec_fn=small_disk) as app:
+        def every_reply_ended() -> bool:  # the panel went from "streaming…" to "last reply" once per turn
+            so_far = "".join(app.raw)
+            return so_far.count("last reply") >= turns and so_far.rfind("last reply") > so_far.rfind("streaming…")
+
+        app.until(every_reply_ended, 120, poll=0.5)
         time.sleep(1.0)
-        child.send("\x03")
-        child.expect(pexpect.EOF, timeout=30)
-        screen.append(child.before or "")
-    finally:
-        child.close(force=True)
-    text = "".join(screen)
+        app.quit(30)
+        app.raw.append(app.child.before or "")
+    text = "".join(app.raw)
     assert "recording stopped" in text and "File too large" in text, text[-3000:]
     assert "Traceback" not in text
     assert text.rfind("last reply") > text.rfind("streaming…")  # no reply was left frozen mid-stream
-    assert child.exitstatus == 0, text[-3000:]
+    assert app.child.exitstatus == 0, text[-3000:]
     assert out_file.stat().st_size <= limit
 
 

@@ -9,8 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import tiny_llama
-from serving import tiny_chat_dir  # noqa: F401
+from helpers.models import tiny_llama
 from ssd_chat.chat import settings as config
 from ssd_chat.cli import app
 from ssd_chat.engine.load import gen_defaults
@@ -99,7 +98,7 @@ def plain_chat_dir(tmp_path_factory, smol_tokenizer):
 
 
 def _ask_json(*args):
-    from test_models import cli
+    from helpers.cli import cli
 
     r = cli("ask", "--json", "--no-server", "--mode", "ar", "-n", "8", *args, "hi")
     assert r.returncode == 0, r.stderr
@@ -120,7 +119,7 @@ def test_ask_json_reports_the_sampling_it_used(plain_chat_dir, tiny_chat_dir):  
 async def test_the_panel_shows_the_sampling_and_the_reply_uses_it():
     """The panel's sampling line: the backend's model defaults under the settings the user set; a reply is
     sent with exactly those; /temp 0 changes both."""
-    from test_tui import FakeBackend, plain, ssd_events, wait_until
+    from helpers.tui import FakeBackend, plain, ready, ssd_events, wait_until
     from ssd_chat.tui.app import ChatApp
 
     class ModelDefaults(FakeBackend):
@@ -133,8 +132,7 @@ async def test_the_panel_shows_the_sampling_and_the_reply_uses_it():
 
     backend = ModelDefaults([ssd_events(["a"]), ssd_events(["b"])])
     app = ChatApp(backend, settings={"sampling": SamplingParams.given({"frequency_penalty": 0.3})})
-    async with app.run_test(size=(140, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 40)) as pilot:
         assert "sampling T 0.8 top-p 0.9 top-k 40 rep 1.1 freq 0.3" in plain(app.chat_view.panel.query_one("#setup"))
         await app.chat_view.submit("hi")
         await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)

@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
-from distribution import compare, exact_distribution, sample_outcomes
+from helpers.models import CharTokenizer, as_loaded, perturbed, tiny_llama
+from helpers.distribution import compare, exact_distribution, sample_outcomes
 from ssd_chat.engine.drafts import shipped as drafts
 from ssd_chat.engine.model import runner as kv
 from ssd_chat.engine.decode import sd
@@ -49,7 +49,7 @@ def untied_llama(vocab_size: int = 64, seed: int = 0, head_seed: int = 100, **kw
 
 
 @pytest.fixture(scope="module")
-def pair():
+def untied_pair():
     """(target, draft) with mixed acceptance (~45 % greedy)."""
     target = untied_llama()
     return as_loaded(target, CharTokenizer(64), "t"), as_loaded(perturbed(target, 0.2), CharTokenizer(64), "d")
@@ -73,8 +73,8 @@ def done(events) -> Done:
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6])
-def test_greedy_sd_equals_ar_mixed_acceptance(pair, k):
-    target, draft = pair
+def test_greedy_sd_equals_ar_mixed_acceptance(untied_pair, k):
+    target, draft = untied_pair
     ar = done(run(ARDecoder(target).stream, max_new_tokens=40))
     events = run(sd_engine(target, draft, k).stream, max_new_tokens=40)
     res = done(events)
@@ -92,9 +92,9 @@ def test_greedy_sd_equals_ar_conftest_models(tiny_target, tiny_draft, k):
     assert res.token_ids == ar.token_ids
 
 
-def test_greedy_sd_equals_ar_with_a_wider_draft_head(pair):
+def test_greedy_sd_equals_ar_with_a_wider_draft_head(untied_pair):
     """A same-tokenizer draft whose head has extra (padding) rows: its logits are cut to the target's."""
-    target, _ = pair
+    target, _ = untied_pair
     wide = untied_llama(vocab_size=80, seed=0)  # different model, 16 extra logits
     ar = done(run(ARDecoder(target).stream, max_new_tokens=16))
     res = done(run(sd_engine(target, as_loaded(wide, CharTokenizer(80)), 3).stream, max_new_tokens=16))
@@ -111,8 +111,8 @@ def test_fit_vocab_pads_with_impossible_tokens_and_cuts():
 # -- events, metrics, KV discipline ----------------------------------------------------
 
 
-def test_round_and_token_events_add_up(pair):
-    target, draft = pair
+def test_round_and_token_events_add_up(untied_pair):
+    target, draft = untied_pair
     events = run(sd_engine(target, draft, 4).stream, max_new_tokens=30)
     res, rounds, tokens = done(events), [e for e in events if isinstance(e, Round)], [e for e in events if isinstance(e, Token)]
     assert [r.index for r in rounds] == list(range(len(rounds)))
@@ -168,8 +168,8 @@ class _Counting(torch.nn.Module):
         return self.inner.get_output_embeddings()
 
 
-def test_no_accepted_token_is_recomputed(pair):
-    target, draft = pair
+def test_no_accepted_token_is_recomputed(untied_pair):
+    target, draft = untied_pair
     t = as_loaded(_Counting(target.model), target.tokenizer, "t")
     d = as_loaded(_Counting(draft.model), draft.tokenizer, "d")
     events = run(sd_engine(t, d, 4).stream, max_new_tokens=30)
@@ -190,10 +190,10 @@ def test_no_accepted_token_is_recomputed(pair):
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
-def test_draft_sees_exactly_the_true_prefix(pair, k):
+def test_draft_sees_exactly_the_true_prefix(untied_pair, k):
     """The draft cache never holds stale or missing tokens: the logits behind every proposal equal
     what the draft computes from scratch (no cache) for the accepted prefix plus the drafts so far."""
-    target, draft = pair
+    target, draft = untied_pair
     d = as_loaded(_Counting(draft.model), draft.tokenizer, "d")
     events = run(sd_engine(target, d, k).stream, max_new_tokens=30)
     rounds = [e for e in events if isinstance(e, Round)]
@@ -211,8 +211,8 @@ def test_draft_sees_exactly_the_true_prefix(pair, k):
     assert any(r.accepted == len(r.drafted) for r in rounds) and any(r.accepted < len(r.drafted) for r in rounds)
 
 
-def test_engine_picks_sd_and_needs_a_draft(pair):
-    target, draft = pair
+def test_engine_picks_sd_and_needs_a_draft(untied_pair):
+    target, draft = untied_pair
     eng = sd_engine(target, draft, 2)
     assert isinstance(eng.decoder(), sd.SDDecoder) and eng.decoder().k == 2
     with pytest.raises(ParamError, match="draft"):
@@ -223,8 +223,8 @@ def test_engine_picks_sd_and_needs_a_draft(pair):
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 3, 5])
-def test_k_larger_than_the_remaining_budget(pair, max_new):
-    target, draft = pair
+def test_k_larger_than_the_remaining_budget(untied_pair, max_new):
+    target, draft = untied_pair
     ar = done(run(ARDecoder(target).stream, max_new_tokens=max_new))
     events = run(sd_engine(target, draft, 6).stream, max_new_tokens=max_new)
     res = done(events)
@@ -235,8 +235,8 @@ def test_k_larger_than_the_remaining_budget(pair, max_new):
         emitted += r.emitted
 
 
-def test_copy_draft_proposes_eos_which_ends_the_reply(pair):
-    target, _ = pair
+def test_copy_draft_proposes_eos_which_ends_the_reply(untied_pair):
+    target, _ = untied_pair
     ar_free = done(run(ARDecoder(target).stream, max_new_tokens=20))
     eos = ar_free.token_ids[9]
     first = ar_free.token_ids.index(eos)  # the reply ends at EOS's first occurrence
@@ -254,11 +254,11 @@ def test_copy_draft_proposes_eos_which_ends_the_reply(pair):
     assert sum(r.emitted for r in events if isinstance(r, Round)) == len(res.token_ids)
 
 
-def test_eos_with_a_mixed_draft_matches_ar(pair):
-    target, draft = pair
+def test_eos_with_a_mixed_draft_matches_ar(untied_pair):
+    target, draft = untied_pair
     ar_free = done(run(ARDecoder(target).stream, max_new_tokens=30))
     eos = ar_free.token_ids[17]
-    tgt, dft = (as_loaded(m.model, m.tokenizer, m.name, eos_ids={eos}) for m in pair)
+    tgt, dft = (as_loaded(m.model, m.tokenizer, m.name, eos_ids={eos}) for m in untied_pair)
     ar = done(run(ARDecoder(tgt).stream, max_new_tokens=30))
     res = done(run(sd_engine(tgt, dft, 5).stream, max_new_tokens=30))
     assert res.reason == "eos" and res.token_ids == ar.token_ids
@@ -266,8 +266,8 @@ def test_eos_with_a_mixed_draft_matches_ar(pair):
 
 
 @pytest.mark.parametrize("span", [(1, 3), (4, 6), (9, 10)])
-def test_stop_string_inside_and_across_blocks(pair, span):
-    target, _ = pair
+def test_stop_string_inside_and_across_blocks(untied_pair, span):
+    target, _ = untied_pair
     full = done(run(ARDecoder(target).stream, max_new_tokens=30))
     stop = full.text[span[0] : span[1]]
     ar = done(run(ARDecoder(target).stream, max_new_tokens=30, stop=(stop,)))
@@ -295,27 +295,27 @@ def test_prompt_at_the_context_limit():
         assert len(res.token_ids) == 32 - n_prompt and res.token_ids == ar.token_ids
 
 
-def test_a_draft_with_a_shorter_context_is_named_in_the_error(pair):
-    target, _ = pair
+def test_a_draft_with_a_shorter_context_is_named_in_the_error(untied_pair):
+    target, _ = untied_pair
     short = untied_llama(max_pos=16)
     eng = sd_engine(target, as_loaded(short, CharTokenizer(64), "short-draft"), 4)
     with pytest.raises(ParamError, match="short-draft"):
         list(eng.stream(list(range(20)), SamplingParams(max_new_tokens=8)))
 
 
-def test_empty_prompt_is_a_clear_error(pair):
+def test_empty_prompt_is_a_clear_error(untied_pair):
     with pytest.raises(ParamError, match="empty"):
-        list(sd_engine(*pair).stream([], SamplingParams()))
+        list(sd_engine(*untied_pair).stream([], SamplingParams()))
 
 
-def test_single_token_prompt(pair):
-    target, draft = pair
+def test_single_token_prompt(untied_pair):
+    target, draft = untied_pair
     ar = done(run(ARDecoder(target).stream, prompt=[9], max_new_tokens=12))
     assert done(run(sd_engine(target, draft, 3).stream, prompt=[9], max_new_tokens=12)).token_ids == ar.token_ids
 
 
-def test_cancellation_mid_reply_keeps_a_consistent_partial_reply(pair):
-    target, draft = pair
+def test_cancellation_mid_reply_keeps_a_consistent_partial_reply(untied_pair):
+    target, draft = untied_pair
     full = done(run(ARDecoder(target).stream, max_new_tokens=40))
     flag = threading.Event()
     events = []
@@ -334,15 +334,15 @@ def test_cancellation_mid_reply_keeps_a_consistent_partial_reply(pair):
     assert sum(r.emitted for r in events if isinstance(r, Round)) == len(res.token_ids)
 
 
-def test_stop_flag_set_before_start_emits_nothing(pair):
+def test_stop_flag_set_before_start_emits_nothing(untied_pair):
     flag = threading.Event()
     flag.set()
-    events = list(sd_engine(*pair).stream(list(PROMPT), SamplingParams(), flag))
+    events = list(sd_engine(*untied_pair).stream(list(PROMPT), SamplingParams(), flag))
     assert len(events) == 1 and events[0].reason == "cancelled" and events[0].token_ids == ()
 
 
-def test_a_failure_mid_reply_is_an_error_event_with_the_partial_reply(pair, monkeypatch):
-    target, draft = pair
+def test_a_failure_mid_reply_is_an_error_event_with_the_partial_reply(untied_pair, monkeypatch):
+    target, draft = untied_pair
     full = done(run(ARDecoder(target).stream, max_new_tokens=30))
     calls = {"n": 0}
 
@@ -369,7 +369,7 @@ V_SMALL, N_FIRST, NUM_SAMPLES = 8, 3, 1200
 
 
 @pytest.fixture(scope="module")
-def small_pair():
+def unrelated_small_pair():
     """Vocabulary 8, draft an unrelated model (so the residual carries much of the mass)."""
     tok = CharTokenizer(V_SMALL)
     target = as_loaded(tiny_llama(vocab_size=V_SMALL, seed=0, hidden=32), tok, "t8")
@@ -388,8 +388,8 @@ def _distribution(target, draft, params, k=4, seed0=0):
     [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.8, top_k=3)],
     ids=["t1", "top_p0.9", "top_k3"],
 )
-def test_sd_samples_the_exact_target_distribution(small_pair, params):
-    result = _distribution(*small_pair, params)
+def test_sd_samples_the_exact_target_distribution(unrelated_small_pair, params):
+    result = _distribution(*unrelated_small_pair, params)
     assert result.p_value > P_VALUE_MIN, result
 
 
@@ -404,13 +404,13 @@ def _bonus_from_p(draft_ids, q, p, gen):
     return n, sample(p[n], gen)
 
 
-def test_the_distribution_test_catches_a_wrong_residual(small_pair, monkeypatch):
+def test_the_distribution_test_catches_a_wrong_residual(unrelated_small_pair, monkeypatch):
     monkeypatch.setattr(sd.outcome, "sampled", _bonus_from_p)
-    result = _distribution(*small_pair, SamplingParams(temperature=1.0))
+    result = _distribution(*unrelated_small_pair, SamplingParams(temperature=1.0))
     assert result.p_value < P_VALUE_MIN, result
 
 
-def test_the_distribution_test_catches_drafts_sampled_without_top_k(small_pair, monkeypatch):
+def test_the_distribution_test_catches_drafts_sampled_without_top_k(unrelated_small_pair, monkeypatch):
     """Drafts drawn from the untransformed q while verify is told the top-k q: not exact."""
     from ssd_chat.engine.drafts import drafter
     from ssd_chat.engine.sampling.sampling import sample
@@ -422,7 +422,7 @@ def test_the_distribution_test_catches_drafts_sampled_without_top_k(small_pair, 
         return sample(torch.full_like(q, 1.0 / q.shape[-1]), gen), q
 
     monkeypatch.setattr(drafter, "draw_draft", uniform_draws)
-    result = _distribution(*small_pair, SamplingParams(temperature=0.8, top_k=3))
+    result = _distribution(*unrelated_small_pair, SamplingParams(temperature=0.8, top_k=3))
     assert result.p_value < P_VALUE_MIN, result
 
 

@@ -13,12 +13,12 @@ import threading
 
 import pytest
 
-from serving import get, open_stream, post, read_data_events, running, tiny_chat_dir, wait_until  # noqa: F401
+from helpers.server import get, open_stream, post, read_data_events, running, wait_until
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.engine.load import models
 from ssd_chat.server.app import create_app
 from ssd_chat.server.client import servers_dir, write_state
-from test_models import cli
+from helpers.cli import cli
 
 psutil = pytest.importorskip("psutil")
 MSG = [{"role": "user", "content": "What is the capital of France?"}]

@@ -9,28 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from serving import get, open_stream, post, read_data_events, running, tiny_chat_dir, wait_until  # noqa: F401
+from helpers.server import client, engine, get, MSG, open_stream, post, read_data_events, running, wait_until
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.engine.events import Done
 from ssd_chat.server.app import create_app
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-MSG = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_chat_dir):
-    e = Engine.load(EngineConfig(target=str(tiny_chat_dir), mode="sd", draft="layers:1"))
-    return e.target, e.draft
-
-
-def engine(loaded, mode="sd", with_draft=True) -> Engine:
-    target, draft = loaded
-    return Engine(EngineConfig(target=target.name, mode=mode, draft="layers:1" if with_draft else None), target,
-                  draft if with_draft else None)
-
 
 def ar_reference(loaded, messages, n: int) -> list[int]:
     """Greedy AR token ids: what every mode must reproduce exactly."""
@@ -45,10 +30,6 @@ def sd_server(loaded):
     app = create_app(engine(loaded), SamplingParams(max_new_tokens=64))
     with running(app) as url:
         yield url, app.state.worker
-
-
-def client(url: str, **kw):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, timeout=300, **kw)
 
 
 def test_openai_client_streams_and_answers_whole(sd_server, loaded):
@@ -81,7 +62,7 @@ def test_openai_client_streams_and_answers_whole(sd_server, loaded):
 
 
 def test_greedy_over_the_api_equals_ar_and_ask_json(sd_server, loaded, tiny_chat_dir):
-    from test_models import cli
+    from helpers.cli import cli
 
     url, _ = sd_server
     expected = ar_reference(loaded, MSG, 16)

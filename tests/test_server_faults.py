@@ -11,10 +11,9 @@ import threading
 
 import pytest
 
-from serving import get, post, running, tiny_chat_dir, wait_until  # noqa: F401
+from helpers.server import engine, get, MSG, post, running, wait_until
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.server.app import create_app
-from test_server import MSG, engine, loaded  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 psutil = pytest.importorskip("psutil")

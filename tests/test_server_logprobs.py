@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving import post, running, tiny_chat_dir  # noqa: F401
+from helpers.server import post, running
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.server.app import create_app
 
@@ -16,12 +16,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 MSG = [{"role": "user", "content": "What is the capital of France?"}]
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_chat_dir):
-    e = Engine.load(EngineConfig(target=str(tiny_chat_dir), mode="sd", draft="layers:1"))
-    return e.target, e.draft
 
 
 @pytest.fixture(scope="module")

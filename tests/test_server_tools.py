@@ -8,11 +8,10 @@ import json
 
 import pytest
 
-from serving import post, running, tiny_chat_dir  # noqa: F401
+from helpers.server import client, engine, MSG, post, running
 from ssd_chat.server import tools as server_tools
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.server.app import create_app
-from test_server import MSG, client, engine, loaded  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
-from distribution import decoder_distribution_test
+from helpers.models import CharTokenizer, as_loaded, tiny_llama
+from helpers.distribution import decoder_distribution_test
 from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.speculate.channel import Begin, Channel
 from ssd_chat.engine.engine import Engine, EngineConfig
@@ -20,25 +20,7 @@ from ssd_chat.engine.params import SamplingParams
 from ssd_chat.engine.model.forward import Forwards
 from ssd_chat.engine.speculate.speculator import Speculator
 from ssd_chat.engine.decode.ssd import SSDDecoder
-
-PROMPTS = ([1, 2, 3], [5, 17, 40, 2, 9], [7, 7, 8, 60, 33, 12])
-
-
-@pytest.fixture(scope="module")
-def pair():
-    base = tiny_llama(head_scale=3.0)  # untied, sharpened head: varied, non-repeating greedy text
-    return as_loaded(base, CharTokenizer(64), "t"), as_loaded(perturbed(base, 0.1), CharTokenizer(64), "d")
-
-
-def ssd(target, draft, **cfg) -> SSDDecoder:
-    return SSDDecoder(Engine(EngineConfig(mode="ssd", **cfg), target, draft))
-
-
-def run(decoder, prompt, **kw):
-    evs = list(decoder.stream(prompt, SamplingParams(**kw)))
-    assert isinstance(evs[-1], Done), evs[-1]
-    return evs, evs[-1]
-
+from helpers.decoding import PROMPTS, run, ssd
 
 def ar_ids(target, prompt, **kw):
     return run(ARDecoder(target), prompt, **kw)[1].token_ids
@@ -233,12 +215,6 @@ def test_tree_branches_equal_sequential_drafting(pair, temperature, compile):
 
 
 # --- temperature > 0: the output distribution is exactly the target's ------------------------------
-
-
-@pytest.fixture(scope="module")
-def small_pair():
-    base = tiny_llama(vocab_size=8, seed=3, head_scale=1.5)
-    return as_loaded(base, CharTokenizer(8), "t8"), as_loaded(perturbed(base, 0.3), CharTokenizer(8), "d8")
 
 
 DIST_CASES = [

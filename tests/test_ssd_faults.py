@@ -12,11 +12,12 @@ import time
 import psutil
 import pytest
 
-from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
+from helpers import env_with_helpers
+from helpers.models import CharTokenizer, as_loaded, perturbed, tiny_llama
 from ssd_chat.engine.decode.ar import ARDecoder
 from ssd_chat.engine.events import Done, Notice, Round
 from ssd_chat.engine.params import SamplingParams
-from test_ssd import PROMPTS, run, ssd
+from helpers.decoding import PROMPTS, run, ssd
 
 
 
@@ -26,7 +27,7 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 @pytest.fixture(scope="module")
-def pair():
+def seed2_pair():
     base = tiny_llama(seed=2, head_scale=3.0)
     return as_loaded(base, CharTokenizer(64), "t"), as_loaded(perturbed(base, 0.1), CharTokenizer(64), "d")
 
@@ -44,8 +45,8 @@ def gone(pid: int, within_s: float = 10.0) -> bool:
     return False
 
 
-def check_exact_with_notice(pair, evs, done, prompt, n, notice_re):
-    target, _ = pair
+def check_exact_with_notice(seed2_pair, evs, done, prompt, n, notice_re):
+    target, _ = seed2_pair
     ref = run(ARDecoder(target), prompt, max_new_tokens=n)[1]
     assert done.reason == "length" and done.token_ids == ref.token_ids and done.text == ref.text
     notices = [e for e in evs if isinstance(e, Notice)]
@@ -53,17 +54,23 @@ def check_exact_with_notice(pair, evs, done, prompt, n, notice_re):
     assert notice_re in notices[0].message and "as SD" in notices[0].message, notices[0].message
 
 
-def test_killed_mid_reply(pair):
-    dec = ssd(*pair, k=3, fan_out="uniform:2")
+def killed_at_round(dec, index: int, prompt: list[int], max_new_tokens: int) -> tuple[list, int]:
+    """A reply whose speculator process is killed (SIGKILL) at round ``index``: (its events, that pid)."""
+    dec.ping()
+    pid = dec.worker_pid
+    evs = []
+    for ev in dec.stream(prompt, SamplingParams(max_new_tokens=max_new_tokens)):
+        evs.append(ev)
+        if isinstance(ev, Round) and ev.index == index:
+            os.kill(pid, signal.SIGKILL)
+    return evs, pid
+
+
+def test_killed_mid_reply(seed2_pair):
+    dec = ssd(*seed2_pair, k=3, fan_out="uniform:2")
     try:
-        dec.ping()
-        pid = dec.worker_pid
-        evs = []
-        for ev in dec.stream(PROMPTS[1], SamplingParams(max_new_tokens=60)):
-            evs.append(ev)
-            if isinstance(ev, Round) and ev.index == 2:
-                os.kill(pid, signal.SIGKILL)
-        check_exact_with_notice(pair, evs, evs[-1], PROMPTS[1], 60, "")
+        evs, pid = killed_at_round(dec, 2, PROMPTS[1], 60)
+        check_exact_with_notice(seed2_pair, evs, evs[-1], PROMPTS[1], 60, "")
         assert gone(pid)
         # the reply says what produced it: SSD for the rounds before the kill, SD after
         stats, notice = evs[-1].stats, next(e for e in evs if isinstance(e, Notice))
@@ -87,8 +94,8 @@ def test_killed_mid_reply(pair):
     ("exit:2", 30.0, "exited unexpectedly"),
     ("sleep:3:60", 1.0, "did not answer within 1 s"),
 ])
-def test_speculator_fault(pair, fault, timeout, message):
-    target, draft = pair
+def test_speculator_fault(seed2_pair, fault, timeout, message):
+    target, draft = seed2_pair
     from ssd_chat.engine.engine import Engine, EngineConfig
     from ssd_chat.engine.decode.ssd import SSDDecoder
 
@@ -103,26 +110,20 @@ def test_speculator_fault(pair, fault, timeout, message):
         t0 = time.perf_counter()
         evs, done = run(dec, PROMPTS[2], max_new_tokens=40)
         elapsed = time.perf_counter() - t0
-        check_exact_with_notice(pair, evs, done, PROMPTS[2], 40, message)
+        check_exact_with_notice(seed2_pair, evs, done, PROMPTS[2], 40, message)
         assert gone(pid)  # a hung speculator is terminated, not left behind
         assert elapsed < 50  # the 60 s sleep was not waited out
     finally:
         dec.close()
 
 
-def test_no_draft_in_process_continues_as_ar(pair, monkeypatch):
-    dec = ssd(*pair, k=2)
+def test_no_draft_in_process_continues_as_ar(seed2_pair, monkeypatch):
+    dec = ssd(*seed2_pair, k=2)
     monkeypatch.setattr(type(dec), "_has_local_draft", lambda self: False)
     try:
-        dec.ping()
-        pid = dec.worker_pid
-        evs = []
-        for ev in dec.stream(PROMPTS[0], SamplingParams(max_new_tokens=40)):
-            evs.append(ev)
-            if isinstance(ev, Round) and ev.index == 1:
-                os.kill(pid, signal.SIGKILL)
+        evs, pid = killed_at_round(dec, 1, PROMPTS[0], 40)
         done = evs[-1]
-        assert isinstance(done, Done) and done.token_ids == run(ARDecoder(pair[0]), PROMPTS[0], max_new_tokens=40)[1].token_ids
+        assert isinstance(done, Done) and done.token_ids == run(ARDecoder(seed2_pair[0]), PROMPTS[0], max_new_tokens=40)[1].token_ids
         assert any(isinstance(e, Notice) and "as AR" in e.message for e in evs)
         assert done.stats.ran_as == "ar" and done.stats.label.startswith("SSD → AR after round ")
         # close() ends the (restarted) worker
@@ -137,9 +138,8 @@ def test_no_draft_in_process_continues_as_ar(pair, monkeypatch):
 
 APP = textwrap.dedent("""
     import os, sys, time
-    sys.path.insert(0, {tests!r})
-    from conftest import CharTokenizer, as_loaded, tiny_llama
-    from test_ssd import ssd
+    from helpers.models import CharTokenizer, as_loaded, tiny_llama
+    from helpers.decoding import ssd
     from ssd_chat.engine.params import SamplingParams
 
     if __name__ == "__main__":
@@ -160,8 +160,8 @@ APP = textwrap.dedent("""
 
 @pytest.mark.parametrize("how", ["normal", "exception", "sigint", "sigkill"])
 def test_no_worker_outlives_the_app(how, repo_root):
-    code = APP.format(tests=str(repo_root / "tests"))
-    proc = subprocess.Popen([sys.executable, "-c", code, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=repo_root, preexec_fn=_default_sigint)
+    proc = subprocess.Popen([sys.executable, "-c", APP, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=repo_root,
+                            env=env_with_helpers(), preexec_fn=_default_sigint)
     try:
         line = proc.stdout.readline()
         assert line.strip(), f"the app script died before starting its worker: {proc.communicate(timeout=30)[1][-2000:]}"

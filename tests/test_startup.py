@@ -4,7 +4,6 @@ path reuses the first conversion), and loading reports real fractions that the a
 from __future__ import annotations
 
 import shutil
-import sys
 import threading
 from pathlib import Path
 
@@ -15,8 +14,7 @@ from ssd_chat.engine.load import convert, models
 from ssd_chat.engine.cpu import fastlinear
 from ssd_chat.engine.errors import ModelError
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import FakeBackend, wait_until  # noqa: E402
+from helpers.tui import FakeBackend, wait_until
 
 
 def fake_conversion(root: Path, gguf: Path) -> Path:

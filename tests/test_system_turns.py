@@ -8,7 +8,7 @@ import json
 import sqlite3
 
 import pytest
-from test_tui import FakeBackend, ssd_events, wait_until
+from helpers.tui import after_chat, FakeBackend, press_for_reply, ready, ssd_events, wait_until
 from typer.testing import CliRunner
 
 from ssd_chat.cli import app as cli_app
@@ -60,8 +60,7 @@ async def test_a_system_prompt_set_after_three_exchanges_stays_where_it_was_set(
     db = tmp_path / "h.db"
     backend = FakeBackend([ssd_events([f"r{i}"]) for i in range(1, 5)])
     app = ChatApp(backend, history=History(db))
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 45)) as pilot:
         await chat(app, pilot, "one", "two", "three")
         await pilot.press("ctrl+s")
         await wait_until(pilot, lambda: app.screen.query("#system-text"))
@@ -103,8 +102,7 @@ async def test_a_system_prompt_set_after_three_exchanges_stays_where_it_was_set(
 async def test_clearing_or_replacing_the_system_prompt_applies_from_there_on(tmp_path):
     backend = FakeBackend([ssd_events(["r1"]), ssd_events(["r2"]), ssd_events(["r3"])])
     app = ChatApp(backend, history=History(tmp_path / "h.db"), settings={"system": "be brief"})
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 45)) as pilot:
         await app.chat_view.submit("/system")  # before the first prompt: the chat's start changes, no turns pile up
         await app.chat_view.submit("/system be brief")
         assert app.chat_view.messages == [sys_("be brief")]
@@ -168,14 +166,9 @@ async def test_an_older_files_chat_wide_system_prompt_becomes_the_first_message(
 
 @pytest.mark.asyncio
 async def test_f5_after_a_new_system_prompt_regenerates_the_reply_with_it(tmp_path):
-    backend = FakeBackend([ssd_events(["r1"]), ssd_events(["r2"]), ssd_events(["r1 again"])])
-    app = ChatApp(backend, history=History(tmp_path / "h.db"))
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
-        await chat(app, pilot, "one", "two")
+    async with after_chat(tmp_path / "h.db", ("r1", "r2", "r1 again"), ("one", "two"), size=(140, 45)) as (app, backend, pilot):
         await app.chat_view.submit("/system Answer in French.")
-        await pilot.press("f5")
-        await wait_until(pilot, lambda: len(backend.calls) == 3 and app.chat_view.current.finished)
+        await press_for_reply(pilot, app, "f5", 3)
         assert backend.calls[2] == [u("one"), a("r1"), sys_("Answer in French."), u("two")]
         assert transcript(app) == ["user: one", "assistant: r1", "system prompt from here on: Answer in French.",
                                    "user: two", "assistant: r1 again"]

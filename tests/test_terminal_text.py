@@ -4,7 +4,6 @@ show them as visible text (checked on a real pseudo-terminal's raw output)."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import pytest
@@ -15,6 +14,8 @@ from ssd_chat.history.store import History
 from ssd_chat.chat.terminal import for_stream, printable
 
 pexpect = pytest.importorskip("pexpect")
+
+from helpers.pty import App, app_env  # noqa: E402
 
 # an OSC window-title change, a CSI colour and a cursor-home, a bell, and a C1 CSI (0x9b)
 EVIL = "please \x1b]0;PWNED\x07 set \x1b[31mred\x1b[H now\x07 \x9b2J end"
@@ -51,20 +52,13 @@ def test_chats_list_escapes_titles(tmp_path):
     assert EVIL in r.stdout
 
 
-def _run_in_pty(args, env, timeout=60):
-    child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", *args], env=env, dimensions=(45, 150),
-                          encoding="utf-8", codec_errors="replace", timeout=timeout)
-    return child
-
-
 def _env(tmp_path):
-    return dict(os.environ, TERM="xterm-256color", COLUMNS="150", LINES="45", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"),
-                SSD_CHAT_DATA_DIR=str(tmp_path / "data"), HF_HUB_OFFLINE="1")
+    return app_env(tmp_path, COLUMNS="150", LINES="45", SSD_CHAT_DATA_DIR=str(tmp_path / "data"), HF_HUB_OFFLINE="1")
 
 
 def test_chats_show_on_a_terminal_escapes_what_it_prints(tmp_path):
     db = evil_db(tmp_path / "h.db")
-    child = _run_in_pty(["chats", "show", "1", "--db", str(db)], _env(tmp_path))
+    child = App(["chats", "show", "1", "--db", str(db)], _env(tmp_path), 60).child
     out = child.read()
     child.close()
     assert child.exitstatus == 0, out
@@ -75,25 +69,13 @@ def test_chats_show_on_a_terminal_escapes_what_it_prints(tmp_path):
 def test_the_app_shows_a_resumed_chat_without_obeying_its_escapes(tmp_path):
     """The model cannot load (no such folder), so this needs no weights; the saved chat shows anyway."""
     db = evil_db(tmp_path / "h.db")
-    child = _run_in_pty(["--db", str(db), "--resume", "1", "--target", str(tmp_path / "no-model")], _env(tmp_path))
-    out: list[str] = []
-    deadline = time.monotonic() + 60
-    try:
-        while time.monotonic() < deadline and "could not load the model" not in "".join(out):
-            try:
-                out.append(child.read_nonblocking(65536, timeout=0.5))
-            except pexpect.TIMEOUT:
-                pass
+    with App(["--db", str(db), "--resume", "1", "--target", str(tmp_path / "no-model")], _env(tmp_path), 60) as app:
+        app.until(lambda: "could not load the model" in "".join(app.raw), 60, poll=0.5)
         time.sleep(0.5)
-        try:
-            out.append(child.read_nonblocking(65536, timeout=0.5))
-        except pexpect.TIMEOUT:
-            pass
-        child.send("\x03")
-        child.expect(pexpect.EOF, timeout=30)
-        out.append(child.before or "")
-    finally:
-        child.close(force=True)
+        app.read(0.5)
+        app.quit(30)
+        app.raw.append(app.child.before or "")
+    out = app.raw
     raw = "".join(out)
     assert "could not load the model" in raw and "PWNED" in raw, raw[-2000:]
     assert "\x1b]0;PWNED" not in raw and "\x1b[31mred" not in raw and "\x9b2J" not in raw
@@ -145,8 +127,7 @@ def test_chats_commands_on_a_damaged_database_in_a_real_terminal(tmp_path):
     db = str(bad_utf8_db(tmp_path / "h.db"))
     for args, code in ((["chats", "list"], 0), (["chats", "show", "1"], 1), (["chats", "show", "2"], 1),
                        (["chats", "show", "3"], 0), (["chats", "export", "3"], 0)):
-        child = pexpect.spawn(sys.executable, ["-m", "ssd_chat", *args, "--db", db], env=_env(tmp_path),
-                              dimensions=(45, 150), encoding="latin-1", timeout=60)  # latin-1: every byte as it came
+        child = App([*args, "--db", db], _env(tmp_path), 60, encoding="latin-1").child  # latin-1: every byte as it came
         out = child.read()
         child.close()
         assert child.exitstatus == code, (args, out)

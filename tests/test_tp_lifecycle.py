@@ -11,9 +11,8 @@ import torch
 from ssd_chat.engine.model.core import Core
 from ssd_chat.engine.errors import ModelError, TPError
 
-from conftest import tiny_llama
-from test_core import PROMPT, tiny_qwen
-from tp_helpers import alive, close as _close, greedy, save as _save, start as _start
+from helpers.models import PROMPT, tiny_llama, tiny_qwen
+from helpers.tp import alive, close as _close, greedy, save as _save, start as _start
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

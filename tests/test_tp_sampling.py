@@ -9,9 +9,9 @@ import torch
 from ssd_chat.engine.model.core import Core
 from ssd_chat.engine.params import SamplingParams
 
-from conftest import CharTokenizer, as_loaded, tiny_llama
-from distribution import compare, exact_distribution, sample_outcomes
-from tp_helpers import ar_stream, greedy, save as _save, sd_stream, start as _start
+from helpers.models import CharTokenizer, as_loaded, tiny_llama
+from helpers.distribution import compare, exact_distribution, sample_outcomes
+from helpers.tp import ar_stream, greedy, save as _save, sd_stream, start as _start
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

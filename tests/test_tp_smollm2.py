@@ -12,15 +12,15 @@ from ssd_chat.engine.model.core import Core
 from ssd_chat.engine.params import SamplingParams
 from ssd_chat.engine.tp.core import TPCore
 
-from distribution import sample_outcomes
-from tp_helpers import greedy, rank_cores, sd_stream
+from helpers.distribution import sample_outcomes
+from helpers.tp import greedy, rank_cores, sd_stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 PROMPTS = ["Write one sentence about the sea.", "List three prime numbers."]
 
 
 @pytest.fixture(scope="module")
-def pair(smollm2):
+def smol_cores(smollm2):
     lines: list[str] = []
     tp = TPCore(smollm2.folder, ["cpu", "cpu"], "smollm2", dtype=torch.float32, cores=rank_cores(2), progress=lines.append)
     yield Core(smollm2.model, "smollm2"), tp, lines
@@ -31,8 +31,8 @@ def _prompt(smollm2, text: str) -> list[int]:
     return chat.prompt_ids(smollm2.tokenizer, [{"role": "user", "content": text}])[0]
 
 
-def test_logits_and_greedy_replies_equal_the_single_rank_core(smollm2, pair):
-    ref, tp, _ = pair
+def test_logits_and_greedy_replies_equal_the_single_rank_core(smollm2, smol_cores):
+    ref, tp, _ = smol_cores
     for text in PROMPTS:
         prompt = _prompt(smollm2, text)
         ref.reset(), tp.reset()
@@ -44,17 +44,17 @@ def test_logits_and_greedy_replies_equal_the_single_rank_core(smollm2, pair):
         assert greedy(tp, prompt, 24) == greedy(ref, prompt, 24)
 
 
-def test_greedy_sd_with_a_tensor_parallel_target_equals_ar(smollm2, pair):
+def test_greedy_sd_with_a_tensor_parallel_target_equals_ar(smollm2, smol_cores):
     """SD (and SSD's verifier, which makes the same target calls) with the layers:6 draft on one rank."""
-    ref, tp, _ = pair
+    ref, tp, _ = smol_cores
     draft = Core(drafts.derive("layers:6", smollm2).model, "layers:6")
     prompt = _prompt(smollm2, PROMPTS[0])
     got = sample_outcomes(sd_stream(tp, draft, 2), prompt, SamplingParams(temperature=0.0), 20, 1)
     assert list(got) == [tuple(greedy(ref, prompt, 20))]
 
 
-def test_tree_steps_and_adopt_on_the_packaged_model(smollm2, pair):
-    ref, tp, _ = pair
+def test_tree_steps_and_adopt_on_the_packaged_model(smollm2, smol_cores):
+    ref, tp, _ = smol_cores
     prompt, glue, B, k = _prompt(smollm2, PROMPTS[1]), [198, 20, 21], 4, 2
     outs = []
     for core in (ref, tp):
@@ -77,8 +77,8 @@ def test_tree_steps_and_adopt_on_the_packaged_model(smollm2, pair):
         assert (a - b).abs().max() < 1e-3 and torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-def test_each_rank_loaded_only_its_shard(pair):
-    _, tp, lines = pair
+def test_each_rank_loaded_only_its_shard(smol_cores):
+    _, tp, lines = smol_cores
     r0, r1 = tp.shards
     # 9 query heads over 3 key/value heads: rank 0 holds kv head 0 (3 query heads), rank 1 kv heads 1-2 (6)
     assert r0.layer0["self_attn.q_proj.weight"] == (192, 576) and r1.layer0["self_attn.q_proj.weight"] == (384, 576)

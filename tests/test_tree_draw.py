@@ -14,7 +14,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import reference_sampling as ref
+from helpers import reference_sampling as ref
 from ssd_chat.engine.sampling import support
 from ssd_chat.engine.sampling.penalties import Penalties
 from ssd_chat.engine.sampling.sampling import logits_to_probs, make_generator, saguaro_reshape

@@ -14,128 +14,11 @@ from ssd_chat.engine.events import Done, Error, Event, Notice, Round, Token
 from ssd_chat.engine.metrics import Metrics
 from ssd_chat.history.store import History
 from ssd_chat.tui.app import ChatApp
-from ssd_chat.chat.backend import Backend
 from ssd_chat.tui.widgets.figures import Baseline, panel_values, speedup_vs
 from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
 from ssd_chat.tui.widgets.settings_dialog import SettingsDialog
+from helpers.tui import FakeBackend, plain, ready, replies_text, ssd_events, submit, wait_until, WORDS
 
-
-
-def plain(static) -> str:
-    """What a Static shows, as plain text."""
-    import io
-
-    from rich.console import Console
-
-    console = Console(width=200, file=io.StringIO(), color_system=None)
-    console.print(static.content)
-    return console.file.getvalue()
-
-
-# -- scripted streams -------------------------------------------------------------------------
-def ssd_events(words: list[str], k: int = 3, hits: list[bool] | None = None, dt: float = 0.001) -> list[Event]:
-    """An SSD-shaped stream with the engine's semantics: rounds of up to k accepted draft tokens + a bonus.
-
-    Round i accepts ``i % (k + 1)`` drafts.  Round i's ``predicted`` is what the speculator cached
-    while round i-1 was verified; ``hits[i]`` says whether round i-1's (accepted, bonus) was in it.
-    The first round has nothing cached (a miss served by the fallback).
-    """
-    events: list[Event] = []
-    metrics = Metrics("ssd")
-    ids = list(range(100, 100 + len(words)))
-    pos, r, t = 0, 0, 0.0
-    prev: tuple[int, int] | None = None
-    while pos < len(words):
-        acc = min(r % (k + 1), len(words) - pos - 1)
-        for j in range(acc + 1):
-            t += dt
-            ev = Token(ids[pos], words[pos], "draft" if j < acc else "target", t)
-            metrics.add(ev)
-            events.append(ev)
-            pos += 1
-        if prev is None:
-            hit, predicted = False, ()
-        else:
-            hit = hits[r % len(hits)] if hits else True
-            predicted = tuple((j, (prev[1] if (hit and j == prev[0]) else 900 + j, 950 + j)) for j in range(k + 1))
-        rd = Round(r, tuple(range(1, k + 1)), acc, ids[pos - 1], acc + 1, 0.0 if hit else 0.0005, 0.002, t, cache_hit=hit,
-                   predicted=predicted, wait_s=0.0001, speculator_busy_s=0.001, fallback=None if hit else "fast")
-        metrics.add(rd)
-        events.append(rd)
-        prev = (acc, ids[pos - 1])
-        r += 1
-    metrics.sd_estimate_s = 0.004 * r
-    events.append(Done("eos", "".join(words), tuple(ids), metrics.stats(t + dt)))
-    return events
-
-
-class FakeBackend(Backend):
-    """Replies with scripted streams; with ``block=True`` the first reply stops mid-way until Esc sets the stop flag."""
-
-    def __init__(self, replies: list[list[Event]], block: bool = False, mode: str = "ssd", delay: float = 0.0) -> None:
-        self.replies = list(replies)
-        self.block = block
-        self.delay = delay  # seconds between events, so one reply spans several screen frames
-        self.calls: list[list[dict]] = []
-        self.info_ = {"mode": mode, "k": 3, "target": "fake-target", "target_device": "cpu", "draft": "fake-draft",
-                      "draft_device": "cpu:1"}
-        self.blocked = threading.Event()
-        self.closed = False
-        self.thread_ended = threading.Event()
-
-    def info(self):
-        return dict(self.info_)
-
-    def stream(self, messages, params, stop):
-        self.calls.append(messages)
-        events = self.replies.pop(0)
-        text, ids = "", []
-        try:
-            for n, ev in enumerate(events):
-                if self.block and len(self.calls) == 1 and n == len(events) // 2:
-                    self.blocked.set()
-                    stop.wait(30)
-                if stop.is_set():
-                    yield Done("cancelled", text + "<held>", tuple(ids), Metrics(self.info_["mode"]).stats(0.1))
-                    return
-                if isinstance(ev, Token):
-                    text += ev.text
-                    ids.append(ev.id)
-                time.sleep(self.delay)
-                yield ev
-        finally:
-            self.thread_ended.set()
-
-    def reconfigure(self, **changes):
-        if changes.get("mode") == "bogus":
-            raise ValueError("unknown mode 'bogus'")
-        self.info_.update(changes)
-
-    def token_text(self, token_id):
-        return {900: "x", 901: "y"}.get(token_id)
-
-    def close(self):
-        self.closed = True
-
-
-async def wait_until(pilot, predicate, timeout: float = 10.0) -> None:
-    """Poll rather than trust one pause().
-
-    It sleeps instead of calling ``pilot.pause()``: pause() waits for a callback queued on every widget,
-    and one that a streaming Markdown removes meanwhile never runs it, so pause() then hangs for 30 s.
-    """
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
-
-
-WORDS = ["Hello", " there", "!", " Here", " is", " some", " **bold**", " text", " and", " a", " list", ":\n\n", "- one", "\n- two"]
-
-
-def replies_text(app: ChatApp) -> list[str]:
-    return [m.text for m in app.query(AssistantMessage)]
 
 
 class TestSend:
@@ -147,8 +30,7 @@ class TestSend:
         monkeypatch.setattr(replies_module, "SAVE_EVERY_S", 0.0)  # every frame saves
         history = History(tmp_path / "h.db")
         app = ChatApp(FakeBackend([[]]), history=history)  # an empty stream: the events are applied by hand
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        async with ready(app, size=(140, 45)):
             await app.chat_view.submit("q")
             app.chat_view.controller.replies.frames.pause()
             t = app.chat_view.current
@@ -180,8 +62,7 @@ class TestSend:
         backend = FakeBackend([ssd_events(WORDS)])
         history = History(tmp_path / "h.db")
         app = ChatApp(backend, history=history)
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        async with ready(app, size=(140, 45)) as pilot:
             await pilot.press(*"hi there")
             await pilot.press("enter")
             await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
@@ -200,10 +81,8 @@ class TestSend:
     async def test_second_turn_sends_the_history(self):
         backend = FakeBackend([ssd_events(["A", "B"]), ssd_events(["C"])])
         app = ChatApp(backend, settings={"system": "be brief"})
-        async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
-            await app.chat_view.submit("one")
-            await wait_until(pilot, lambda: app.chat_view.current.finished)
+        async with ready(app, size=(120, 40)) as pilot:
+            await submit(pilot, app, "one")
             await app.chat_view.submit("two")
             await wait_until(pilot, lambda: app.chat_view.current.finished and app.chat_view.current.prompt == "two")
             assert backend.calls[1] == [
@@ -214,8 +93,7 @@ class TestSend:
     async def test_multiline_entry_and_prompt_history(self):
         backend = FakeBackend([ssd_events(["ok"]), ssd_events(["ok"])])
         app = ChatApp(backend)
-        async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        async with ready(app, size=(120, 40)) as pilot:
             await pilot.press("a", "ctrl+j", "b")
             assert app.chat_view.prompt.text == "a\nb"
             await pilot.press("enter")
@@ -230,10 +108,8 @@ class TestSend:
     async def test_error_event_keeps_partial_text_and_app_stays_open(self):
         events = [Token(1, "partial ", "target", 0.01), Error("boom: out of memory", "oom", "partial text", (1, 2))]
         app = ChatApp(FakeBackend([events, ssd_events(["fine"])]))
-        async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
-            await app.chat_view.submit("go")
-            await wait_until(pilot, lambda: app.chat_view.current.finished)
+        async with ready(app, size=(120, 40)) as pilot:
+            await submit(pilot, app, "go")
             assert replies_text(app) == ["partial text"]
             assert app.chat_view.current.status == "error"
             assert any("boom" in str(n.text) for n in app.query("Notice"))
@@ -268,17 +144,14 @@ class TestSession:
 
         backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"])])
         app = ChatApp(backend, settings={"system": "be brief"})
-        async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
-            await app.chat_view.submit("first")
-            await wait_until(pilot, lambda: app.chat_view.current.finished)
+        async with ready(app, size=(120, 40)) as pilot:
+            await submit(pilot, app, "first")
             first = app.chat_view.session
             assert isinstance(first, Session) and first.system_in_force == "be brief"
             turn = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "one"}]
             start = [{"role": "system", "content": "be brief"}]  # a message, as in the saved chat
             assert first.messages == start + turn and app.chat_view.messages is first.messages
-            await app.chat_view.submit("second")
-            await wait_until(pilot, lambda: app.chat_view.current.finished)
+            await submit(pilot, app, "second")
             assert backend.calls[1] == messages_for("second", "be brief", turn)
             await pilot.press("ctrl+n")
             await wait_until(pilot, lambda: app.chat_view.session is not first)
@@ -291,8 +164,7 @@ class TestStop:
         backend = FakeBackend([ssd_events(WORDS), ssd_events(["next"])], block=True)
         history = History(tmp_path / "h.db")
         app = ChatApp(backend, history=history)
-        async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        async with ready(app, size=(120, 40)) as pilot:
             await app.chat_view.submit("tell me")
             await wait_until(pilot, lambda: backend.blocked.is_set())
             await wait_until(pilot, lambda: app.chat_view.current.text != "")
@@ -314,8 +186,7 @@ class TestStop:
     async def test_quit_while_streaming_ends_the_engine_thread(self):
         backend = FakeBackend([ssd_events(WORDS)], block=True)
         app = ChatApp(backend)
-        async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        async with ready(app, size=(120, 40)) as pilot:
             await app.chat_view.submit("x")
             await wait_until(pilot, lambda: backend.blocked.is_set())
             await pilot.press("ctrl+c")
@@ -337,8 +208,7 @@ class TestHistory:
         h.close()
         backend = FakeBackend([ssd_events(["new"])])
         app = ChatApp(backend, history=History(tmp_path / "h.db"), resume=cid)
-        async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        async with ready(app, size=(120, 40)) as pilot:
             assert [u.text for u in app.query(UserMessage)] == ["old question", "cut"]
             assert replies_text(app) == ["old *answer*", "half a rep"]
             assert "stopped" in app.query(AssistantMessage)[1]._meta_text
@@ -354,12 +224,10 @@ class TestHistory:
         bad = tmp_path / "h.db"
         bad.write_bytes(b"this is not sqlite at all" * 100)
         app = ChatApp(FakeBackend([ssd_events(["ok"])]), history=History(bad))
-        async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        async with ready(app, size=(120, 40)) as pilot:
             notices = [n.text for n in app.query("Notice")]
             assert any("corrupt" in n and "in memory" in n for n in notices)
-            await app.chat_view.submit("hi")
-            await wait_until(pilot, lambda: app.chat_view.current.finished)
+            await submit(pilot, app, "hi")
             assert replies_text(app) == ["ok"]
         assert bad.read_bytes().startswith(b"this is not sqlite")  # untouched
 
@@ -374,10 +242,8 @@ class TestPanel:
         done = events[-1]
         expected = m.stats(done.stats.elapsed_s)
         app = ChatApp(FakeBackend([events]))
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
-            await app.chat_view.submit("q")
-            await wait_until(pilot, lambda: app.chat_view.current.finished)
+        async with ready(app, size=(140, 45)) as pilot:
+            await submit(pilot, app, "q")
             p = app.chat_view.panel
             assert p.stats == done.stats
             assert p.values["tau"] == f"{expected.mean_accepted_length:.2f}"
@@ -412,8 +278,7 @@ class TestPanel:
             monkeypatch.setattr(AssistantMessage, "append", slow_append)
         backend = FakeBackend([ssd_events(WORDS)], block=True, delay=0.04 if slow_render else 0.0)
         app = ChatApp(backend)
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        async with ready(app, size=(140, 45)) as pilot:
             await app.chat_view.submit("q")
             await wait_until(pilot, lambda: backend.blocked.is_set())
             # the panel is drawn at most every PANEL_S while streaming: held, it catches up with every applied event
@@ -447,10 +312,8 @@ class TestPanel:
                                    + [Done("eos", "".join(words), tuple(range(300)), Metrics("ar").stats(3.0))]],
                                   mode="ar", delay=0.01)
             app = ChatApp(backend)
-            async with app.run_test(size=(140, 45)) as pilot:
-                await wait_until(pilot, lambda: app.chat_view.ready)
-                await app.chat_view.submit("q")
-                await wait_until(pilot, lambda: app.chat_view.current.finished, timeout=30)
+            async with ready(app, size=(140, 45)) as pilot:
+                await submit(pilot, app, "q", 30)
                 assert replies_text(app) == ["".join(words)]
             gaps = [b - a for a, b in zip(frames, frames[1:-1])]  # the last one is the end's, at once
             expected = min(replies_module.MAX_FRAME_S, 0.010 / replies_module.UI_SHARE) if cost else 0.1
@@ -480,10 +343,8 @@ class TestCacheView:
     async def test_cache_view_shows_a_hit_and_a_miss(self):
         events = ssd_events(WORDS, k=3, hits=[True, False])
         app = ChatApp(FakeBackend([events]))
-        async with app.run_test(size=(160, 50)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
-            await app.chat_view.submit("q")
-            await wait_until(pilot, lambda: app.chat_view.current.finished)
+        async with ready(app, size=(160, 50)) as pilot:
+            await submit(pilot, app, "q")
             rows = list(app.chat_view.cache.rows)
             assert {r.hit for r in rows} == {True, False}
             hit = next(r for r in rows if r.hit)
@@ -505,8 +366,7 @@ class TestSettings:
     async def test_switch_mode_k_temperature_between_turns(self):
         backend = FakeBackend([ssd_events(["a"])])
         app = ChatApp(backend)
-        async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        async with ready(app, size=(120, 40)):
             await app.chat_view.submit("/mode sd")
             await app.chat_view.submit("/k 6")
             await app.chat_view.submit("/temp 0.7")
@@ -531,8 +391,7 @@ class TestSettings:
 
         backend = SlowSwitch([ssd_events(["hi"])])
         app = ChatApp(backend)
-        async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        async with ready(app, size=(120, 40)) as pilot:
             k_before = backend.info_["k"]
             switch = asyncio.create_task(app.chat_view.submit("/mode sd"))
             await wait_until(pilot, lambda: app.chat_view.switching is not None)
@@ -554,8 +413,7 @@ class TestSettings:
     async def test_settings_dialog_applies_and_rejects_bad_values(self):
         backend = FakeBackend([])
         app = ChatApp(backend)
-        async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        async with ready(app, size=(120, 40)) as pilot:
             await pilot.press("ctrl+o")
             await pilot.pause()
             from textual.widgets import Input
@@ -575,10 +433,8 @@ class TestSettings:
     async def test_new_chat_copy_and_system_prompt(self):
         backend = FakeBackend([ssd_events(["copy", " me"]), ssd_events(["b"])])
         app = ChatApp(backend)
-        async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
-            await app.chat_view.submit("a")
-            await wait_until(pilot, lambda: app.chat_view.current.finished)
+        async with ready(app, size=(120, 40)) as pilot:
+            await submit(pilot, app, "a")
             await pilot.press("ctrl+y")
             assert app.chat_view.controller.actions.clipboard_text == "copy me"
             await pilot.press("ctrl+s")
@@ -589,17 +445,14 @@ class TestSettings:
             await pilot.press("ctrl+n")
             await wait_until(pilot, lambda: not app.query(UserMessage))
             assert app.chat_view.messages == [{"role": "system", "content": "You are terse."}]  # the new chat starts with it
-            await app.chat_view.submit("b")
-            await wait_until(pilot, lambda: app.chat_view.current.finished)
+            await submit(pilot, app, "b")
             assert backend.calls[1] == [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "b"}]
 
     @pytest.mark.asyncio
     async def test_token_colouring_is_off_by_default_and_toggles(self):
         app = ChatApp(FakeBackend([ssd_events(WORDS)]))
-        async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
-            await app.chat_view.submit("q")
-            await wait_until(pilot, lambda: app.chat_view.current.finished)
+        async with ready(app, size=(120, 40)) as pilot:
+            await submit(pilot, app, "q")
             msg = app.query_one(AssistantMessage)
             assert not msg.has_class("-colour")
             await pilot.press("ctrl+t")
@@ -612,8 +465,7 @@ class TestSettings:
 @pytest.mark.asyncio
 async def test_q_in_prompt_is_text():
     app = ChatApp(FakeBackend([]))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(120, 40)) as pilot:
         await pilot.press("q")
         assert app.chat_view.prompt.text == "q"
         assert app.is_running
@@ -635,8 +487,7 @@ async def test_a_crash_mid_reply_keeps_what_streamed(tmp_path):
     """The streaming reply is saved while it streams: the database has it before the reply ends."""
     backend = FakeBackend([ssd_events(WORDS)], block=True)
     app = ChatApp(backend, history=History(tmp_path / "h.db"))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(120, 40)) as pilot:
         await app.chat_view.submit("q")
         await wait_until(pilot, lambda: backend.blocked.is_set() and app.chat_view.current.text)
 
@@ -684,10 +535,8 @@ async def test_measured_baselines_make_the_speedups_measured(tmp_path):
     tps = events[-1].stats.tok_per_s
     # under their bounds: this reply's mean accepted length (2.0) and 1 + draft/verify of its SD estimate (1.93)
     app = ChatApp(FakeBackend([events]), baselines=baselines_from_bench(bench_report(tmp_path, tps / 1.5, tps / 1.25)))
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
-        await app.chat_view.submit("q")
-        await wait_until(pilot, lambda: app.chat_view.current.finished)
+    async with ready(app, size=(140, 45)) as pilot:
+        await submit(pilot, app, "q")
         assert app.chat_view.panel.values["vs_ar"] == "1.50× meas."
         assert app.chat_view.panel.values["vs_sd"] == "1.25× meas."
 
@@ -725,8 +574,7 @@ async def test_chats_dialog_resumes_and_deletes(tmp_path):
     drop = h.new_conversation("drop me")
     h.add_message(drop, "user", "drop me")
     app = ChatApp(FakeBackend([]), history=h)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(120, 40)) as pilot:
         await pilot.press("ctrl+r")
         await wait_until(pilot, lambda: app.screen.query("#chat-list"))
         ol = app.screen.query_one("#chat-list")
@@ -744,8 +592,7 @@ async def test_chats_dialog_resumes_and_deletes(tmp_path):
 @pytest.mark.asyncio
 async def test_command_palette_lists_mode_switches_and_actions():
     app = ChatApp(FakeBackend([]))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(120, 40)) as pilot:
         titles = {c.title for c in app.get_system_commands(app.screen)}
         assert {"New chat", "Copy last reply", "System prompt", "Settings", "Switch to AR", "Switch to SD",
                 "Switch to SSD", "Chats", "Toggle token colours", "Stop reply"} <= titles
@@ -759,11 +606,9 @@ async def test_command_palette_lists_mode_switches_and_actions():
 async def test_export_from_the_app_writes_the_chat_with_metrics(tmp_path, monkeypatch):
     monkeypatch.setenv("SSD_CHAT_DATA_DIR", str(tmp_path / "data"))
     app = ChatApp(FakeBackend([ssd_events(["An", " answer"])]), history=History(tmp_path / "h.db"))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(120, 40)) as pilot:
         assert app.chat_view.controller.actions.export_chat("md") is None  # nothing yet
-        await app.chat_view.submit("a question")
-        await wait_until(pilot, lambda: app.chat_view.current.finished)
+        await submit(pilot, app, "a question")
         md = app.chat_view.controller.actions.export_chat("md").read_text()
         assert "a question" in md and "An answer" in md and "τ" in md
         rows = [__import__("json").loads(x) for x in app.chat_view.controller.actions.export_chat("jsonl").read_text().splitlines()]
@@ -775,10 +620,8 @@ async def test_cache_view_for_sd_rounds_shows_their_own_outcome():
     events = [Token(1, "Hi", "draft", 0.01), Token(2, "!", "target", 0.02),
               Round(0, (1, 5), 1, 2, 2, 0.001, 0.002, 0.02), Done("eos", "Hi!", (1, 2), Metrics("sd").stats(0.03))]
     app = ChatApp(FakeBackend([events], mode="sd"))
-    async with app.run_test(size=(150, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
-        await app.chat_view.submit("q")
-        await wait_until(pilot, lambda: app.chat_view.current.finished)
+    async with ready(app, size=(150, 40)) as pilot:
+        await submit(pilot, app, "q")
         [row] = app.chat_view.cache.rows
         assert row.hit is None and row.bonus_text == "!" and row.accepted == 1
         text = plain(app.chat_view.cache)
@@ -801,8 +644,7 @@ async def test_a_reply_that_switches_from_ssd_to_sd_says_so_everywhere(tmp_path)
     """Status line, panel and saved metrics name the mode that produced the reply, not the one configured."""
     history = History(tmp_path / "h.db")
     app = ChatApp(FakeBackend([switched_events(WORDS, 2)]), history=history)
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 45)) as pilot:
         assert app.sub_title.startswith("SSD ·")
         await app.chat_view.submit("hi")
         await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)

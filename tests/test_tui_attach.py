@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_tui import FakeBackend, ssd_events, wait_until
-from test_tui_rerun import chat, notices, saved
+from helpers.tui import chat, FakeBackend, notices, ready, saved, scripted_app, ssd_events, wait_until
 
-from conftest import as_loaded, tiny_llama
+from helpers.models import as_loaded, tiny_llama
 from ssd_chat.chat import attach
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
-from ssd_chat.history.store import History
 from ssd_chat.tui.app import ChatApp
 from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
 
@@ -30,10 +28,8 @@ def said(app: ChatApp) -> list[str]:
 async def test_attach_stages_a_file_for_the_next_message_and_the_saved_chat_keeps_it(tmp_path):
     src = tmp_path / "add.py"
     src.write_text(CODE)
-    backend = FakeBackend([ssd_events(["ok"]), ssd_events(["again"])])
-    app = ChatApp(backend, history=History(tmp_path / "h.db"))
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    app, backend = scripted_app(tmp_path / "h.db", "ok", "again")
+    async with ready(app, size=(140, 45)) as pilot:
         view = app.chat_view
         await view.submit(f"/attach {src}")
         assert f"attached {src} ({len(CODE)} characters)" in notices(app)[-1]  # no tokenizer here: its size
@@ -64,8 +60,7 @@ async def test_attach_refuses_binary_missing_and_folders_in_one_line_and_shows_h
     (tmp_path / "hostile.txt").write_text(hostile)
     backend = FakeBackend([ssd_events(["ok"])])
     app = ChatApp(backend)
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 45)) as pilot:
         view = app.chat_view
         for name, why in (("bin.dat", "it is a binary file (it holds NUL bytes)"), ("latin.txt", "it is not UTF-8 text"),
                           ("nope.txt", "no such file"), (".", "it is a directory")):
@@ -93,14 +88,13 @@ def small_context(smol_tokenizer):
 
 @pytest.mark.asyncio
 async def test_attach_counts_with_the_real_tokenizer_and_refuses_a_file_larger_than_the_context(tmp_path, small_context):
-    from test_tui_engine import Preloaded
+    from helpers.tui import Preloaded
 
     small, big = tmp_path / "small.py", tmp_path / "big.txt"
     small.write_text(CODE)
     big.write_text("word " * 400)
     app = ChatApp(Preloaded(Engine(EngineConfig(mode="ar"), small_context)), settings={"sampling": SamplingParams.given({"max_new_tokens": 4})})
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready, timeout=60)
+    async with ready(app, 60, size=(140, 45)) as pilot:
         view = app.chat_view
         await view.submit(f"/attach {big}")
         n_big = attach.count(small_context.tokenizer, attach.read(str(big)).block())
@@ -115,8 +109,7 @@ async def test_attach_counts_with_the_real_tokenizer_and_refuses_a_file_larger_t
 @pytest.mark.asyncio
 async def test_c_on_a_focused_reply_copies_one_code_block_at_a_time():
     app = ChatApp(FakeBackend([ssd_events(REPLY)]))
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 45)) as pilot:
         await chat(app, pilot, "show me")
         out = said(app)
         view = app.chat_view
@@ -144,8 +137,7 @@ async def test_c_on_a_focused_reply_copies_one_code_block_at_a_time():
 @pytest.mark.asyncio
 async def test_save_writes_one_block_of_the_last_reply_and_overwrites_only_with_force(tmp_path):
     app = ChatApp(FakeBackend([ssd_events(REPLY)]))
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 45)) as pilot:
         view = app.chat_view
         await view.submit("/save 1 x.py")
         assert notices(app)[-1] == "the last reply has no code block to save"

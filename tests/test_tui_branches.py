@@ -4,9 +4,10 @@ reply's context is the branch on screen, and --resume opens it (scripted streams
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
-from test_tui import FakeBackend, ssd_events, wait_until
-from test_tui_rerun import chat, on_screen
+from helpers.tui import after_chat, chat, FakeBackend, on_screen, press_for_reply, ready, scripted_app, ssd_events, wait_until
 
 from ssd_chat.history.store import History
 from ssd_chat.tui.app import ChatApp
@@ -30,11 +31,15 @@ def blocking_backend() -> FakeBackend:
     return FakeBackend([ssd_events(["one"]), ssd_events(["long", " reply", " here", " and", " more"])], block=True)
 
 
-async def stream_a(app: ChatApp, pilot, backend: FakeBackend) -> None:
-    """Once loaded, send "a" and wait until its reply is held halfway."""
-    await wait_until(pilot, lambda: app.chat_view.ready)
-    await app.chat_view.submit("a")
-    await wait_until(pilot, lambda: backend.blocked.is_set())
+@contextlib.asynccontextmanager
+async def streaming_a(tmp_path):
+    """The app (a history in ``tmp_path``) once loaded, with "a" sent and its reply held halfway: (app, pilot, backend)."""
+    backend = blocking_backend()
+    app = ChatApp(backend, history=History(tmp_path / "h.db"))
+    async with ready(app, size=(140, 45)) as pilot:
+        await app.chat_view.submit("a")
+        await wait_until(pilot, lambda: backend.blocked.is_set())
+        yield app, pilot, backend
 
 
 def labels(app: ChatApp) -> list[tuple[str, str]]:
@@ -43,13 +48,8 @@ def labels(app: ChatApp) -> list[tuple[str, str]]:
 
 @pytest.mark.asyncio
 async def test_regenerate_leaves_two_replies_and_left_right_switch_between_them(tmp_path):
-    backend = FakeBackend([ssd_events(["one"]), ssd_events(["again"]), ssd_events(["next"])])
-    app = ChatApp(backend, history=History(tmp_path / "h.db"))
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
-        await chat(app, pilot, "a")
-        await pilot.press("f5")
-        await wait_until(pilot, lambda: len(backend.calls) == 2 and app.chat_view.current.finished)
+    async with after_chat(tmp_path / "h.db", ("one", "again", "next"), ("a",), size=(140, 45)) as (app, backend, pilot):
+        await press_for_reply(pilot, app, "f5", 2)
         assert labels(app) == [("a", ""), ("again", "‹ 2/2 ›")]
         await focus_back_to(app, pilot, AssistantMessage, "again")
         assert "2/2" in str(app.focused.query_one(".branch").render())  # shown on screen, above the reply
@@ -77,15 +77,10 @@ async def test_regenerate_leaves_two_replies_and_left_right_switch_between_them(
 
 @pytest.mark.asyncio
 async def test_switching_an_edited_message_brings_the_chat_below_it_and_resume_opens_the_current_branch(tmp_path):
-    backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["new one"])])
-    app = ChatApp(backend, history=History(tmp_path / "h.db"))
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
-        await chat(app, pilot, "first", "second")
+    async with after_chat(tmp_path / "h.db", ("one", "two", "new one"), ("first", "second"), size=(140, 45)) as (app, backend, pilot):
         await app.chat_view.submit("/edit 1")
         app.chat_view.prompt.set_text("first, edited")
-        await pilot.press("enter")
-        await wait_until(pilot, lambda: len(backend.calls) == 3 and app.chat_view.current.finished)
+        await press_for_reply(pilot, app, "enter", 3)
         assert labels(app) == [("first, edited", "‹ 2/2 ›"), ("new one", "")]
         await focus_back_to(app, pilot, UserMessage, "first, edited")
         assert "‹ 2/2 › first, edited" in str(app.focused.render())
@@ -105,10 +100,7 @@ async def test_switching_an_edited_message_brings_the_chat_below_it_and_resume_o
 
 @pytest.mark.asyncio
 async def test_left_right_on_a_message_without_siblings_change_nothing(tmp_path):
-    backend = blocking_backend()
-    app = ChatApp(backend, history=History(tmp_path / "h.db"))
-    async with app.run_test(size=(140, 45)) as pilot:
-        await stream_a(app, pilot, backend)
+    async with streaming_a(tmp_path) as (app, pilot, backend):
         await pilot.press("escape")
         await wait_until(pilot, lambda: app.chat_view.current.finished and not app.chat_view._reply_worker.is_running)
         await focus_back_to(app, pilot, UserMessage, "a")
@@ -126,8 +118,7 @@ async def test_one_focused_reply_takes_left_right_and_c_and_f5_leaves_staged_fil
     blocky = ["```python\nold = 1\n```\n"]
     backend = FakeBackend([ssd_events(blocky), ssd_events(["```bash\nnew\n```\n"]), ssd_events(["ok"])])
     app = ChatApp(backend, history=History(tmp_path / "h.db"))
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 45)) as pilot:
         view = app.chat_view
         out: list[str] = []
         app.notify = lambda message, **kw: out.append(message)
@@ -155,10 +146,8 @@ async def test_one_focused_reply_takes_left_right_and_c_and_f5_leaves_staged_fil
 async def test_the_palette_and_help_list_the_keys_of_a_focused_message(tmp_path):
     from ssd_chat.tui.actions import HELP
 
-    backend = FakeBackend([ssd_events(["```python\ny = 2\n```\n"]), ssd_events(["two"])])
-    app = ChatApp(backend, history=History(tmp_path / "h.db"))
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    app, backend = scripted_app(tmp_path / "h.db", "```python\ny = 2\n```\n", "two")
+    async with ready(app, size=(140, 45)) as pilot:
         view = app.chat_view
         for key in ("←/→", "then c", "then e", "/attach", "/save"):
             assert key in HELP
@@ -181,10 +170,8 @@ async def test_the_palette_and_help_list_the_keys_of_a_focused_message(tmp_path)
 async def test_typing_or_esc_on_a_focused_message_goes_back_to_the_prompt_box(tmp_path):
     """A focused message keeps its own keys (e edits); other text, and Esc, return to the box (they once went
     nowhere: the user's typing was lost)."""
-    backend = FakeBackend([ssd_events(["one"])])
-    app = ChatApp(backend, history=History(tmp_path / "h.db"))
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    app, backend = scripted_app(tmp_path / "h.db", "one")
+    async with ready(app, size=(140, 45)) as pilot:
         await app.chat_view.submit("a")
         await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
         await focus_back_to(app, pilot, AssistantMessage, "one")
@@ -202,10 +189,7 @@ async def test_typing_or_esc_on_a_focused_message_goes_back_to_the_prompt_box(tm
 
 @pytest.mark.asyncio
 async def test_esc_on_a_focused_message_still_stops_a_streaming_reply(tmp_path):
-    backend = blocking_backend()
-    app = ChatApp(backend, history=History(tmp_path / "h.db"))
-    async with app.run_test(size=(140, 45)) as pilot:
-        await stream_a(app, pilot, backend)
+    async with streaming_a(tmp_path) as (app, pilot, backend):
         await focus_back_to(app, pilot, UserMessage, "a")
         await pilot.press("escape")
         await wait_until(pilot, lambda: app.chat_view.current.finished)

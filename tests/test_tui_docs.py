@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import colorsys
 import re
-import sys
 from pathlib import Path
 
 import pytest
 from rich.style import Style
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import FakeBackend, wait_until  # noqa: E402
+from helpers.tui import FakeBackend, ready, wait_until
 
 from ssd_chat.tui.app import ChatApp  # noqa: E402
 from ssd_chat.tui.widgets import chat_log  # noqa: E402
@@ -35,8 +33,7 @@ def quit_keys() -> list[str]:
 @pytest.mark.parametrize("key", quit_keys())
 async def test_each_key_the_readme_gives_for_quitting_quits_from_the_first_screen(key):
     app = ChatApp(FakeBackend([]))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(120, 40)) as pilot:
         assert app.focused is app.chat_view.prompt
         await pilot.press(key.lower())
         await wait_until(pilot, lambda: not app.is_running)
@@ -58,8 +55,7 @@ async def test_the_readme_names_the_colours_the_tokens_have_on_screen():
     (row,) = [action for keys, action in key_table().items() if keys == "Ctrl+T"]
     named = {who: colour for colour, who in re.findall(r"(\w+) = (accepted draft|the target)", row)}
     app = ChatApp(FakeBackend([]))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(120, 40)) as pilot:
         theme = app.ansi_theme  # how the app draws the 16 ANSI colours
 
         def shown(style: str) -> str:

@@ -3,13 +3,10 @@ Textual markup in it is neither obeyed nor allowed to crash a render."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import FakeBackend, plain, ssd_events, wait_until  # noqa: E402
+from helpers.tui import FakeBackend, plain, ready, ssd_events, wait_until
 
 from ssd_chat.history.store import History  # noqa: E402
 from ssd_chat.tui.app import ChatApp  # noqa: E402
@@ -34,8 +31,7 @@ async def test_hostile_chat_titles_in_the_chats_dialog_and_on_resume(tmp_path):
         h.add_message(cid, "user", text)
         h.add_message(cid, "assistant", "ok")
     app = ChatApp(FakeBackend([ssd_events(["fine"])]), history=h)
-    async with app.run_test(size=(140, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 40)) as pilot:
         for _ in range(2):  # the list is drawn again on every Ctrl+R
             await pilot.press("ctrl+r")
             await wait_until(pilot, lambda: app.screen.query("#chat-list"))
@@ -95,8 +91,7 @@ async def test_hostile_model_names_load_errors_and_paths(tmp_path):
 async def test_hostile_text_in_the_settings_dialog_error():
     backend = FakeBackend([])
     app = ChatApp(backend)
-    async with app.run_test(size=(140, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 40)) as pilot:
         await pilot.press("ctrl+o")
         await pilot.pause()
         from textual.widgets import Input
@@ -120,8 +115,7 @@ async def test_token_colours_render_the_markdown_and_keep_hostile_text_literal()
 
     words = ["Say", " **Bold**", " and", " [red]x[/red]", " \x1b]0;X\x07", " [@click=app.quit]q[/]", "\n\n- item"]
     app = ChatApp(FakeBackend([ssd_events(words)]))
-    async with app.run_test(size=(140, 40)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 40)) as pilot:
         await app.chat_view.submit("q")
         await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
         await pilot.press("ctrl+t")

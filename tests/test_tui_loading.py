@@ -4,55 +4,13 @@ And a history warning found at start is said once."""
 
 from __future__ import annotations
 
-import sys
-import threading
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import ssd_events, wait_until  # noqa: E402
+from helpers.tui import ready, SlowEngineBackend, ssd_events, wait_until
 
 from ssd_chat.tui.app import ChatApp  # noqa: E402
-from ssd_chat.chat.backend import EngineBackend  # noqa: E402
 from ssd_chat.tui.widgets.settings_dialog import SettingsDialog  # noqa: E402
-
-
-class FakeEngine:
-    def __init__(self) -> None:
-        self.config = {"mode": "ssd", "k": 4, "fan_out": None}  # what `auto` resolved to
-        self.changes: list[dict] = []
-        self.sampling_defaults: dict = {}  # the model declares none
-
-    def describe(self) -> dict:
-        return {**self.config, "target": "fake-target"}
-
-    def reconfigure(self, **changes) -> None:
-        self.changes.append(changes)
-        self.config.update(changes)
-
-    def decoder(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class SlowEngineBackend(EngineBackend):
-    """The real app backend (``engine`` is None until loaded, ``info()`` says the unresolved ``auto``),
-    with a load that waits for the test to release it, then fails or gives a fake engine."""
-
-    def __init__(self, fail: str | None = None) -> None:
-        super().__init__({"mode": "auto", "target": "fake-target"})
-        self.release = threading.Event()
-        self.fail = fail
-
-    def load(self, progress) -> None:
-        progress("loading fake-target", None)
-        self.release.wait(30)
-        if self.fail:
-            raise ValueError(self.fail)
-        self.engine = FakeEngine()
 
 
 def notices(app) -> list[str]:
@@ -138,13 +96,12 @@ async def test_settings_dialog_opens_on_a_mode_it_does_not_list():
     """Any mode a backend reports (auto before loading, none in a replay) opens the dialog; applying leaves it."""
     from textual.widgets import Select
 
-    from test_tui import FakeBackend
+    from helpers.tui import FakeBackend
 
     backend = FakeBackend([ssd_events(["a"])])
     backend.info_["mode"] = "auto"
     app = ChatApp(backend)
-    async with app.run_test(size=(140, 44)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 44)) as pilot:
         await pilot.press("ctrl+o")
         await wait_until(pilot, lambda: isinstance(app.screen, SettingsDialog))
         assert app.screen.query_one("#mode", Select).value == "auto"
@@ -158,7 +115,7 @@ async def test_settings_dialog_opens_on_a_mode_it_does_not_list():
 @pytest.mark.asyncio
 async def test_a_history_warning_from_the_start_is_shown_once(tmp_path):
     """A database that cannot open (here: its folder is a file) is said once, at start, not again at the first prompt."""
-    from test_tui import FakeBackend
+    from helpers.tui import FakeBackend
 
     from ssd_chat.history.store import History
 
@@ -166,8 +123,7 @@ async def test_a_history_warning_from_the_start_is_shown_once(tmp_path):
     history = History(tmp_path / "not-a-folder" / "h.db")
     assert history.warning
     app = ChatApp(FakeBackend([ssd_events(["a"]), ssd_events(["b"])]), history=history)
-    async with app.run_test(size=(140, 44)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 44)) as pilot:
         for prompt in ("one", "two"):
             await app.chat_view.submit(prompt)
             await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)

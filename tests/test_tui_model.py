@@ -8,12 +8,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import FakeBackend, ssd_events, wait_until  # noqa: E402
+from helpers.tui import FakeBackend, ready, ssd_events, wait_until
 
 from ssd_chat.history.store import History  # noqa: E402
 from ssd_chat.tui.app import ChatApp  # noqa: E402
@@ -112,8 +110,7 @@ def test_the_new_values_keep_the_mode_and_a_derived_draft_only():
 @pytest.mark.asyncio
 async def test_model_alone_lists_the_local_models_and_the_one_in_use(tmp_path):
     app, built = make(tmp_path)
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 45)) as pilot:
         await type_line(pilot, app, "/model")
         text = (await notices_with(pilot, app, "models on this machine"))[0]
         assert "in use: smollm2-1.7b" in text
@@ -126,8 +123,7 @@ async def test_model_alone_lists_the_local_models_and_the_one_in_use(tmp_path):
 @pytest.mark.asyncio
 async def test_a_name_not_available_is_refused_in_one_line_and_nothing_changes(tmp_path):
     app, built = make(tmp_path)
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 45)) as pilot:
         await type_line(pilot, app, "/model llama-3-8b")
         (msg,) = await notices_with(pilot, app, "cannot switch")
         assert "\n" not in msg and "not in the local Hugging Face cache" in msg and "download meta-llama/Llama-3.1-8B-Instruct" in msg
@@ -140,8 +136,7 @@ async def test_a_name_not_available_is_refused_in_one_line_and_nothing_changes(t
 @pytest.mark.asyncio
 async def test_switch_after_confirming_closes_the_old_backend_starts_a_new_chat_and_loads_the_new_target(tmp_path):
     app, built = make(tmp_path)
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 45)) as pilot:
         await app.chat_view.controller.actions.apply_settings({"mode": "sd"})  # changed since the load: the switch keeps it
         await app.chat_view.submit("hello")
         await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished)
@@ -176,8 +171,7 @@ async def test_switch_after_confirming_closes_the_old_backend_starts_a_new_chat_
 @pytest.mark.asyncio
 async def test_cancel_changes_nothing(tmp_path):
     app, built = make(tmp_path)
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 45)) as pilot:
         await type_line(pilot, app, "/model smollm2-360m")
         await wait_until(pilot, lambda: isinstance(app.screen, ConfirmDialog))
         await pilot.press("escape")
@@ -190,8 +184,7 @@ async def test_cancel_changes_nothing(tmp_path):
 async def test_refused_while_a_reply_streams(tmp_path):
     app, built = make(tmp_path)
     built[0].block = True
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 45)) as pilot:
         await app.chat_view.submit("long one")
         await wait_until(pilot, lambda: built[0].blocked.is_set())
         await type_line(pilot, app, "/model smollm2-360m")
@@ -204,8 +197,7 @@ async def test_refused_while_a_reply_streams(tmp_path):
 @pytest.mark.asyncio
 async def test_a_failed_load_leaves_the_app_usable_to_switch_back(tmp_path):
     app, built = make(tmp_path)
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 45)) as pilot:
         app.backend_factory = lambda v: built.append(Broken(v)) or built[-1]
         await type_line(pilot, app, "/model smollm2-360m")
         await wait_until(pilot, lambda: isinstance(app.screen, ConfirmDialog))
@@ -233,8 +225,7 @@ class Broken(ProcBackend):
 @pytest.mark.asyncio
 async def test_tab_completes_a_local_model_name(tmp_path):
     app, built = make(tmp_path)
-    async with app.run_test(size=(140, 45)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(140, 45)) as pilot:
         prompt = app.chat_view.prompt
         prompt.set_text("/model smollm2-3")
         await pilot.press("tab")

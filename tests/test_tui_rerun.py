@@ -4,7 +4,8 @@ and deleting a saved chat after a confirmation (scripted streams, no model)."""
 from __future__ import annotations
 
 import pytest
-from test_tui import FakeBackend, ssd_events, wait_until
+from helpers.tui import (after_chat, chat, FakeBackend, notices, on_screen, press_for_reply,
+                          ready, saved, scripted_app, ssd_events, wait_until)
 from textual.widgets import Input
 
 from ssd_chat.engine import SamplingParams
@@ -16,42 +17,13 @@ from ssd_chat.tui.widgets.confirm_dialog import ConfirmDialog
 from ssd_chat.tui.widgets.settings_dialog import SettingsDialog
 
 
-def saved(path, all_branches: bool = False) -> list[tuple[str, list[tuple[str, str]]]]:
-    """Every saved chat, newest first: (title, [(role, content)]) of its current branch (or of every message)."""
-    h = History(path)
-    try:
-        return [(c.title, [(m.role, m.content) for m in h.messages(c.id, all_branches)]) for c in h.list_conversations()]
-    finally:
-        h.close()
-
-
-def on_screen(app: ChatApp) -> list[tuple[str, str]]:
-    return [("user" if isinstance(w, UserMessage) else "assistant", w.text)
-            for w in app.chat_view.chat.children if isinstance(w, (UserMessage, AssistantMessage))]
-
-
-async def chat(app: ChatApp, pilot, *prompts: str) -> None:
-    for p in prompts:
-        await app.chat_view.submit(p)
-        await wait_until(pilot, lambda: app.chat_view.current is not None and app.chat_view.current.finished and not app.chat_view._reply_worker.is_running)
-
-
-def notices(app: ChatApp) -> list[str]:
-    return [n.text for n in app.query("Notice")]
-
-
 class TestRegenerate:
     @pytest.mark.asyncio
     async def test_f5_drops_the_last_reply_and_decodes_it_again_with_the_current_settings(self, tmp_path):
-        backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["again"])])
-        app = ChatApp(backend, history=History(tmp_path / "h.db"))
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
-            await chat(app, pilot, "a", "b")
+        async with after_chat(tmp_path / "h.db", ("one", "two", "again"), ("a", "b"), size=(140, 45)) as (app, backend, pilot):
             await app.chat_view.submit("/temp 0.7")
             app.chat_view.prompt.set_text("half typed")
-            await pilot.press("f5")
-            await wait_until(pilot, lambda: len(backend.calls) == 3 and app.chat_view.current.finished)
+            await press_for_reply(pilot, app, "f5", 3)
             # the model saw the chat without the dropped reply, and the temperature set after it
             assert backend.calls[2] == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "one"},
                                         {"role": "user", "content": "b"}]
@@ -65,10 +37,8 @@ class TestRegenerate:
 
     @pytest.mark.asyncio
     async def test_regenerate_command_and_palette_entry_and_nothing_to_regenerate(self, tmp_path):
-        backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["three"])])
-        app = ChatApp(backend, history=History(tmp_path / "h.db"))
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        app, backend = scripted_app(tmp_path / "h.db", "one", "two", "three")
+        async with ready(app, size=(140, 45)) as pilot:
             await app.chat_view.submit("/regen")
             assert any("no reply to regenerate yet" in n for n in notices(app)) and backend.calls == []
             await chat(app, pilot, "a")
@@ -85,15 +55,13 @@ class TestRegenerate:
         """The stopped reply enters the session when its thread ends: regenerate must cut after that, not before."""
         backend = FakeBackend([ssd_events(["long", " reply", " here", " and", " more"]), ssd_events(["fresh"])], block=True)
         app = ChatApp(backend, history=History(tmp_path / "h.db"))
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        async with ready(app, size=(140, 45)) as pilot:
             await app.chat_view.submit("a")
             await wait_until(pilot, lambda: backend.blocked.is_set())
             await pilot.press("f5")  # refused while it streams
             assert len(backend.calls) == 1 and app.chat_view.current.status == "streaming"
             await pilot.press("escape")
-            await pilot.press("f5")
-            await wait_until(pilot, lambda: len(backend.calls) == 2 and app.chat_view.current.finished)
+            await press_for_reply(pilot, app, "f5", 2)
             assert app.chat_view.messages == [{"role": "user", "content": "a"}, {"role": "assistant", "content": "fresh"}]
             assert on_screen(app) == [("user", "a"), ("assistant", "fresh")]
         assert saved(tmp_path / "h.db") == [("a", [("user", "a"), ("assistant", "fresh")])]
@@ -102,11 +70,8 @@ class TestRegenerate:
 class TestEdit:
     @pytest.mark.asyncio
     async def test_edit_an_earlier_message_reruns_from_it_and_keeps_the_old_branch(self, tmp_path):
-        backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["three"]), ssd_events(["new"])])
-        app = ChatApp(backend, history=History(tmp_path / "h.db"))
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
-            await chat(app, pilot, "first", "second", "third")
+        async with after_chat(tmp_path / "h.db", ("one", "two", "three", "new"), ("first", "second", "third"),
+                              size=(140, 45)) as (app, backend, pilot):
             before = [("user", "first"), ("assistant", "one"), ("user", "second"), ("assistant", "two"),
                       ("user", "third"), ("assistant", "three")]
             await wait_until(pilot, lambda: sum(isinstance(w, UserMessage) for w in app.screen.focus_chain) == 3)  # laid out
@@ -121,8 +86,7 @@ class TestEdit:
             assert "editing your message 2 of 3" in str(app.chat_view.prompt.border_title)
             assert on_screen(app) == before  # nothing is cut before it is sent
             app.chat_view.prompt.set_text("second, edited")
-            await pilot.press("enter")
-            await wait_until(pilot, lambda: len(backend.calls) == 4 and app.chat_view.current.finished)
+            await press_for_reply(pilot, app, "enter", 4)
             assert backend.calls[3] == [{"role": "user", "content": "first"}, {"role": "assistant", "content": "one"},
                                         {"role": "user", "content": "second, edited"}]
             after = [("user", "first"), ("assistant", "one"), ("user", "second, edited"), ("assistant", "new")]
@@ -146,8 +110,7 @@ class TestEdit:
         app = ChatApp(backend, history=History(path, timeout_s=0.1))
         other = sqlite3.connect(path, timeout=0.1)
         try:
-            async with app.run_test(size=(140, 45)) as pilot:
-                await wait_until(pilot, lambda: app.chat_view.ready)
+            async with ready(app, size=(140, 45)) as pilot:
                 await chat(app, pilot, "first")
                 await pilot.press("ctrl+n")
                 await chat(app, pilot, "second")
@@ -155,8 +118,7 @@ class TestEdit:
                 other.execute("BEGIN EXCLUSIVE")  # another program mid-transaction: writes wait in memory
                 await app.chat_view.submit("/edit 1")
                 app.chat_view.prompt.set_text("second, edited")
-                await pilot.press("enter")
-                await wait_until(pilot, lambda: len(backend.calls) == 3 and app.chat_view.current.finished)
+                await press_for_reply(pilot, app, "enter", 3)
                 assert any("stays as a branch" in n for n in notices(app)), notices(app)
                 assert any("another program has it locked" in n for n in notices(app)), notices(app)
                 other.rollback()  # the lock goes: what was held back is saved, in order
@@ -172,11 +134,7 @@ class TestEdit:
 
     @pytest.mark.asyncio
     async def test_edit_command_the_first_message_renames_the_chat_and_esc_cancels(self, tmp_path):
-        backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["renamed"])])
-        app = ChatApp(backend, history=History(tmp_path / "h.db"))
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
-            await chat(app, pilot, "first", "second")
+        async with after_chat(tmp_path / "h.db", ("one", "two", "renamed"), ("first", "second"), size=(140, 45)) as (app, backend, pilot):
             for bad in ("/edit 0", "/edit x", "/edit 3"):
                 await app.chat_view.submit(bad)
             assert any("usage: /edit [N]" in n for n in notices(app))
@@ -192,8 +150,7 @@ class TestEdit:
             assert app.chat_view.controller.rerun.editing is None and app.chat_view.prompt.text == "my draft" and len(backend.calls) == 2
             await app.chat_view.submit("/edit 1")
             app.chat_view.prompt.set_text("a new first")
-            await pilot.press("enter")
-            await wait_until(pilot, lambda: len(backend.calls) == 3 and app.chat_view.current.finished)
+            await press_for_reply(pilot, app, "enter", 3)
             assert backend.calls[2] == [{"role": "user", "content": "a new first"}]
             assert on_screen(app) == [("user", "a new first"), ("assistant", "renamed")]
         chats = saved(tmp_path / "h.db")
@@ -203,11 +160,7 @@ class TestEdit:
 
     @pytest.mark.asyncio
     async def test_an_edit_left_open_ends_with_a_new_chat(self, tmp_path):
-        backend = FakeBackend([ssd_events(["one"]), ssd_events(["fresh"])])
-        app = ChatApp(backend, history=History(tmp_path / "h.db"))
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
-            await chat(app, pilot, "first")
+        async with after_chat(tmp_path / "h.db", ("one", "fresh"), ("first",), size=(140, 45)) as (app, backend, pilot):
             cmd = next(c for c in app.get_system_commands(app.screen) if c.title == "Edit your last message")
             await cmd.callback()
             assert app.chat_view.controller.rerun.editing is not None and app.chat_view.prompt.text == "first"
@@ -222,8 +175,7 @@ class TestHint:
     @pytest.mark.asyncio
     async def test_an_empty_chat_names_help_the_palette_and_the_send_key(self):
         app = ChatApp(FakeBackend([ssd_events(["one"])]))
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        async with ready(app, size=(140, 45)) as pilot:
             [hint] = app.query(".hint")
             assert "/help" in hint.content and "Ctrl+P" in hint.content and "Enter to send" in hint.content
             await chat(app, pilot, "hi")
@@ -237,8 +189,7 @@ class TestSettingsFields:
     async def test_top_p_top_k_seed_apply_and_bad_values_keep_the_dialog_open(self):
         backend = FakeBackend([ssd_events(["one"])])
         app = ChatApp(backend, settings={"sampling": SamplingParams.given({"temperature": 0.8})})
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        async with ready(app, size=(140, 45)) as pilot:
             await pilot.press("ctrl+o")
             await wait_until(pilot, lambda: isinstance(app.screen, SettingsDialog))
             field = {key: app.screen.query_one(f"#{key}", Input) for key in FIELDS}
@@ -292,8 +243,7 @@ class TestDeleteChat:
                 h.add_message(cid, "user" if i % 2 == 0 else "assistant", f"{title} {i}")
             ids.append(cid)
         app = ChatApp(FakeBackend([]), history=h)
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
+        async with ready(app, size=(140, 45)) as pilot:
             await pilot.press("ctrl+r")
             await wait_until(pilot, lambda: app.screen.query("#chat-list"))
             ol = app.screen.query_one("#chat-list")
@@ -328,11 +278,7 @@ class TestDeleteChat:
     async def test_deleting_the_open_chat_goes_on_in_a_new_saved_chat(self, tmp_path):
         """Once the open chat was deleted, its next message had no chat to go to: the failed write put the
         whole history in memory for the rest of the session."""
-        backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"])])
-        app = ChatApp(backend, history=History(tmp_path / "h.db"))
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
-            await chat(app, pilot, "doomed")
+        async with after_chat(tmp_path / "h.db", ("one", "two"), ("doomed",), size=(140, 45)) as (app, backend, pilot):
             await pilot.press("ctrl+r")
             await wait_until(pilot, lambda: app.screen.query("#chat-list"))
             await pilot.press("d")
@@ -357,8 +303,7 @@ class TestSavedChats:
         async with app.run_test(size=(140, 45)) as pilot:
             await wait_until(pilot, lambda: app.chat_view.ready and len(app.chat_view.messages) == 4)
             assert not app.query(".hint")
-            await pilot.press("f5")
-            await wait_until(pilot, lambda: len(backend.calls) == 1 and app.chat_view.current.finished)
+            await press_for_reply(pilot, app, "f5", 1)
             assert backend.calls[0][-1] == {"role": "user", "content": "more"}
         assert saved(tmp_path / "h.db") == [("old question", [("user", "old question"), ("assistant", "old answer"),
                                                               ("user", "more"), ("assistant", "fresh")])]
@@ -367,14 +312,9 @@ class TestSavedChats:
     async def test_regenerate_in_a_saved_chat_that_lost_a_write_loses_nothing_more(self, tmp_path):
         """When the saved chat does not hold what the screen shows, regenerate still deletes nothing: the new
         reply goes beside the old one."""
-        backend = FakeBackend([ssd_events(["one"]), ssd_events(["two"]), ssd_events(["again"])])
-        app = ChatApp(backend, history=History(tmp_path / "h.db"))
-        async with app.run_test(size=(140, 45)) as pilot:
-            await wait_until(pilot, lambda: app.chat_view.ready)
-            await chat(app, pilot, "a", "b")
+        async with after_chat(tmp_path / "h.db", ("one", "two", "again"), ("a", "b"), size=(140, 45)) as (app, backend, pilot):
             app.history.db.execute("DELETE FROM messages WHERE content='one'")  # a write the file never got
             app.history.db.commit()
-            await pilot.press("f5")
-            await wait_until(pilot, lambda: len(backend.calls) == 3 and app.chat_view.current.finished)
+            await press_for_reply(pilot, app, "f5", 3)
         assert saved(tmp_path / "h.db", all_branches=True) == [
             ("a", [("user", "a"), ("user", "b"), ("assistant", "two"), ("assistant", "again")])]

@@ -5,15 +5,12 @@ field is never empty in AR; a prompt sent while loading is a passing notificatio
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from serving import tiny_chat_dir  # noqa: E402,F401
-from test_tui import FakeBackend, plain, ssd_events, wait_until  # noqa: E402
+from helpers.tui import FakeBackend, plain, ready, ssd_events, wait_until
 
 from ssd_chat.chat.backend import EngineBackend  # noqa: E402
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -77,8 +74,7 @@ async def test_mode_auto_goes_back_to_autos_choice_from_the_command_and_the_dial
 
     engine = loaded_in_auto(tiny_chat_dir, tmp_path, monkeypatch)
     app = ChatApp(Preloaded(engine), settings={"sampling": SamplingParams.given({"max_new_tokens": 8, "temperature": 0.0})})
-    async with app.run_test(size=(150, 50)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(150, 50)) as pilot:
         await pilot.pause()
         assert "auto → SD" in setup_text(app) and f"why {WHY}" in setup_text(app), setup_text(app)
         for way in ("command", "dialog"):
@@ -121,8 +117,7 @@ async def test_the_settings_dialog_shows_k_and_fan_out_in_ar(tiny_target, tiny_d
 
     engine = Engine(EngineConfig(target="tiny-target", draft="layers:1", mode="ar", k=4, fan_out="uniform:2"), tiny_target, tiny_draft)
     app = ChatApp(Preloaded(engine))
-    async with app.run_test(size=(150, 50)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(150, 50)) as pilot:
         await pilot.press("ctrl+o")
         await wait_until(pilot, lambda: isinstance(app.screen, SettingsDialog))
         assert app.screen.query_one("#k", Input).value == "4"
@@ -167,7 +162,7 @@ async def test_a_prompt_sent_while_loading_leaves_no_line_in_the_chat():
 async def test_the_settings_dialog_shows_the_k_started_with_while_loading():
     from textual.widgets import Input
 
-    from test_tui_loading import SlowEngineBackend
+    from helpers.tui import SlowEngineBackend
 
     backend = SlowEngineBackend()
     app = ChatApp(backend, settings={"k": 5})
@@ -189,8 +184,7 @@ async def test_compare_leaves_auto_in_force(tiny_chat_dir, tmp_path, monkeypatch
     """Ctrl+G switches through AR, SD and SSD; afterwards the engine is back in auto, not in a mode it named."""
     engine = loaded_in_auto(tiny_chat_dir, tmp_path, monkeypatch)
     app = ChatApp(Preloaded(engine), settings={"sampling": SamplingParams.given({"max_new_tokens": 4, "temperature": 0.0})})
-    async with app.run_test(size=(150, 50)) as pilot:
-        await wait_until(pilot, lambda: app.chat_view.ready)
+    async with ready(app, size=(150, 50)) as pilot:
         await app.chat_view.submit("/compare hi")
         await wait_until(pilot, lambda: app.chat_view.switching is None and any("outputs:" in n.text for n in app.query("Notice")), 240)
         assert engine.auto and engine.config.mode == "sd"

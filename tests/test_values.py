@@ -78,7 +78,7 @@ def test_bad_values_exit_2_in_one_line_before_loading(no_load, args, needle):
 
 
 def test_the_app_refuses_an_infinite_temperature_in_words():
-    from test_tui import FakeBackend, ssd_events, wait_until
+    from helpers.tui import FakeBackend, ssd_events, wait_until
 
     from ssd_chat.tui.app import ChatApp
 
@@ -260,7 +260,7 @@ def test_help_texts_are_whole_and_agree(monkeypatch):
 
 # -- mode auto and `ssd-chat config` on a local model folder --------------------------------------
 def test_auto_and_config_say_the_same_about_a_local_folder(tmp_path, monkeypatch):
-    from conftest import tiny_llama
+    from helpers.models import tiny_llama
 
     folder = tmp_path / "my-model"
     tiny_llama().save_pretrained(folder)

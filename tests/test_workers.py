@@ -6,19 +6,16 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
+from helpers import env_with_helpers
 from ssd_chat.engine import processes as workers
-
-TESTS = str(Path(__file__).parent)
 
 # A fresh interpreter (multiprocessing's resource tracker not yet running), with stdout/stderr replaced
 # the way Textual replaces them while the app runs; then a real SSD reply on a tiny pair.
 SCRIPT = textwrap.dedent("""
     import sys
-    sys.path.insert(0, {tests!r})
 
     class Capture:  # what Textual puts in sys.stdout / sys.stderr while the app runs
         def write(self, s): return len(s)
@@ -28,7 +25,7 @@ SCRIPT = textwrap.dedent("""
 
     real_out = sys.__stdout__
     sys.stdout = sys.stderr = Capture()
-    from conftest import CharTokenizer, as_loaded, tiny_llama
+    from helpers.models import CharTokenizer, as_loaded, tiny_llama
     from ssd_chat.engine import Engine, EngineConfig, SamplingParams
     from ssd_chat.engine.events import Done, Notice
     from ssd_chat.engine.decode.ssd import SSDDecoder
@@ -52,8 +49,7 @@ SCRIPT = textwrap.dedent("""
 def test_the_speculator_starts_when_stderr_has_no_file_descriptor(prepare):
     """Textual's stderr made every SSD reply in the app plain SD ("bad value(s) in fds_to_keep"): the
     speculator starts (the worker is a process, its cache is hit) with and without an early prepare()."""
-    env = dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(tests=TESTS, prepare=prepare)], env=env,
+    out = subprocess.run([sys.executable, "-c", SCRIPT.format(prepare=prepare)], env=env_with_helpers(),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     pid, hit_rate, label, notices = out.stdout.strip().splitlines()[-1].split("|", 3)

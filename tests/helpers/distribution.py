@@ -33,7 +33,7 @@ import torch
 from ssd_chat.engine.events import Done, Error, Event
 from ssd_chat.engine.load.models import LoadedModel
 from ssd_chat.engine.params import SamplingParams
-from reference_sampling import probs as reference_probs
+from helpers.reference_sampling import probs as reference_probs
 
 Outcome = tuple[int, ...]
 StreamFn = Callable[[list[int], SamplingParams], Iterable[Event]]

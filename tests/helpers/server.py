@@ -1,4 +1,4 @@
-"""Helpers for the server tests: a tiny chat model folder, a real uvicorn server on a loopback port."""
+"""Helpers for the server tests: a real uvicorn server on a loopback port, requests and streams."""
 
 from __future__ import annotations
 
@@ -10,24 +10,9 @@ import time
 import urllib.error
 import urllib.request
 
-import pytest
-import torch
+from ssd_chat.engine import Engine, EngineConfig
 
-from conftest import tiny_llama
-
-
-@pytest.fixture(scope="session")
-def tiny_chat_dir(tmp_path_factory, smol_tokenizer):
-    """A random-weight Llama with SmolLM2's real tokenizer and chat template, and a 4096-token
-    context, so a long reply can keep the engine busy while a test queues requests behind it."""
-    folder = tmp_path_factory.mktemp("tiny") / "tiny-chat"
-    model = tiny_llama(vocab_size=len(smol_tokenizer.get_vocab()), seed=0, dtype=torch.float32, max_pos=4096)
-    model.save_pretrained(folder)
-    smol_tokenizer.save_pretrained(folder)
-    # the model declares greedy decoding, so replies that set no sampling option are reproducible
-    # (a model that declares nothing would get the chat default: sampling, engine/load/gen_defaults.py)
-    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False}), encoding="utf-8")
-    return folder
+MSG = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @contextlib.contextmanager
@@ -102,3 +87,17 @@ def read_data_events(reader, n: int) -> list[str]:
         if line.startswith("data: "):
             out.append(line[6:])
     return out
+
+
+def engine(loaded, mode="sd", with_draft=True) -> Engine:
+    """An engine over the (target, draft) of the ``server_models`` fixture."""
+    target, draft = loaded
+    return Engine(EngineConfig(target=target.name, mode=mode, draft="layers:1" if with_draft else None), target,
+                  draft if with_draft else None)
+
+
+def client(url: str, **kw):
+    """The official ``openai`` client of the server at ``url``."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, timeout=300, **kw)
