@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from .config import CONFIG_MODES, MODES, EngineConfig
+from .config import EngineConfig
 from .decode.ar import ARDecoder
 from .drafts import gguf as gguf_drafts, shipped as drafts
 from .drafts.drafter import is_feature_draft

@@ -18,7 +18,6 @@ from textual.message import Message
 from ..chat import compare as cmp
 from ..engine import threads, messages_for, SamplingParams
 from ..chat.backend import readable
-from .replies import settle
 from .widgets.figures import Baseline, baseline_from_reply
 
 

@@ -32,7 +32,6 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import cache_dir
 from ..cpu import quant
 from . import aoti, background
 from .aoti import Trunk

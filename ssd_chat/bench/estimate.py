@@ -43,7 +43,7 @@ def probe(base_config: Any, models_for: Callable[[Plan], tuple[Any, Any]], promp
     """Time ``tokens`` decode steps of each distinct configuration on the race's warm-up prompt, pinned as the
     race pins it, and scale: per configuration its memory-bandwidth reading (timed here as the race does it),
     one warm-up reply and prompts x repeats replies of ``settings.max_new_tokens`` tokens each; plus ``load_s``."""
-    from ..engine import SamplingParams, messages_for, Done, Error
+    from ..engine import messages_for, Done, Error
     from .machine import Pinning, read_bandwidth
 
     encode = encode or (lambda eng, p: eng.prompt_ids(messages_for(p.text)))

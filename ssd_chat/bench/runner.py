@@ -58,7 +58,7 @@ def run_bench(
 
     ``models_for(plan) -> (target, draft)`` gives loaded models (shared between plans);
     ``encode(engine, prompt) -> (ids, extra_stop)`` defaults to the chat template."""
-    from ..engine import SamplingParams, messages_for, Done, Error, Notice, Round, Metrics
+    from ..engine import messages_for, Done, Error, Notice, Round, Metrics
 
     encode = encode or (lambda eng, p: eng.prompt_ids(messages_for(p.text)))
     out = BenchRun()

@@ -23,9 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import json
 import logging
-import secrets
 import signal
 import socket
 import threading
