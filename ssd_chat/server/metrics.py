@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: N811 - re-exported
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from ..engine import Done, Error, Event, Round, Stats
