@@ -172,16 +172,6 @@ def stop(proc: Any, conn: Any, goodbye: Any, timeout_s: float) -> None:
         conn.close()
 
 
-def exit_now(code: int = 0) -> None:
-    """End a worker at once after a clean goodbye: the interpreter's own shutdown (torch's, numba's and
-    OpenMP's threads) takes seconds, which the parent would wait out in ``stop``; nothing a worker owns
-    needs it (the parent owns the shared buffers; AOTI's unpacked packages are swept by pid)."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
-
-
 def pid_alive(pid: int) -> bool:
     """Whether a process with this id exists (one of another user's counts)."""
     try:
