@@ -191,3 +191,20 @@ def test_a_worker_starts_with_ctrl_c_blocked_and_the_caller_keeps_its_mask(tmp_p
     script.write_text(FIRST_WORKER)
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert r.stdout.split() == ["blocked", "kept"], r.stdout + r.stderr
+
+
+def test_a_worker_that_said_goodbye_ends_without_the_interpreters_shutdown():
+    """``exit_now`` (what the speculator and the TP ranks call after a clean close) ends the process with
+    code 0, its atexit handlers run (the simulated padding's tallies are written there) and its output
+    flushed, skipping the rest of the interpreter's shutdown (joining threads, tearing modules down)
+    that took the speculator seconds, which ``stop`` waited out before terminating it."""
+    script = textwrap.dedent("""
+        import atexit, sys, threading, time
+        from ssd_chat.engine import processes
+        atexit.register(lambda: print(" atexit ran", end=""))
+        threading.Thread(target=time.sleep, args=(60,)).start()  # a non-daemon thread shutdown would join
+        print("served", end="")
+        processes.exit_now()
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout == "served atexit ran", (r.returncode, r.stdout, r.stderr)

@@ -107,6 +107,7 @@ def worker_main(conn: Any, recipe: Recipe, k: int, fan_out: FanOut, fallback: st
         except (OSError, EOFError):
             pass
         sys.exit(1)
+    processes.exit_now()
 
 
 @dataclass

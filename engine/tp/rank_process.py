@@ -96,6 +96,7 @@ def main(conn: Any, source: str, cfg: Any, rank: int, world: int, device: str, d
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - the group may be broken; the process ends anyway
                 pass
+    processes.exit_now()
 
 
 def _recv(shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
