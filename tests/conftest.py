@@ -4,6 +4,7 @@ GGUF files built once, and per-test config/data folders.  What builds them lives
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,10 @@ from ssd_chat.engine.load import models
 from ssd_chat.engine.load.models import LoadedModel
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# A suite started in the background by a shell without job control inherits SIGINT ignored, and so would every
+# process it starts: the tests that press Ctrl-C need the terminal's default (a handler is reset to it on exec).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_report_header(config):  # noqa: ARG001
