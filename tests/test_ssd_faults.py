@@ -20,12 +20,6 @@ from ssd_chat.engine.params import SamplingParams
 from helpers.decoding import PROMPTS, run, ssd
 
 
-
-def _default_sigint() -> None:
-    """A harness that started us in the background (``cmd &``) passes SIGINT on as ignored, and Python then
-    installs no KeyboardInterrupt handler; the child must see Ctrl-C as a user's terminal delivers it."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
 @pytest.fixture(scope="module")
 def seed2_pair():
     base = tiny_llama(seed=2, head_scale=3.0)
@@ -161,7 +155,7 @@ APP = textwrap.dedent("""
 @pytest.mark.parametrize("how", ["normal", "exception", "sigint", "sigkill"])
 def test_no_worker_outlives_the_app(how, repo_root):
     proc = subprocess.Popen([sys.executable, "-c", APP, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=repo_root,
-                            env=env_with_helpers(), preexec_fn=_default_sigint)
+                            env=env_with_helpers())
     try:
         line = proc.stdout.readline()
         assert line.strip(), f"the app script died before starting its worker: {proc.communicate(timeout=30)[1][-2000:]}"
