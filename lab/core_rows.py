@@ -56,15 +56,22 @@ head = max((m for m in e.target.model.modules() if isinstance(m, GGUFLinear)), k
 hx = torch.randn(max(ROWS), head.in_features)
 q4 = [m for m in e.target.model.modules() if isinstance(m, GGUFLinear) and m.int4 is not None]
 xs = {f: torch.randn(max(ROWS), f).to(torch.bfloat16) for f in {m.in_features for m in q4}}
+
+
+def forward_s(k: int) -> float:
+    """One forward of ``k`` rows after the prompt, timed."""
+    r.truncate(n)
+    t0 = clock()
+    r.append(seq[n:n + k])
+    return clock() - t0
+
+
 fwd: dict[int, list[float]] = {k: [] for k in ROWS}
 hd: dict[int, list[float]] = {k: [] for k in ROWS}
 q4t: dict[int, list[float]] = {k: [] for k in ROWS}
 for _ in range(a.reps):
     for k in ROWS:
-        r.truncate(n)
-        t0 = clock()
-        r.append(seq[n:n + k])
-        fwd[k].append(clock() - t0)
+        fwd[k].append(forward_s(k))
         t0 = clock()
         head(hx[:k])
         hd[k].append(clock() - t0)
@@ -77,11 +84,9 @@ for _ in range(a.reps):
 blk: dict[int, list[float]] = {k: [] for k in ROWS}
 for k in ROWS:
     for i in range(a.reps + 5):  # the first few warm the caches with this graph's weights
-        r.truncate(n)
-        t0 = clock()
-        r.append(seq[n:n + k])
+        t = forward_s(k)
         if i >= 5:
-            blk[k].append(clock() - t0)
+            blk[k].append(t)
 
 
 def med(ts: list[float]) -> float:
