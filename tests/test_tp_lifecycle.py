@@ -11,6 +11,7 @@ import torch
 from ssd_chat.engine.model.core import Core
 from ssd_chat.engine.errors import ModelError, TPError
 
+from helpers import procs
 from helpers.models import PROMPT, tiny_llama, tiny_qwen
 from helpers.tp import alive, close as _close, greedy, save as _save, start as _start
 
@@ -79,16 +80,7 @@ def test_a_shard_that_cannot_load_stops_every_rank(tmp_path):
 
 
 def _spawned() -> list[int]:
-    import psutil
-
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if "spawn_main" in " ".join(p.cmdline()):
-                out.append(p.pid)
-        except psutil.Error:
-            continue
-    return out
+    return [p.pid for p in procs.workers()]
 
 
 # -- no rank outlives the app -------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Helpers for the pty tests: the real app in a pseudo-terminal, the screen as text, what the app saved,
-its speculator processes."""
+its worker processes (helpers.procs)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import time
 from typing import Callable
 
 import pexpect
-import psutil
 
 from ssd_chat.engine.config import cache_dir
 from ssd_chat.engine.startup import probe
@@ -32,19 +31,6 @@ def last_reply(db_path) -> tuple[str, str] | None:
     except sqlite3.Error:
         return None
     return row
-
-
-def speculators(pid: int) -> list[psutil.Process]:
-    """The app's spawned worker processes (not multiprocessing's resource tracker)."""
-    out = []
-    for p in psutil.Process(pid).children(recursive=True):
-        try:
-            cmd = " ".join(p.cmdline())
-        except psutil.Error:
-            continue
-        if "spawn_main" in cmd:
-            out.append(p)
-    return out
 
 
 def turns(db) -> list[tuple[str, dict]]:
