@@ -1,8 +1,9 @@
 """Starting the engine's worker processes (the SSD speculator, tensor-parallel ranks).
 
 Workers are ``spawn``ed: a fork of a process that already runs torch threads (and, in the
-app, Textual's) is unsafe.  The speculator, started once per SSD engine, is forked instead by a
-forkserver (:func:`context`): a clean single-threaded process that has imported torch once.
+app, Textual's) is unsafe.  The engine's own workers (the speculator, tensor-parallel ranks, a
+background compile) are forked instead by a forkserver (:func:`context`): a clean single-threaded
+process that has imported torch once.
 Three things make a start fail or leak unless handled here:
 
 * Textual replaces ``sys.stdout``/``sys.stderr`` with objects whose ``fileno()`` is -1.
@@ -37,18 +38,22 @@ from typing import Any
 _lock = threading.Lock()
 
 
-def context(preload: tuple[str, ...] = ()) -> Any:
+# what the engine's workers import before their first request: imported once, in the forkserver
+PRELOAD = ("torch", "numpy", "numba", "transformers", "transformers.models.llama.modeling_llama")
+
+
+def context(forked: bool = False) -> Any:
     """The multiprocessing context a worker is started with (torch's, so tensors can be shared).
 
-    ``spawn`` by default.  With ``preload`` (modules to import once): a forkserver, a clean process
-    that imports those modules once and forks each worker from there.  Only the main thread runs
-    in it, so the fork is safe, and a worker starts in a fraction of a second instead of the
-    seconds torch and transformers take to import (the speculator: once per SSD engine)."""
+    ``spawn`` by default (the app's engine process: the app itself never imports torch).
+    ``forked``: a forkserver, a clean process that imports :data:`PRELOAD` once and forks each
+    worker from there.  Only its main thread runs, so the fork is safe, and a worker starts in a
+    fraction of a second instead of the seconds torch and transformers take to import."""
     import torch.multiprocessing
 
-    if not preload:
+    if not forked:
         return torch.multiprocessing.get_context("spawn")
-    torch.multiprocessing.set_forkserver_preload(list(preload))
+    torch.multiprocessing.set_forkserver_preload(list(PRELOAD))
     return _ForkServer()
 
 

@@ -80,7 +80,7 @@ def test_a_shard_that_cannot_load_stops_every_rank(tmp_path):
 
 
 def _spawned() -> list[int]:
-    return [p.pid for p in procs.workers()]
+    return [p.pid for p in procs.workers(servers=False)]
 
 
 # -- no rank outlives the app -------------------------------------------------------------------------

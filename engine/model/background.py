@@ -70,7 +70,7 @@ class Build:
         self.closed = False
         for _r, _t, path in self.jobs:
             _sweep(path)
-        ctx = processes.context()
+        ctx = processes.context(forked=True)
         self._conn, child = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(target=child_main, name="ssd-compile", daemon=True,
                                 args=(child, source(), core_cls, name, mid_layer, width, [(r, t, str(p)) for r, t, p in self.jobs], os.getpid()))

@@ -70,10 +70,6 @@ class Proposer(Protocol):
     def drafts(self, stop: threading.Event | None = None) -> Proposal | None: ...
 
 
-# what every speculator imports before its first request: imported once, in a forkserver (processes.context)
-PRELOAD = ("torch", "numpy", "numba", "transformers", "transformers.models.llama.modeling_llama")
-
-
 class RemoteProposer:
     """A running speculator process and its channel."""
 
@@ -81,7 +77,7 @@ class RemoteProposer:
                  threads: int | None, timeout: float, fault: str | None = None, compile: str = "off", spin: bool = False) -> None:
         """``spin``: each side has a core (or device) of its own, so each polls for the other's next
         message before it sleeps (:class:`channel.Poller`)."""
-        ctx = processes.context(PRELOAD)
+        ctx = processes.context(forked=True)
         parent, child = ctx.Pipe(duplex=True)
         qbuf = torch.zeros(k, vocab, dtype=torch.float32).share_memory_()
         self.k = k

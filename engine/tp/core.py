@@ -110,7 +110,7 @@ class TPCore:
         if self.world > 1:
             store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=timeout_s))
-        ctx = processes.context()
+        ctx = processes.context(forked=True)
         src = os.fspath(source) if isinstance(source, (str, os.PathLike)) else ""
         for r in range(1, self.world):
             parent, child = ctx.Pipe(duplex=True)

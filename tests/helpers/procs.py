@@ -1,6 +1,6 @@
 """The engine's worker processes as tests find them (engine/processes.py): spawned ones (the app's engine
-process, tensor-parallel ranks, background compiles), and the speculators a forkserver forks, with the
-forkserver itself (it must not outlive the app either)."""
+process), the ones a forkserver forks (speculators, tensor-parallel ranks, background compiles), and
+the forkserver itself (it must not outlive the app either)."""
 
 from __future__ import annotations
 
@@ -9,30 +9,38 @@ import psutil
 FORKSERVER = "multiprocessing.forkserver"
 
 
-def _cmd(p: psutil.Process) -> str:
+def _cmd(p: psutil.Process | None) -> str:
     try:
-        return " ".join(p.cmdline())
+        return " ".join(p.cmdline()) if p is not None else ""
     except psutil.Error:
         return ""
 
 
-def workers(pid: int | None = None) -> list[psutil.Process]:
-    """Every worker process under ``pid`` (default: this one), not multiprocessing's resource tracker."""
+def _forked(p: psutil.Process) -> bool:
+    """Whether a forkserver forked ``p`` (a worker, not the server: the server's parent is no forkserver)."""
+    try:
+        return FORKSERVER in _cmd(p.parent())
+    except psutil.Error:
+        return False
+
+
+def workers(pid: int | None = None, servers: bool = True) -> list[psutil.Process]:
+    """Every worker process under ``pid`` (default: this one), not multiprocessing's resource tracker;
+    ``servers``: forkservers too."""
     try:
         kids = psutil.Process(pid).children(recursive=True)
     except psutil.Error:
         return []
-    return [p for p in kids if "spawn_main" in _cmd(p) or FORKSERVER in _cmd(p)]
+    return [p for p in kids if "spawn_main" in _cmd(p) or FORKSERVER in _cmd(p) and (servers or _forked(p))]
 
 
 def speculators(pid: int | None = None) -> list[psutil.Process]:
-    """The SSD speculators under ``pid``: the processes a forkserver forked."""
+    """The SSD speculators under ``pid``: the processes a forkserver forked that name themselves so."""
     out = []
-    for p in workers(pid):
+    for p in workers(pid, servers=False):
         try:
-            parent = p.parent()
+            if _forked(p) and p.name() == "ssd-speculator":
+                out.append(p)
         except psutil.Error:
             continue
-        if parent is not None and FORKSERVER in _cmd(parent):
-            out.append(p)
     return out
