@@ -14,6 +14,7 @@ from .decode.ar import ARDecoder
 from .drafts import gguf as gguf_drafts, shipped as drafts
 from .drafts.drafter import is_feature_draft
 from .drafts.shipped import check_draft_for_mode, default_draft
+from . import processes
 from .errors import NotCachedError, ParamError
 from .events import Event
 from .load import chat, models, pair, precision
@@ -98,6 +99,8 @@ class Engine:
                 ttok = models.load_tokenizer(models.tokenizer_folder(tspec, tqdm_class), config.trust_remote_code)
                 dtok = models.load_tokenizer(models.tokenizer_folder(dspec, tqdm_class), config.trust_remote_code)
                 models.check_same_vocab(config.target, ttok, draft_name, dtok)
+        if config.mode == "ssd":
+            processes.warm()  # the speculator's imports run on another core while the models load
         if tplace.ranks:  # tensor parallelism: the weights load in the rank processes
             rows = (1, config.k + 1)
             target = tp_load.load_sharded(config.target, tplace, config.compile, rows, config.trust_remote_code, progress, tqdm_class)

@@ -11,7 +11,7 @@ Three things make a start fail or leak unless handled here:
   ``sys.stderr``; -1 makes the start fail ("bad value(s) in fds_to_keep").  :func:`prepare`
   starts the tracker while the real streams are in place (call it before a full-screen app
   takes the terminal), and :func:`start` puts the interpreter's own streams back for the
-  moment a process starts, in case a worker is started later from inside the app.
+  moment it makes sure the tracker runs, in case a worker is started later from inside the app.
 * A worker must not outlive the app, even when the app is killed: :func:`child_start` (which
   sets Linux ``PR_SET_PDEATHSIG``) is the first thing a worker runs.  That signal comes when the
   *thread* that started the worker ends, so :func:`start` starts every worker from one thread
@@ -31,7 +31,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -87,7 +87,7 @@ def _has_fd(stream: Any) -> bool:
 def real_stdio() -> Iterator[None]:
     """Within the block, ``sys.stdout``/``sys.stderr`` have real file descriptors."""
     with _lock:
-        saved = sys.stdout, sys.stderr
+        swapped: dict[str, tuple[Any, Any]] = {}  # name -> (what was there, what this put there)
         devnull = None
         try:
             for name in ("stdout", "stderr"):
@@ -96,10 +96,15 @@ def real_stdio() -> Iterator[None]:
                     if not _has_fd(real):
                         devnull = devnull or open(os.devnull, "w")  # noqa: SIM115 - closed below
                         real = devnull
+                    swapped[name] = getattr(sys, name), real
                     setattr(sys, name, real)
             yield
         finally:
-            sys.stdout, sys.stderr = saved
+            # Put back only what is still ours: another thread may have replaced a stream meanwhile
+            # (a test's CliRunner, whose output a blind restore would send elsewhere).
+            for name, (was, ours) in swapped.items():
+                if getattr(sys, name) is ours:
+                    setattr(sys, name, was)
             if devnull is not None:
                 devnull.close()
 
@@ -119,33 +124,47 @@ _spawner: ThreadPoolExecutor | None = None
 spawner_tid: int | None = None
 
 
-def start(proc: multiprocessing.process.BaseProcess) -> None:
-    """``proc.start()`` with real stdio, from the process's spawner thread (see the module docstring)."""
+def _on_spawner(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    """``fn(*args, **kw)`` on the process's spawner thread, which lives as long as the process."""
     global _spawner, spawner_tid
     with _lock:
         if _spawner is None:
             _spawner = ThreadPoolExecutor(1, thread_name_prefix="ssd-spawner")  # its thread stays until exit
             spawner_tid = _spawner.submit(threading.get_native_id).result()
-    _spawner.submit(_start, proc).result()
+    return _spawner.submit(fn, *args, **kw).result()
+
+
+def start(proc: multiprocessing.process.BaseProcess) -> None:
+    """``proc.start()`` from the process's spawner thread, the resource tracker running (see the module docstring)."""
+    _on_spawner(_start, proc.start)
+
+
+def warm() -> None:
+    """Start the forkserver now and return: its imports take seconds, on another core while the
+    models load, and the worker started afterwards forks at once."""
+    from multiprocessing import forkserver
+
+    context(forked=True)
+    _on_spawner(_start, forkserver.ensure_running)
 
 
 LEFT_TO_PARENT = {signal.SIGINT, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])}
 
 
-def _start(proc: multiprocessing.process.BaseProcess) -> None:
+def _start(begin: Callable[[], Any]) -> None:
     from multiprocessing import resource_tracker
 
     # The child inherits this thread's signal mask: with SIGINT and SIGHUP blocked it starts deaf to the
     # Ctrl-C (or hang-up) the terminal sends its whole process group, which otherwise interrupted its
     # imports (a traceback on the user's terminal) before child_start could ignore it.  Blocked after
     # the resource tracker has started: starting it unblocks SIGINT in the calling thread.
-    with real_stdio():
+    with real_stdio():  # the tracker is handed sys.stderr's fd; starting the process itself needs none
         resource_tracker.ensure_running()
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, LEFT_TO_PARENT)
-        try:
-            proc.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, LEFT_TO_PARENT)
+    try:
+        begin()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def popen(args: list[str], env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()) -> Any:
@@ -154,13 +173,9 @@ def popen(args: list[str], env: dict[str, str] | None = None, pass_fds: tuple[in
     unless ``SSD_CHAT_DEBUG`` is set."""
     import subprocess
 
-    global _spawner
-    with _lock:
-        if _spawner is None:
-            _spawner = ThreadPoolExecutor(1, thread_name_prefix="ssd-spawner")
     out = None if os.environ.get("SSD_CHAT_DEBUG") else subprocess.DEVNULL
-    return _spawner.submit(subprocess.Popen, args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
-                           env={**os.environ, **(env or {})}, pass_fds=pass_fds).result()
+    return _on_spawner(subprocess.Popen, args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                       env={**os.environ, **(env or {})}, pass_fds=pass_fds)
 
 
 def die_with_parent() -> None:

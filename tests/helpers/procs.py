@@ -34,12 +34,17 @@ def workers(pid: int | None = None, servers: bool = True) -> list[psutil.Process
     return [p for p in kids if "spawn_main" in _cmd(p) or FORKSERVER in _cmd(p) and (servers or _forked(p))]
 
 
+def forked(pid: int | None = None) -> list[psutil.Process]:
+    """The workers under ``pid`` that a forkserver forked: speculators, tensor-parallel ranks, compiles."""
+    return [p for p in workers(pid, servers=False) if _forked(p)]
+
+
 def speculators(pid: int | None = None) -> list[psutil.Process]:
-    """The SSD speculators under ``pid``: the processes a forkserver forked that name themselves so."""
+    """The SSD speculators under ``pid``: the forked workers that name themselves so."""
     out = []
-    for p in workers(pid, servers=False):
+    for p in forked(pid):
         try:
-            if _forked(p) and p.name() == "ssd-speculator":
+            if p.name() == "ssd-speculator":
                 out.append(p)
         except psutil.Error:
             continue
