@@ -202,15 +202,15 @@ def child_start(parent_pid: int) -> bool:
     from multiprocessing import forkserver
 
     server = forkserver._forkserver
-    if os.getppid() != parent_pid and server._forkserver_alive_fd is not None:
+    if os.getppid() != parent_pid:
+        if server._forkserver_alive_fd is None:  # spawned, and the parent died before PR_SET_PDEATHSIG took hold
+            return False
         # Forked by a forkserver (:func:`context`), which exits, and so signals this worker, when the
         # last process holding its "alive" pipe ends: that must be ``parent_pid`` alone, not this worker.
         os.close(server._forkserver_alive_fd)
         server._forkserver_alive_fd = None
         if not pid_alive(parent_pid):
             return False
-    elif os.getppid() != parent_pid:  # it died before PR_SET_PDEATHSIG took hold; no signal will come
-        return False
     if not os.environ.get("SSD_CHAT_DEBUG"):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
