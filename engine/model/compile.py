@@ -12,7 +12,7 @@ padding rows write to the cache's trash slot and are dropped), a call with more 
   capacity dynamic; built once per machine and model (minutes on a small CPU), then loaded in a
   fraction of a second.  ``on`` and ``auto`` both compile every shape: eager and compiled forwards
   differ in the last bits, and a verify must compute what one-row steps compute.  The graphs
-  attend with :func:`core.attend_rows` over a window padded to WIDTH_STEP slots.
+  attend with :func:`core.attend_rows` (or :func:`core.attend_op`) over a window padded to WIDTH_STEP slots.
 
 Any failure while compiling or running a graph (no C++ compiler, an inductor error, a CUDA
 graph capture failure) turns compiling off for this core, sends one ``notify`` line and
@@ -269,7 +269,7 @@ class Compiler:
     def _cpu_width(self, w: int) -> int:
         """The attention window of a CPU graph: ``w`` rounded up to a multiple of WIDTH_STEP, so that a
         row sees the same window (its extra slots masked) in a one-row step and in a verify of k + 1
-        rows, and :func:`core.attend_rows` sums the same terms in the same order (row invariance)."""
+        rows, and the attention sums the same terms in the same order (row invariance)."""
         kv = self.core.kv
         want = -(-w // WIDTH_STEP) * WIDTH_STEP
         if want > kv.capacity + 1:

@@ -28,6 +28,7 @@ the transformers path for it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -109,6 +110,19 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     p = torch.softmax(s, dim=-1)
     o = (p[..., None] * v[:, None, None, :, :]).sum(-2)  # [Hkv, T, G, D]
     return o.permute(1, 0, 2, 3).reshape(T, hq, d)
+
+
+def attend_op(head_dim: int, dtype: torch.dtype) -> Callable | None:
+    """With ``SSD_CHAT_ATTENTION=numba``, the numba attention (:mod:`cpu.attend`: the same row invariance
+    as :func:`attend_rows`) where it applies (float32, a head of a multiple of 8).  On one thread it
+    costs a fraction of inductor's on a long chat; on two it computes on one, and lost to inductor's
+    (docs/performance-cpu.md), so it is not the default: every graph must attend alike, or greedy SD
+    and SSD could part from AR."""
+    from ..cpu import attend
+
+    if os.environ.get("SSD_CHAT_ATTENTION", "").strip().lower() != "numba" or dtype != torch.float32 or not attend.supported(head_dim):
+        return None
+    return attend.op()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -333,6 +347,7 @@ class Core:
         fmask = mask[None].expand(groups, T, W).reshape(1, 1, groups * T, W)  # 4D: what every SDPA backend takes
         mid = x if self.mid_layer == 0 else None
         rowwise = self.row_attention
+        fast = attend_op(d, x.dtype) if x.device.type == "cpu" else None
         for i, L in enumerate(self.layers):
             p = projs[i]
             a = L.ln1(x)
@@ -347,7 +362,10 @@ class Core:
             kc[:, slots] = k.transpose(0, 1)
             vc[:, slots] = v.transpose(0, 1)
             if x.device.type == "cpu" and (torch.compiler.is_compiling() or (rowwise and T <= ROW_MAX)):
-                o = attend_rows(q, kc[:, :W], vc[:, :W], mask, L.scaling).reshape(T, hq * d)
+                if fast is not None:  # reads the cache up to the mask's width
+                    o = fast(q, kc, vc, mask, L.scaling).reshape(T, hq * d)
+                else:
+                    o = attend_rows(q, kc[:, :W], vc[:, :W], mask, L.scaling).reshape(T, hq * d)
             else:
                 qf = q.transpose(0, 1).reshape(1, hkv, groups * T, d)
                 o = F.scaled_dot_product_attention(qf, kc[None, :, :W], vc[None, :, :W], attn_mask=fmask, scale=L.scaling)

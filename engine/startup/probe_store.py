@@ -86,6 +86,7 @@ def key_fields(config: EngineConfig, draft: str | None) -> dict[str, Any]:
         "dtype": config.dtype, "compile": config.compile, "target_device": config.target_device,
         "draft_device": config.draft_device, "fan_out": config.fan_out, "budget": config.budget,
         "cpu_kernels": os.environ.get("SSD_CHAT_CPU_KERNELS", ""),
+        **({"attention": "numba"} if os.environ.get("SSD_CHAT_ATTENTION", "").strip().lower() == "numba" else {}),
     }
 
 
