@@ -2,7 +2,7 @@
 the verify/step ratios, the output head's share, and whether each row of every verify equals the
 one-row step at its position bit for bit (docs/performance-cpu.md).
 
-    [SSD_CHAT_CPU_KERNELS=int4] python -m lab.core_rows THREADS off|on [--reps 40] [--context N]
+    [SSD_CHAT_CPU_KERNELS=int4] [SSD_CHAT_ATTENTION=numba] python -m lab.core_rows THREADS off|on [--reps 40] [--context N]
 
 Every row count is compiled (``on``: one package each, built once per machine).  The row counts
 are timed interleaved (each repetition times 1, 2, 3 and 4 rows in turn), median of ``--reps``, and
