@@ -31,6 +31,12 @@ def user_dir(env: str, xdg: str, home: str) -> Path:
     return Path(os.environ.get(env) or Path(os.environ.get(xdg) or Path.home() / home) / "ssd-chat")
 
 
+def numba_attention() -> bool:
+    """``SSD_CHAT_ATTENTION=numba``: CPU graphs attend through ``cpu/attend.py`` (docs/performance-cpu.md);
+    part of the package and probe keys."""
+    return os.environ.get("SSD_CHAT_ATTENTION", "").strip().lower() == "numba"
+
+
 def cpu_name() -> str:
     """The CPU's model name (/proc/cpuinfo), else what platform says: part of every per-machine cache key."""
     try:

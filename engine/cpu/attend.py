@@ -77,6 +77,13 @@ def _dot8(typingctx, q, k, n):  # pragma: no cover - compiled
     return types.float32(q, k, n), codegen
 
 
+def _splat(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """An <8 x float> of the float ``x``."""
+    v8, i32 = ir.VectorType(ir.FloatType(), LANES), ir.IntType(32)
+    one = builder.insert_element(ir.Constant(v8, ir.Undefined), x, ir.Constant(i32, 0))
+    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
+
+
 def _weigh_pass(builder: ir.IRBuilder, ep, vbase, ap, count, dim, op, col, n: int, total) -> None:
     """out[col:col + 8n] = (sum over allowed slots w, in order, of e[w] * v[w, col:col + 8n]) / total:
     n vector accumulators kept in registers over the pass."""
@@ -90,16 +97,13 @@ def _weigh_pass(builder: ir.IRBuilder, ep, vbase, ap, count, dim, op, col, n: in
         w = slot.index
         ok = builder.icmp_unsigned("!=", builder.load(builder.gep(ap, [w])), ir.Constant(ir.IntType(8), 0))
         with builder.if_then(ok, likely=True):
-            ew = builder.load(builder.gep(ep, [w]))
-            splat = builder.insert_element(ir.Constant(v8, ir.Undefined), ew, ir.Constant(ir.IntType(32), 0))
-            splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+            splat = _splat(builder, builder.load(builder.gep(ep, [w])))
             row = builder.add(builder.mul(w, dim), col)
             for j, a in enumerate(accs):
                 ptr = builder.bitcast(builder.gep(vbase, [builder.add(row, ir.Constant(i64, j * LANES))]), v8.as_pointer())
                 x = builder.fmul(splat, builder.load(ptr, align=4), flags=_FLAGS)
                 builder.store(builder.fadd(builder.load(a), x, flags=_FLAGS), a)
-    splat = builder.insert_element(ir.Constant(v8, ir.Undefined), total, ir.Constant(ir.IntType(32), 0))
-    splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+    splat = _splat(builder, total)
     for j, a in enumerate(accs):
         ptr = builder.bitcast(builder.gep(op, [builder.add(col, ir.Constant(i64, j * LANES))]), v8.as_pointer())
         builder.store(builder.fdiv(builder.load(a), splat, flags=_FLAGS), ptr, align=4)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from ..config import cache_dir, cpu_name
+from ..config import cache_dir, cpu_name, numba_attention
 from ..processes import pid_alive
 from .cache import StaticKV
 
@@ -60,7 +60,7 @@ def fingerprint(model: torch.nn.Module) -> str:
 def path_for(core: Trunk, rows: int) -> Path:
     ident = [cpu_name(), torch.__version__, torch.get_num_threads(), rows, fingerprint(core.model),
              core.mid_layer, os.environ.get("SSD_CHAT_CPU_KERNELS", ""), VERSION]
-    if os.environ.get("SSD_CHAT_ATTENTION", "").strip().lower() == "numba":  # the graph calls cpu/attend.py
+    if numba_attention():  # the graph calls cpu/attend.py
         ident.append("attention: numba")
     key = hashlib.sha256(json.dumps(ident, default=str).encode()).hexdigest()[:20]
     return cache_dir() / "aoti" / f"{core.name.replace('/', '_')}-{rows}rows-{key}.pt2"
@@ -124,7 +124,7 @@ def sweep_unpacked() -> None:
 
 def load_package(path: Path) -> Callable:
     """A built package, ready to call (a seam: tests stand in for it)."""
-    if os.environ.get("SSD_CHAT_ATTENTION", "").strip().lower() == "numba":
+    if numba_attention():
         from ..cpu import attend
 
         attend.op()  # the package calls ssd_chat::attend by name

@@ -28,7 +28,6 @@ the transformers path for it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import numba_attention
 from ..errors import ModelError
 from .cache import StaticKV
 from .compile import Compiler
@@ -118,11 +118,11 @@ def attend_op(head_dim: int, dtype: torch.dtype) -> Callable | None:
     costs a fraction of inductor's on a long chat; on two it computes on one, and lost to inductor's
     (docs/performance-cpu.md), so it is not the default: every graph must attend alike, or greedy SD
     and SSD could part from AR."""
-    from ..cpu import attend
-
-    if os.environ.get("SSD_CHAT_ATTENTION", "").strip().lower() != "numba" or dtype != torch.float32 or not attend.supported(head_dim):
+    if not numba_attention() or dtype != torch.float32:
         return None
-    return attend.op()
+    from ..cpu import attend  # numba, imported only when asked for
+
+    return attend.op() if attend.supported(head_dim) else None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..config import EngineConfig, cache_dir
+from ..config import EngineConfig, cache_dir, numba_attention
 from ..config import cpu_name as _cpu_name  # a seam: tests give it another CPU
 
 FILE = "mode-probe.json"
@@ -86,7 +86,7 @@ def key_fields(config: EngineConfig, draft: str | None) -> dict[str, Any]:
         "dtype": config.dtype, "compile": config.compile, "target_device": config.target_device,
         "draft_device": config.draft_device, "fan_out": config.fan_out, "budget": config.budget,
         "cpu_kernels": os.environ.get("SSD_CHAT_CPU_KERNELS", ""),
-        **({"attention": "numba"} if os.environ.get("SSD_CHAT_ATTENTION", "").strip().lower() == "numba" else {}),
+        **({"attention": "numba"} if numba_attention() else {}),
     }
 
 
