@@ -5,7 +5,10 @@ that merely runs slower next to another one is not serial.
 
 Workers share one lock file as a readers-writer lock: every test holds it shared, a serial test holds it
 exclusive, from its setup (module fixtures included) to its teardown.  A turnstile lock taken before
-either keeps a waiting serial test from being starved by the other workers' next tests."""
+either keeps a waiting serial test from being starved by the other workers' next tests.
+
+A worker starts with COLUMNS=80 and LINES=24 in its environment, which the controller does not have; the
+apps the tests start would take them for the terminal's size, so each worker gets the controller's."""
 
 from __future__ import annotations
 
@@ -19,12 +22,28 @@ from pathlib import Path
 import pytest
 
 MAX_WORKERS = 4  # each worker holds its own models and inductor state (about 1-2 GB)
+TERMINAL_ENV = ("COLUMNS", "LINES")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "serial: runs with no other test at the same time (it measures the machine)")
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:  # the controller, for each worker
+    node.workerinput["terminal_env"] = {k: os.environ.get(k) for k in TERMINAL_ENV}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    given = getattr(session.config, "workerinput", {}).get("terminal_env")
+    for k, v in (given or {}).items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:  # noqa: ARG001
     return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
 
