@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 MAX_WORKERS = 4  # each worker holds its own models and inductor state (about 1-2 GB)
 TERMINAL_ENV = ("COLUMNS", "LINES")
@@ -70,5 +71,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run is None:  # one process: nothing runs beside it
         return (yield)
-    with _held(run, item.get_closest_marker("serial") is not None):
-        return (yield)
+    alone = item.get_closest_marker("serial") is not None
+    # beside another worker, one torch thread each: two apiece oversubscribe the cores (a test that wants
+    # another count sets it, as the `one_thread` fixture does)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads if alone or os.environ.get("PYTEST_XDIST_WORKER_COUNT") == "1" else 1)
+    try:
+        with _held(run, alone):
+            return (yield)
+    finally:
+        torch.set_num_threads(threads)
