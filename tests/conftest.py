@@ -17,8 +17,6 @@ from ssd_chat.engine.config import cache_dir
 from ssd_chat.engine.load import models
 from ssd_chat.engine.load.models import LoadedModel
 
-pytest_plugins = ["helpers.serial"]  # the `serial` marker: tests that measure the machine run alone
-
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # Inductor's kernel and graph caches are shared by every test, also by those (and their subprocesses) that
 # give ssd-chat a fresh cache dir to build AOTInductor packages in: the packages are still built, from

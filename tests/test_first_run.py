@@ -214,7 +214,6 @@ def test_ask_prints_no_progress_when_stderr_is_not_a_terminal(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
-@pytest.mark.serial  # the load line ticks once a second on a slow start
 def test_long_model_messages_wrap_at_the_terminal_width(tmp_path):
     """On a terminal each message is one logical message wrapped at its width (continuations indented, a
     `command` kept whole); into a pipe it stays one line (the 70B test above)."""

@@ -16,7 +16,7 @@ from ssd_chat.engine.events import Done
 from ssd_chat.engine.params import SamplingParams
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "greedy_golden.json").read_text())
-pytestmark = [pytest.mark.slow, pytest.mark.serial]  # ids recorded with the default torch threads
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("case", GOLDEN["cases"], ids=lambda c: f"{c['mode']}-{c['draft']}-k{c['k']}")

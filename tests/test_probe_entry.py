@@ -16,8 +16,7 @@ from ssd_chat.engine.startup import probe_store as ps
 from ssd_chat.engine.startup import preflight
 
 psutil = pytest.importorskip("psutil")
-pytestmark = [pytest.mark.serial,  # the measurer judges how busy the machine is
-              pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the measurer's SSD needs a core for its speculator")]
+pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the measurer's SSD needs a core for its speculator")
 
 
 @pytest.fixture

