@@ -177,6 +177,9 @@ def test_dry_run_prints_the_plan_before_loading(monkeypatch):
     r = CliRunner().invoke(app, ["bench", "--dry-run", "--limit", "2", "--protocol", "paper"])
     assert r.exit_code == 0, r.output
     assert "8 prompts" in r.stdout and "protocol paper" in r.stdout and "protocol equal" not in r.stdout
+    assert "repeat(s), greedy\n" in r.stdout
+    r = CliRunner().invoke(app, ["bench", "--dry-run", "--limit", "1", "--temperature", "0.8", "--repetition-penalty", "1.1"])
+    assert r.exit_code == 0 and "temperature 0.8, repetition penalty 1.1\n" in r.stdout, r.output
 
 
 @pytest.mark.parametrize("args, message", [
@@ -421,6 +424,47 @@ def test_sampling_runs_skip_the_exactness_check(tiny_pair):
     assert report["protocols"]["paper"]["exactness"]["checked"] is False
 
 
+def test_penalties_reach_every_mode_and_greedy_runs_stay_exact(tiny_pair, race):
+    """`bench --repetition-penalty`: the penalty changes AR's greedy tokens, SD and SSD still equal them, and the
+    report says which penalty ran."""
+    from ssd_chat.bench.render import markdown
+
+    target, draft = tiny_pair
+    plans, notes = make_plans(("paper",), ("ar", "sd", "ssd"), "cpu", "auto", Hardware.detect())
+    settings = BenchSettings(modes=("ar", "sd", "ssd"), protocols=("paper",), max_new_tokens=12, warmup_tokens=4,
+                             sampling=SamplingParams(repetition_penalty=8.0, ignore_eos=True))
+    result = run_bench(EngineConfig(mode="sd", k=3), lambda p: (target, draft), PROMPTS, plans, settings, encode=_encode)
+    report = build_report(result, plans, settings, PROMPTS, "t", {"target": {"name": "t"}}, {"k": 3}, {"summary": ""}, notes)
+    ex = report["protocols"]["paper"]["exactness"]
+    assert ex["checked"] and ex["all_identical"] and ex["modes"]["ssd"]["compared"] == 3
+    def ar_tokens(run):
+        return {r["prompt_id"]: run.tokens[r["run_id"]] for r in run.runs if r["mode"] == "ar" and r["repeat"] == 0}
+
+    plain, penalised = ar_tokens(race[0]), ar_tokens(result)
+    assert sorted(plain) == sorted(penalised) == sorted(p.id for p in PROMPTS) and plain != penalised
+    assert report["settings"]["repetition_penalty"] == 8.0 and "greedy, repetition penalty 8.0" in markdown(report)
+
+
+def test_a_background_build_is_waited_for_and_every_configuration_warmed_again(tiny_pair, monkeypatch):
+    """A warm-up that starts building graphs (``--compile auto``, a cold cache): the race waits for the build, says
+    so, and warms every configuration up again, so that no timed reply runs eagerly beside a compile."""
+    from ssd_chat.engine.engine import Engine
+
+    target, draft = tiny_pair
+    building = iter(["compiling t for 3 rows in the background, 40%"] * 3)
+    monkeypatch.setattr(target.forwards, "status", lambda: next(building, None))
+    streams: list[int] = []
+    real = Engine.stream
+    monkeypatch.setattr(Engine, "stream", lambda self, *a, **k: (streams.append(1), real(self, *a, **k))[1])
+    said: list[str] = []
+    plans, _ = make_plans(("paper",), ("ar", "sd"), "cpu", "auto", Hardware.detect())
+    settings = BenchSettings(modes=("ar", "sd"), protocols=("paper",), max_new_tokens=4, warmup_tokens=2)
+    result = run_bench(EngineConfig(mode="sd", k=2), lambda p: (target, draft), PROMPTS[:1], plans, settings,
+                       encode=_encode, progress=said.append)
+    assert said[0] == "waiting for the graphs the replies will run: compiling t for 3 rows in the background, 40%"
+    assert len(streams) == 2 * 2 + 2 and len(result.runs) == 2  # two warm-ups per configuration, then the race
+
+
 # --- the report from hand-made records ---------------------------------------------------------------
 
 
@@ -474,7 +518,7 @@ def test_cli_bench_on_the_packaged_model(smollm2, tmp_path):
     f.write_text('{"id": "q1", "family": "chat", "prompt": "What is the capital of France?"}\n')
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     r = CliRunner().invoke(app, ["bench", "--modes", "ar,sd,ssd", "--prompts", str(f), "-n", "6", "--protocol", "paper",
-                                 "--json", str(out), "--plot", str(png), "--quiet", "--target-device", "cpu"])
+                                 "--json", str(out), "--plot", str(png), "--quiet", "--target-device", "cpu", "--compile", "off"])
     assert r.exit_code == 0, r.output
     assert "protocol paper" in r.stdout and "SSD/SD" in r.stdout and "physical bound" in r.stdout
     assert "memory bound" in r.stdout and "MB of target weights" in r.stdout

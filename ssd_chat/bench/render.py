@@ -20,13 +20,21 @@ def _vs_ar(exact: dict[str, Any], mode: str, ref: str) -> tuple[str, bool | None
     return f"{e.get('identical')}/{e.get('compared')}", e.get("compared") == e.get("identical")
 
 
+def sampling_text(s: dict[str, Any]) -> str:
+    """"greedy" or "temperature 0.8", then any penalty that is on ("repetition penalty 1.1")."""
+    parts = ["greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}"]
+    parts += [f"{name.replace('_', ' ')} {s[name]}" for name, off in
+              (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)) if s.get(name, off) != off]
+    return ", ".join(parts)
+
+
 def render(report: dict[str, Any], console: Any) -> None:
     """Rich tables, one per protocol, each followed by its ratios, bounds and exactness."""
     from rich.table import Table
 
     models = report["models"]
     s = report["settings"]
-    temp_text = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}"
+    temp_text = sampling_text(s)
     console.print(
         f"[bold]ssd-chat bench[/]: target [cyan]{models['target']['name']}[/], draft [cyan]{models['draft']['name'] if models.get('draft') else '–'}[/], "
         f"k={s['k']}, {s['max_new_tokens']} new tokens{' (EOS ignored)' if s['ignore_eos'] else ''}, "
@@ -124,7 +132,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"Target `{models['target']['name']}`, draft `{models['draft']['name'] if models.get('draft') else '–'}`, k={s['k']}, "
         f"{s['max_new_tokens']} new tokens per reply{' (EOS ignored)' if s['ignore_eos'] else ''}, "
-        f"{'greedy' if s['temperature'] == 0 else 'temperature ' + str(s['temperature'])}, {s['prompts']['count']} prompts "
+        f"{sampling_text(s)}, {s['prompts']['count']} prompts "
         f"({', '.join(f'{n} {f}' for f, n in s['prompts']['families'].items())}) × {s['repeats']} repeat(s); "
         f"machine: {report['machine']['summary']}.",
         "",

@@ -251,7 +251,8 @@ def build_report(result: BenchRun, plans: list[Plan], settings: BenchSettings, p
         "models": models,
         "settings": {
             "k": base.get("k"), "max_new_tokens": settings.max_new_tokens, "ignore_eos": settings.sampling.ignore_eos,
-            **{k: getattr(settings.sampling, k) for k in ("temperature", "top_p", "top_k", "seed")},
+            **{k: getattr(settings.sampling, k) for k in ("temperature", "top_p", "top_k", "seed", "repetition_penalty",
+                                                         "frequency_penalty", "presence_penalty")},
             "repeats": settings.repeats, "warmup_tokens": settings.warmup_tokens, "modes": list(settings.modes),
             "fan_out": base.get("fan_out"), "budget": base.get("budget"), "saguaro_c": base.get("saguaro_c"),
             "fallback": base.get("fallback"), "pinning_enforced": Pinning().enforced,

@@ -45,6 +45,20 @@ def _unavailable(exc: BaseException, mode: str) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def wait_for_builds(engines: Any, progress: Callable[[str], None], every_s: float = 10.0) -> bool:
+    """Until no engine's target builds graphs in the background, saying so every ``every_s``; True if it waited."""
+    waited, said_at = False, -every_s
+    while True:
+        busy = next((s for e in engines if (s := e.target.forwards.status())), None)
+        if busy is None:
+            return waited
+        if time.monotonic() - said_at >= every_s:
+            progress(f"waiting for the graphs the replies will run: {busy}")
+            said_at = time.monotonic()
+        waited = True
+        time.sleep(0.5)
+
+
 def run_bench(
     base_config: Any,
     models_for: Callable[[Plan], tuple[Any, Any]],
@@ -117,6 +131,11 @@ def run_bench(
             out.tokens[rec["run_id"]] = tuple(token_ids)
             return rec
 
+        def warm_up(key: tuple) -> None:
+            rec = one(key, prompts[0], -1, min(settings.warmup_tokens, settings.max_new_tokens), 0)
+            if rec["error"]:
+                raise BenchError(f"{slots[key].mode} failed during warm-up: {rec['error']}")
+
         out.weight_bytes = weight_bytes(models_for(slots[keys[0]])[0].model)
         # warm-up: every configuration once, on the first prompt, not recorded; and the memory bandwidth
         # its placement reads at (the memory bound of the report)
@@ -124,9 +143,13 @@ def run_bench(
             plan = slots[key]
             pin.apply(plan.cores, plan.threads)
             out.bandwidth[plan.slot_id] = read_bandwidth(plan.target_device)
-            rec = one(key, prompts[0], -1, min(settings.warmup_tokens, settings.max_new_tokens), 0)
-            if rec["error"]:
-                raise BenchError(f"{slots[key].mode} failed during warm-up: {rec['error']}")
+            warm_up(key)
+        # a warm-up that started building compiled graphs (``--compile auto`` on a CPU, the first time on
+        # this machine): race what later replies run, not eager replies beside a build on the other core
+        if wait_for_builds(engines.values(), progress):
+            for key in keys:
+                pin.apply(slots[key].cores, slots[key].threads)
+                warm_up(key)
         total = len(prompts) * settings.repeats * len(keys)
         done = 0
         for pi, prompt in enumerate(prompts):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -13,6 +13,7 @@ from ..bench import BenchError
 from ..bench.machine import busy_note, machine_info
 from ..bench.prompts import load_prompts
 from ..bench.protocols import PROTOCOLS, Hardware, gpu_preset, make_plans
+from ..bench.render import sampling_text
 from ..bench.report import build_report, write_json
 from ..bench.runner import DEFAULT_MAX_NEW, BenchSettings, ModelPool, run_bench
 from .options import engine_options, fail, settings
@@ -27,7 +28,7 @@ def _parse_list(value: str, allowed: tuple[str, ...], what: str) -> tuple[str, .
 
 
 # --modes and --max-new-tokens are its own
-@engine_options(exclude=("mode", "repetition_penalty", "frequency_penalty", "presence_penalty", "max_new_tokens", "system"))
+@engine_options(exclude=("mode", "max_new_tokens", "system"))
 def bench_command(
     modes: Annotated[str, typer.Option("--modes", help="Comma list of modes to race: ar, sd, ssd.")] = "ar,sd,ssd",
     prompts: Annotated[str, typer.Option("--prompts", help="Prompt set: all, or families (code,instructions,math,chat), or a .jsonl ({\"prompt\": ...} per line) / .txt (one per line) file.")] = "all",
@@ -92,12 +93,12 @@ def bench_command(
         raise fail(str(e)) from None
     race = BenchSettings(
         modes=mode_list, protocols=protos, max_new_tokens=max_new, repeats=repeats,
-        # without penalties: bench has no options for them
-        sampling=replace(values["sampling"], repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, ignore_eos=not stop_at_eos),
+        sampling=replace(values["sampling"], ignore_eos=not stop_at_eos),
     )
     if dry_run:
         console.print(f"target {values['target']}, draft {values.get('draft') or '(default for the target)'}, dtype {values.get('dtype') or 'auto'}, "
-                      f"{len(prompt_list)} prompts from {prompt_source}, {max_new} new tokens, {repeats} repeat(s)")
+                      f"{len(prompt_list)} prompts from {prompt_source}, {max_new} new tokens, {repeats} repeat(s), "
+                      f"{sampling_text(asdict(race.sampling))}")
         for proto in protos:
             console.print(f"protocol {proto}: " + "; ".join(f"{p.mode.upper()}: {p.describe()}" for p in plans if p.protocol == proto))
         for n in notes:
