@@ -437,6 +437,7 @@ def test_penalties_reach_every_mode_and_greedy_runs_stay_exact(tiny_pair, race):
     report = build_report(result, plans, settings, PROMPTS, "t", {"target": {"name": "t"}}, {"k": 3}, {"summary": ""}, notes)
     ex = report["protocols"]["paper"]["exactness"]
     assert ex["checked"] and ex["all_identical"] and ex["modes"]["ssd"]["compared"] == 3
+
     def ar_tokens(run):
         return {r["prompt_id"]: run.tokens[r["run_id"]] for r in run.runs if r["mode"] == "ar" and r["repeat"] == 0}
 

@@ -161,7 +161,7 @@ def test_packaged_model_decodes_in_its_gguf_precision_exactly(draft_name):
         assert precision.of(e.target) == "gguf Q4_1" and gguf_linears(e.target.model) == (211, 0)
         prompt, _ = chat.prompt_ids(e.tokenizer, [{"role": "user", "content": "List three facts about the moon."}])
         run(ARDecoder(e.target, e.config.compile), prompt, max_new_tokens=1)  # starts any build this load lacks
-        wait_for_builds(e.target)
+        e.target.forwards.wait_for_builds()
         done = run(ARDecoder(e.target, e.config.compile), prompt, max_new_tokens=48, ignore_eos=True)[1]
         want = done.token_ids
         sd = SDDecoder(Engine(replace(e.config, mode="sd"), e.target, e.draft))
@@ -174,12 +174,3 @@ def test_packaged_model_decodes_in_its_gguf_precision_exactly(draft_name):
     finally:
         e.close()
 
-
-def wait_for_builds(lm: LoadedModel, limit_s: float = 600.0) -> None:
-    """Until no graph of ``lm`` is being built in the background (a cold cache: minutes)."""
-    import time
-
-    end = time.monotonic() + limit_s
-    while lm.forwards.status() is not None:
-        assert time.monotonic() < end, lm.forwards.status()
-        time.sleep(0.5)

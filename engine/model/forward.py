@@ -22,7 +22,8 @@ decoder frame hands them on as :class:`events.Notice` (:meth:`Forwards.take_noti
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Callable
 
 import torch
 
@@ -109,6 +110,18 @@ class Forwards:
             if said:
                 return said
         return None
+
+    def wait_for_builds(self, say: Callable[[str], None] = lambda s: None, every_s: float = 10.0) -> bool:
+        """Until no graph of this model is being built in the background, passing :meth:`status` to ``say``
+        every ``every_s``; True if it waited."""
+        waited, said_at = False, -every_s
+        while (busy := self.status()) is not None:
+            if time.monotonic() - said_at >= every_s:
+                say(busy)
+                said_at = time.monotonic()
+            waited = True
+            time.sleep(0.5)
+        return waited
 
     def predict(self, compile: str) -> str:
         """The label a runner will have, before one exists (``auto``: "core auto")."""

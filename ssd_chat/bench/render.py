@@ -34,11 +34,10 @@ def render(report: dict[str, Any], console: Any) -> None:
 
     models = report["models"]
     s = report["settings"]
-    temp_text = sampling_text(s)
     console.print(
         f"[bold]ssd-chat bench[/]: target [cyan]{models['target']['name']}[/], draft [cyan]{models['draft']['name'] if models.get('draft') else '–'}[/], "
         f"k={s['k']}, {s['max_new_tokens']} new tokens{' (EOS ignored)' if s['ignore_eos'] else ''}, "
-        f"{temp_text}, "
+        f"{sampling_text(s)}, "
         f"{s['prompts']['count']} prompts × {s['repeats']} repeat(s) from {s['prompts']['source']}"
     )
     for mode, why in report.get("skipped_modes", {}).items():

@@ -45,20 +45,6 @@ def _unavailable(exc: BaseException, mode: str) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def wait_for_builds(engines: Any, progress: Callable[[str], None], every_s: float = 10.0) -> bool:
-    """Until no engine's target builds graphs in the background, saying so every ``every_s``; True if it waited."""
-    waited, said_at = False, -every_s
-    while True:
-        busy = next((s for e in engines if (s := e.target.forwards.status())), None)
-        if busy is None:
-            return waited
-        if time.monotonic() - said_at >= every_s:
-            progress(f"waiting for the graphs the replies will run: {busy}")
-            said_at = time.monotonic()
-        waited = True
-        time.sleep(0.5)
-
-
 def run_bench(
     base_config: Any,
     models_for: Callable[[Plan], tuple[Any, Any]],
@@ -146,7 +132,9 @@ def run_bench(
             warm_up(key)
         # a warm-up that started building compiled graphs (``--compile auto`` on a CPU, the first time on
         # this machine): race what later replies run, not eager replies beside a build on the other core
-        if wait_for_builds(engines.values(), progress):
+        waited = [e.target.forwards.wait_for_builds(lambda busy: progress(f"waiting for the graphs the replies will run: {busy}"))
+                  for e in engines.values()]
+        if any(waited):
             for key in keys:
                 pin.apply(slots[key].cores, slots[key].threads)
                 warm_up(key)
