@@ -36,6 +36,10 @@ class FakeBuild:
     def fraction(self):
         return 0.4
 
+    def current(self):
+        r, t, _path = self.jobs[min(self.done, len(self.jobs) - 1)]
+        return r, t, 0.4
+
     def finish(self):
         for r, t, path in self.jobs:
             self.on_built(r, t, path)
@@ -103,12 +107,32 @@ def test_an_uncompiled_shape_answers_eagerly_with_the_notice_first(auto_cpu):
         evs = list(eng.stream([1, 2, 3], SamplingParams(max_new_tokens=8, temperature=0)))
         first = next(i for i, e in enumerate(evs) if isinstance(e, Token))
         notes = [e.message for e in evs[:first] if isinstance(e, Notice)]
-        assert any("compiling t for 1 rows in the background" in n for n in notes), notes
+        assert any("compiling t for 1 row in the background" in n for n in notes), notes
         started(eng)
         assert len(FakeBuild.made) == 1 and FakeBuild.made[0].running
         assert evs[-1].stats.path == "eager"
-        assert eng.describe()["compiling"] == "compiling t for 1 rows in the background, 40%"
+        assert eng.describe()["compiling"] == "compiling t for 1 row in the background, 40%"
         assert eng.describe()["forward"] == "core eager"
+
+
+def test_the_status_names_the_shape_being_built_and_counts_those_after_it(auto_cpu):
+    """A graph is built per thread count as well (bench: AR on 2 threads, SSD's verifier on 1): the status names
+    the shape under way and says how many wait, rather than listing rows the running build is not making."""
+    target, _graphs = auto_cpu
+    threads = torch.get_num_threads()
+    with Engine(EngineConfig(mode="ar", compile="auto"), target) as eng:
+        try:
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                list(eng.stream([1, 2, 3], SamplingParams(max_new_tokens=2, temperature=0)))
+            core = next(iter(eng.target.forwards._cores.values()))
+            deadline = time.monotonic() + 10
+            while not FakeBuild.made and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert sorted(core.compiler._building) == [(1, 1), (1, 2)] and len(FakeBuild.made) == 1  # one at a time
+            assert eng.describe()["compiling"] == "compiling t for 1 row in the background, 40%, then 1 more shape"
+        finally:
+            torch.set_num_threads(threads)
 
 
 def test_the_path_switches_only_between_replies(auto_cpu):

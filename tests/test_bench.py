@@ -469,6 +469,28 @@ def test_a_background_build_is_waited_for_and_every_configuration_warmed_again(t
 # --- the report from hand-made records ---------------------------------------------------------------
 
 
+def test_a_load_stage_is_printed_once_however_often_the_load_reports_it(tiny_pair, monkeypatch):
+    """The load reports a stage at each step of its fraction (a conversion about 20 times): bench's log says it once."""
+    from types import SimpleNamespace
+
+    from ssd_chat.bench.runner import ModelPool
+    from ssd_chat.chat.settings import DEFAULTS
+    from ssd_chat.engine import Engine
+
+    def load(cfg, progress):  # noqa: ARG001
+        for f in (0.0, 0.25, 0.5, 1.0):
+            progress("converting m.gguf to safetensors (once)", f)
+        progress("loading the target", None)
+        progress("loading the target", 1.0)
+        return SimpleNamespace(target=tiny_pair[0], draft=tiny_pair[1])
+
+    monkeypatch.setattr(Engine, "load", staticmethod(load))
+    said: list[str] = []
+    ModelPool({**DEFAULTS, "target": "tiny-target", "draft": "layers:1"}, make_plans(("paper",), ("ar", "sd"), "cpu", "cpu", Hardware((0, 1), 0))[0],
+              progress=said.append)
+    assert said == ["converting m.gguf to safetensors (once)", "loading the target"]
+
+
 def _rec(mode, pid, tps, rounds=0, draft_s=0.0, verify_s=0.0, **kw):
     r = {"run_id": f"{mode}|x|{pid}|0", "mode": mode, "prompt_id": pid, "family": "f", "repeat": 0, "tok_per_s": tps,
          "ttft_s": 0.1, "elapsed_s": 1.0, "new_tokens": 10, "rounds": rounds, "drafted": 3 * rounds, "accepted": rounds,

@@ -230,7 +230,7 @@ def test_an_injected_compile_failure_falls_back_to_eager_with_one_notice(monkeyp
     core = Core(model, "tiny", compile="on", rows=(1, 4), notify=notices.append, progress=progress.append)
     got = _greedy(core, PROMPT, 8)
     assert got == _greedy(Core(model, "tiny"), PROMPT, 8)
-    assert progress == ["compiling tiny for 1 rows (once)"]
+    assert progress == ["compiling tiny for 1 row (once)"]
     assert len(notices) == 1 and "compiling tiny failed (RuntimeError: InductorError: C++ compile error)" in notices[0]
     assert not core.compiler.active and core.compiler.run(*[torch.zeros(1, dtype=torch.long)] * 3, torch.ones(1, 1, dtype=torch.bool)) is None
 

@@ -129,7 +129,7 @@ def test_a_cpu_graph_is_built_once_then_loaded(tmp_path, monkeypatch):
     first = Core(model, "pkg", compile="on", rows=(1,), progress=said.append)
     first.append(PROMPT, logits="none")
     a = first.append([4]).logits
-    assert said == ["compiling pkg for 1 rows (once)"] and len(list((tmp_path / "aoti").glob("*.pt2"))) == 1
+    assert said == ["compiling pkg for 1 row (once)"] and len(list((tmp_path / "aoti").glob("*.pt2"))) == 1
     again: list[str] = []
     second = Core(model, "pkg", compile="on", rows=(1,), progress=again.append)
     second.append(PROMPT, logits="none")

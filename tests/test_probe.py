@@ -142,6 +142,33 @@ def test_the_probe_interleaves_the_modes_after_a_warm_up(eng, fakes, tmp_path):
     assert stages and all(s == "measuring AR, SD and SSD on this machine" for s in stages)
 
 
+def test_a_build_the_warm_up_started_is_waited_for_and_the_warm_up_run_again(eng, fakes, tmp_path, monkeypatch):
+    """On a first start the warm-up starts the target's graph builds: the timed runs must take the graphs, not
+    the eager path beside a build (which would compare paths, with a core taken by the compiler)."""
+    built, said = {"done": False}, []
+
+    def wait_for_builds(say=lambda s: None, every_s=10.0):  # noqa: ARG001
+        if built["done"]:
+            return False
+        say("compiling tiny-target for 3 rows in the background, 40%")
+        built["done"] = True
+        return True
+
+    monkeypatch.setattr(eng.target.forwards, "wait_for_builds", wait_for_builds)
+    calls: list[str] = []
+    compiled, eager = timer({"ar": 30.0, "sd": 20.0, "ssd": 40.0}), timer({"ar": 50.0, "sd": 10.0, "ssd": 12.0})
+
+    def run(decoder, prompt_ids, params):
+        calls.append(decoder.mode)
+        return (compiled if built["done"] else eager)(decoder, prompt_ids, params)
+
+    rec = probe.settle(eng, "layers:1", MODES, lambda s, f: said.append(s), "now", run=run, path=tmp_path / "p.json")
+    assert calls == list(MODES) * (probe.REPEATS + 2)  # the warm-up twice: before and after the build
+    assert Result.from_json(rec.result).tok_s == {"ar": 30.0, "sd": 20.0, "ssd": 40.0}
+    assert eng.loaded_mode == "ssd"
+    assert any("waiting for its graphs: compiling tiny-target for 3 rows" in s for s in said)
+
+
 # -- the cache -----------------------------------------------------------------------------------
 def test_a_cached_result_is_used_and_any_key_change_measures_again(eng, fakes, tmp_path, monkeypatch):
     path = tmp_path / "p.json"
@@ -470,3 +497,23 @@ def test_mode_auto_after_a_named_start_in_the_app_starts_one_measurer(tiny_targe
     e.reconfigure(mode="auto")  # resolved once: no second measurer
     assert len(started) == 1
     os.close(started[0][1])  # the lock the measurer would have inherited
+
+
+def test_the_probes_own_tree_counts_a_grandchild_that_has_ended():
+    """A background compile runs in a grandchild (under the forkserver) and ends during the probe: its CPU time is
+    the probe's own work, not "other work" that would mark the measurement busy."""
+    import subprocess
+    import sys
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass"
+    child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                              f"subprocess.run([sys.executable, '-c', {burn!r}])\nprint('done', flush=True)\ntime.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        before = ps._tree_ticks(os.getpid())
+        assert child.stdout.readline().strip() == "done"  # the grandchild has ended and its parent waited for it
+        after = ps._tree_ticks(os.getpid())
+        assert after - before >= 0.8 * os.sysconf("SC_CLK_TCK")
+    finally:
+        child.kill()
+        child.wait()

@@ -40,6 +40,10 @@ class Trunk(Protocol):
     def graph_for(self, rows: int) -> Callable: ...
 
 
+def rows_words(rows: int) -> str:
+    return f"{rows} row{'s' if rows != 1 else ''}"
+
+
 def fingerprint(model: torch.nn.Module) -> str:
     """Names, shapes, dtypes and a few values of every tensor the model holds (its weights as the
     package bakes them), hashed."""
@@ -73,7 +77,7 @@ def load_or_build(core: Trunk, rows: int, example: tuple, progress: Callable[[st
     ``load`` False: only build it (a background build, :mod:`background`)."""
     path = path or path_for(core, rows)
     if not path.exists():
-        progress(f"compiling {core.name} for {rows} rows (once)")
+        progress(f"compiling {core.name} for {rows_words(rows)} (once)")
         fn = core.graph_for(rows)
 
         class Graph(torch.nn.Module):

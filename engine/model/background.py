@@ -83,6 +83,11 @@ class Build:
     def running(self) -> bool:
         return not self.closed and self.done < len(self.jobs)
 
+    def current(self) -> tuple[int, int, float]:
+        """(rows, threads, about how far) of the shape being built now."""
+        r, t, _path = self.jobs[min(self.done, len(self.jobs) - 1)]
+        return r, t, min(0.95, (time.monotonic() - self._shape_t0()) / expected_s(self.name)) if self.running else 0.0
+
     def fraction(self) -> float:
         """About how far the build is: shapes done, and the current one's time against the last build's."""
         per = expected_s(self.name)

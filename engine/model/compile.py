@@ -34,7 +34,7 @@ import torch
 
 from ..cpu import quant
 from . import aoti, background
-from .aoti import Trunk
+from .aoti import Trunk, rows_words
 
 COMPILE_MODES = ("off", "on", "auto")
 AUTO_WIDTH = 256  # attention window of the warm-up calls
@@ -106,12 +106,15 @@ class Compiler:
         self._decided = False
 
     def status(self) -> str | None:
-        """"compiling <name> for 3 rows in the background, 40%" while a background build runs, else None."""
+        """"compiling <name> for 3 rows in the background, 40%" (the shape being built now, and how many wait
+        after it) while a background build runs, else None."""
         if not self._building:
             return None
-        live = [b for b in self._builds if b.running]
-        rows = ", ".join(str(r) for r in sorted({r for r, _t in self._building}))
-        return f"compiling {self.core.name} for {rows} rows in the background, {live[-1].fraction() if live else 0:.0%}"
+        live = next((b for b in self._builds if b.running), None)
+        r, _t, frac = live.current() if live is not None else (*min(self._building), 0.0)
+        more = len(self._building) - 1
+        after = f", then {more} more shape{'s' if more > 1 else ''}" if more > 0 else ""
+        return f"compiling {self.core.name} for {rows_words(r)} in the background, {frac:.0%}{after}"
 
     def close(self) -> None:
         """Stop the background builds (their unfinished files go; finished packages stay)."""
@@ -224,6 +227,9 @@ class Compiler:
         while not _SLOT.acquire(timeout=0.2):
             if gen != self._gen:
                 return
+        if gen != self._gen:  # closed while it waited: start no process for a model that is gone
+            _SLOT.release()
+            return
         slot = _Slot(len(jobs))
         try:
             b = background.Build(self.source, type(self.core), self.core.name, self.core.mid_layer, AUTO_WIDTH, jobs,
@@ -308,7 +314,7 @@ class Compiler:
             if first and not self.cuda and _compile is _default_compile:  # CPU: an AOTInductor package (aoti)
                 fn = self._fns[key] = aoti.load_or_build(self.core, r, (kv.k, kv.v, ids, pos, slots, mask), self.progress)
             elif first:
-                self.progress(f"compiling {self.core.name} for {r} rows (once)")
+                self.progress(f"compiling {self.core.name} for {rows_words(r)} (once)")
                 fn = self._fns[key] = _compile(self.core.graph_for(r), self.cuda)
             if self.cuda:
                 _graph_tls()

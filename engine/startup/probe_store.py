@@ -115,7 +115,8 @@ class Load:
 
 
 def _tree_ticks(root: int) -> int | None:
-    """CPU ticks of ``root`` and its descendants (waited-for children included), from /proc."""
+    """CPU ticks of ``root`` and its descendants, with the children each has waited for: a grandchild that has
+    ended (a background compile, reaped by the forkserver) is counted in its parent's, not lost."""
     try:
         parent: dict[int, int] = {}
         ticks: dict[int, int] = {}
@@ -129,7 +130,7 @@ def _tree_ticks(root: int) -> int | None:
                 continue
             pid = int(d)
             parent[pid] = int(fields[1])
-            ticks[pid] = sum(int(x) for x in fields[11:15]) if pid == root else int(fields[11]) + int(fields[12])
+            ticks[pid] = sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
         total, todo = 0, [root]
         while todo:
             p = todo.pop()

@@ -225,8 +225,12 @@ class ModelPool:
         self.base_config = cfg
         self.draft_name = (cfg.draft or default_draft(cfg.target)) if needs_draft else None
 
+        said = [""]
+
         def progress(stage: str, frac: float | None) -> None:  # noqa: ARG001
-            self._progress(stage)
+            if stage != said[0]:  # the load reports a stage at every step of its fraction: print it once
+                said[0] = stage
+                self._progress(stage)
 
         engine = Engine.load(cfg, progress=progress)  # checks target/draft tokenizers, loads both
         self._targets = {self._key(first.target_device): engine.target}
