@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ssd_chat.engine.load import gguf_map
+from ssd_chat.engine.load import store as model_cache
 from ssd_chat.engine.cpu import quant
 from ssd_chat.engine.model.core import Core, attend_rows
 from ssd_chat.engine.cpu.quant import GGUFLinear
@@ -130,6 +131,8 @@ def test_a_cpu_graph_is_built_once_then_loaded(tmp_path, monkeypatch):
     first.append(PROMPT, logits="none")
     a = first.append([4]).logits
     assert said == ["compiling pkg for 1 row (once)"] and len(list((tmp_path / "aoti").glob("*.pt2"))) == 1
+    (built,) = (tmp_path / "aoti").glob("*.pt2")  # who can load it, for `models cache prune`
+    assert not model_cache.built_elsewhere(built) and built.with_suffix(".json").is_file()
     again: list[str] = []
     second = Core(model, "pkg", compile="on", rows=(1,), progress=again.append)
     second.append(PROMPT, logits="none")

@@ -131,6 +131,25 @@ def test_cache_sizes_and_prune_of_what_lost_its_source(caches, tmp_path):
     assert (cache / "fastlinear.json").exists()  # measurements of the machine, not derived from a model
 
 
+def test_prune_frees_the_packages_another_torch_or_cpu_built(caches):
+    """A torch upgrade leaves every compiled package (about 210 MB each) unloadable: they are orphans too."""
+    import torch
+
+    from ssd_chat.engine.config import cpu_name
+
+    _hub, cache = caches
+    here, old_torch, other_cpu, unknown = (package(cache, f"tiny{i}", 100) for i in range(4))
+    for p, torch_v, cpu in ((here, torch.__version__, cpu_name()), (old_torch, "2.0.0+cpu", cpu_name()),
+                            (other_cpu, torch.__version__, "Some Other CPU")):
+        p.with_suffix(".json").write_text(json.dumps({"torch": torch_v, "cpu": cpu}))
+    assert set(json.loads(run("cache", "--json").stdout)["orphans"]) == {str(old_torch), str(other_cpu)}
+    assert "no model here can use" in run("cache").stdout
+    r = run("cache", "prune", "--yes")
+    assert r.exit_code == 0, r.output
+    assert not old_torch.exists() and not old_torch.with_suffix(".json").exists() and not other_cpu.exists()
+    assert here.exists() and here.with_suffix(".json").exists() and unknown.exists()
+
+
 # -- pull: huggingface_hub's API patched at its boundary ----------------------------------------------------------
 
 

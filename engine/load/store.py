@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import cache_dir
+from ..config import cache_dir, cpu_name
 from . import models
 
 _PACKAGE = re.compile(r"^(?P<name>.+)-(?P<rows>\d+)rows-(?P<key>[0-9a-f]{20})\.pt2$")
@@ -233,6 +233,8 @@ def remove(m: Local) -> int:
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
+            if p.suffix == ".pt2":
+                p.with_suffix(".json").unlink(missing_ok=True)
     return freed
 
 
@@ -244,9 +246,22 @@ def cache_sizes() -> dict[str, int]:
     return out
 
 
+def built_elsewhere(package: Path) -> bool:
+    """Whether a compiled package was built by another torch version or for another CPU (what its ``.json``
+    says; a package without one is kept): this install never loads it."""
+    import torch
+
+    try:
+        built = json.loads(package.with_suffix(".json").read_text(encoding="utf-8"))
+        return built.get("torch") != torch.__version__ or built.get("cpu") != cpu_name()
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def orphans() -> list[Path]:
-    """Derived caches whose source model is gone: converted folders no GGUF file holds any more, and compiled
-    packages of an alias, hub id or the packaged model that is no longer here."""
+    """Derived caches no model here can use: converted folders no GGUF file holds any more, compiled packages
+    of an alias, hub id or the packaged model that is no longer here, and packages another torch version or
+    CPU built."""
     present_hub = set(hub_repos())
     out = [c.path for c in converted() if not c.source_present]
     known = {models.PACKAGED: models.packaged_gguf() is not None}
@@ -258,8 +273,8 @@ def orphans() -> list[Path]:
         elif any(p.name == r.replace("/", "_") for r in present_hub):
             gone = False
         else:
-            continue  # unattributed: its source cannot be told from its name
-        if gone:
+            gone = False  # unattributed: its source cannot be told from its name
+        if gone or built_elsewhere(p.path):
             out.append(p.path)
     return out
 
@@ -272,6 +287,8 @@ def prune(paths: list[Path]) -> int:
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
+            if p.suffix == ".pt2":
+                p.with_suffix(".json").unlink(missing_ok=True)
     return freed
 
 

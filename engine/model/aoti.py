@@ -94,6 +94,8 @@ def load_or_build(core: Trunk, rows: int, example: tuple, progress: Callable[[st
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
             torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
+            # who can load it: `models cache prune` finds the packages another torch or CPU built (never loaded here)
+            path.with_suffix(".json").write_text(json.dumps({"torch": torch.__version__, "cpu": cpu_name()}))
             os.replace(tmp, path)
     return load_package(path) if load else None
 

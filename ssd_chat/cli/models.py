@@ -164,14 +164,15 @@ def cache(ctx: typer.Context, json_out: Json = False) -> None:
         typer.echo(f"  {store.human(n):>9}  {kind:<10} {store.KINDS[kind]}")
     typer.echo(f"  {store.human(sum(sizes.values())):>9}  total")
     if orphans:
-        typer.echo(f"{len(orphans)} derived cache(s) of models no longer here, {store.human(sum(map(store.size_of, orphans)))}: "
+        typer.echo(f"{len(orphans)} derived cache(s) that no model here can use, {store.human(sum(map(store.size_of, orphans)))}: "
                    "`ssd-chat models cache prune` frees them")
 
 
 @cache_app.command("prune")
 def prune(all_: Annotated[bool, typer.Option("--all", help="Remove every derived cache (converted, compiled), not only "
-                                             "those of models no longer here.")] = False, yes: Yes = False) -> None:
-    """Free the derived caches of models no longer on this machine (--all: every derived cache); asks first."""
+                                             "those no model here can use.")] = False, yes: Yes = False) -> None:
+    """Free the derived caches no model here can use: of models gone, packages another torch or CPU built (--all: every
+    derived cache); asks first."""
     from ..engine import model_cache as store
 
     paths = store.all_derived() if all_ else store.orphans()
@@ -179,7 +180,7 @@ def prune(all_: Annotated[bool, typer.Option("--all", help="Remove every derived
     if not paths:
         typer.echo("nothing to prune: every derived cache belongs to a model still here" if not all_ else "no derived caches")
         return
-    what = "every derived cache (converted, compiled)" if all_ else f"{len(paths)} derived cache(s) of models no longer here"
+    what = "every derived cache (converted, compiled)" if all_ else f"{len(paths)} derived cache(s) that no model here can use"
     if not _confirm(f"remove {what}, {store.human(size)}?", yes):
         typer.echo("nothing removed")
         raise typer.Exit(1)
