@@ -183,6 +183,41 @@ class TestStop:
         assert msgs[1].status == "stopped" and msgs[1].content.startswith(partial)
 
     @pytest.mark.asyncio
+    async def test_a_reply_that_ends_while_esc_draws_it_is_finished_once(self, tmp_path):
+        """Esc draws what had streamed; if the reply's last event arrives meanwhile, the reply ends there (done) and
+        is not finished a second time as stopped (its rounds counted twice, the next prompt typed twice)."""
+        events = ssd_events(WORDS)
+        backend = FakeBackend([events], block=True)
+        app = ChatApp(backend, history=History(tmp_path / "h.db"))
+        async with ready(app, size=(120, 40)) as pilot:
+            await app.chat_view.submit("tell me")
+            await wait_until(pilot, lambda: backend.blocked.is_set())
+            replies = app.chat_view.controller.replies
+            turn = app.chat_view.current
+            finished: list[str] = []
+            real_finish, real_flush, real_stop = replies._finish, replies.flush_pending, replies.stop
+            in_stop = asyncio.Event()
+
+            async def stop():
+                in_stop.set()
+                await real_stop()
+
+            async def finish(t, text, status, meta):
+                finished.append(status)
+                await real_finish(t, text, status, meta)
+
+            async def flush_pending():  # the engine's Done lands while Esc draws the tokens before it
+                if in_stop.is_set() and turn.status == "streaming" and not finished:
+                    replies.inbox.extend((turn.index, ev) for ev in events[len(events) // 2:])
+                await real_flush()
+
+            replies._finish, replies.flush_pending, replies.stop = finish, flush_pending, stop
+            await pilot.press("escape")
+            await wait_until(pilot, lambda: finished)
+            await pilot.pause(0.3)
+            assert finished == ["done"] and turn.status == "done" and turn.text == "".join(WORDS)
+
+    @pytest.mark.asyncio
     async def test_quit_while_streaming_ends_the_engine_thread(self):
         backend = FakeBackend([ssd_events(WORDS)], block=True)
         app = ChatApp(backend)

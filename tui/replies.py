@@ -332,6 +332,8 @@ class Replies:
         done = next((e for e in t.pending if isinstance(e, (Done, Error))), None)
         t.pending = pending
         await self.flush_pending()
+        if t.status != "streaming":  # its last event came while the tokens were drawn: it ended there, as done
+            return
         if done is not None:  # it had already finished: let it end normally
             t.pending = [done]
             await self.flush_pending()
