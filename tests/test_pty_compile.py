@@ -50,7 +50,7 @@ def test_an_uncompiled_k_answers_at_once_with_the_notice_on_screen(tmp_path):
         assert started, f"no token within 5 s: {seen[-2000:]}"
         assert time.monotonic() - t0 < 5
         # the notice comes with the first tokens (the panel's "compile" row has no "replies run"); it is mounted
-        # below the streaming reply, so it may be drawn a frame or two after the first words
+        # above the streaming reply, and may be drawn a frame or two after the first words
         noticed = app.until(lambda: "4 rows in the background" in app.text(mark) and "replies run uncompiled" in app.text(mark), 3, poll=0.1)
         assert noticed, app.text(mark)[-2000:]
         assert app.until(lambda: len(turns(db)) >= 1, 300, poll=0.2)

@@ -686,5 +686,8 @@ async def test_a_reply_that_switches_from_ssd_to_sd_says_so_everywhere(tmp_path)
         assert app.sub_title.startswith("SSD → SD after round 2 ·")
         assert "SSD → SD after round 2" in plain(app.chat_view.panel.query_one("#setup"))
         assert "ssd → sd after round 2" in app.query_one(AssistantMessage)._meta_text
+        # the reply's notice sits above the reply (below its prompt), not under the text that streams on
+        order = [type(w).__name__ for w in app.chat_view.chat.children if type(w).__name__ in ("UserMessage", "Notice", "AssistantMessage")]
+        assert order[-3:] == ["UserMessage", "Notice", "AssistantMessage"], order
     msgs = History(tmp_path / "h.db").messages(History(tmp_path / "h.db").list_conversations()[0].id)
     assert msgs[1].metrics["ran_as"] == "sd" and msgs[1].metrics["switched_after"] == 2

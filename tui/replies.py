@@ -268,10 +268,10 @@ class Replies:
                 self._show_panel(t, now)
             else:
                 t.panel_behind = True
-        for ev in notices:  # before this batch's text: a notice ("compiling ... in the background") precedes the work
+        for ev in notices:  # above the reply: a notice ("compiling ... in the background") is about the reply's work
             if ev.mode is not None:
                 c.update_info(t.metrics.label)
-            await v.chat.add_notice(ev.message, ev.level)
+            await v.chat.add_notice(ev.message, ev.level, before=t.widget)
         if pieces:
             await t.widget.append(pieces)
             t.text = t.widget.text

@@ -14,6 +14,7 @@ from rich.text import Text
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
+from textual.widget import Widget
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
@@ -210,9 +211,10 @@ class ChatLog(VerticalScroll):
         await self.mount(w)
         return w
 
-    async def add_notice(self, text: str, level: str = "info") -> Notice:
+    async def add_notice(self, text: str, level: str = "info", before: Widget | None = None) -> Notice:
+        """A notice at the end of the chat, or above ``before`` (a streaming reply's notice, above the reply)."""
         w = Notice(text, level)
-        await self.mount(w)
+        await self.mount(w, before=before if before is not None and before.parent is self else None)
         return w
 
     async def clear(self) -> None:
