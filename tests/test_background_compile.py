@@ -257,3 +257,26 @@ def test_a_package_on_disk_makes_its_first_call_at_load(auto_cpu):
         assert sum(g.calls for g in made) == before + 1  # one call per row shape, before any reply
         assert list(eng.stream([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0)))[-1].stats.path == "compiled"
         assert core is None or core.compiler.path == "compiled"
+
+
+def test_a_package_another_process_is_building_is_waited_for_not_built_again(tmp_path):
+    """A first start's app and its mode probe's measurer want the same packages at once: the second waits for the
+    first's build (minutes of CPU on a small machine) and takes its package."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "aoti" / "m-1rows-00000000000000000000.pt2"
+    path.parent.mkdir(parents=True)
+    other = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
+                              "f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print('building', flush=True)\n"
+                              "time.sleep(1.5); open(sys.argv[2], 'wb').write(b'package')",
+                              str(path.with_suffix(".lock")), str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "building"
+        said: list[str] = []
+        core = type("Core", (), {"name": "m"})()  # no graph: it must not build
+        assert aoti.load_or_build(core, 1, (), said.append, path, load=False) is None
+        assert said == ["waiting for another ssd-chat compiling m for 1 row"] and path.read_bytes() == b"package"
+    finally:
+        other.kill()
+        other.wait()

@@ -233,8 +233,9 @@ def remove(m: Local) -> int:
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
-            if p.suffix == ".pt2":
+            if p.suffix == ".pt2":  # its sidecars: who built it, the build's lock
                 p.with_suffix(".json").unlink(missing_ok=True)
+                p.with_suffix(".lock").unlink(missing_ok=True)
     return freed
 
 
@@ -287,8 +288,9 @@ def prune(paths: list[Path]) -> int:
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
-            if p.suffix == ".pt2":
+            if p.suffix == ".pt2":  # its sidecars: who built it, the build's lock
                 p.with_suffix(".json").unlink(missing_ok=True)
+                p.with_suffix(".lock").unlink(missing_ok=True)
     return freed
 
 

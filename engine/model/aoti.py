@@ -10,13 +10,14 @@ includes a fingerprint of them.  Packages live in ``aoti/`` in the ssd-chat cach
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import threading
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -76,28 +77,50 @@ def load_or_build(core: Trunk, rows: int, example: tuple, progress: Callable[[st
     the cache, else exported, compiled (minutes on a small CPU; ``progress`` says so first) and stored.
     ``load`` False: only build it (a background build, :mod:`background`)."""
     path = path or path_for(core, rows)
-    if not path.exists():
-        progress(f"compiling {core.name} for {rows_words(rows)} (once)")
-        fn = core.graph_for(rows)
-
-        class Graph(torch.nn.Module):
-            def forward(self, ks: Any, vs: Any, ids: Any, pos: Any, slots: Any, mask: Any) -> Any:
-                return fn(ks, vs, ids, pos, slots, mask)
-
-        cap = torch.export.Dim("capacity", min=16, max=1 << 20)
-        width = torch.export.Dim("width", min=16, max=1 << 20)
-        ks, vs = example[0], example[1]
-        dyn = {"ks": [{1: cap}] * len(ks), "vs": [{1: cap}] * len(vs), "ids": None, "pos": None, "slots": None,
-               "mask": {1: width}}
-        with torch.inference_mode():
-            ep = torch.export.export(Graph(), tuple(example), dynamic_shapes=dyn, strict=False)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
-            torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
-            # who can load it: `models cache prune` finds the packages another torch or CPU built (never loaded here)
-            path.with_suffix(".json").write_text(json.dumps({"torch": torch.__version__, "cpu": cpu_name()}))
-            os.replace(tmp, path)
+    with building(path, lambda: progress(f"waiting for another ssd-chat compiling {core.name} for {rows_words(rows)}")):
+        if not path.exists():  # else another process built it while this one waited
+            _build(core, rows, example, progress, path)
     return load_package(path) if load else None
+
+
+@contextlib.contextmanager
+def building(path: Path, waiting: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Held while ``path`` is built (an ``flock`` on ``<package>.lock``; ``waiting()`` first if another process
+    holds it): a first start's app and its mode probe's measurer want the same packages at once, and each
+    build is minutes of CPU on a small machine."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as f:  # the lock goes when the file closes, also in a killed process
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            waiting()
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _build(core: Trunk, rows: int, example: tuple, progress: Callable[[str], None], path: Path) -> None:
+    progress(f"compiling {core.name} for {rows_words(rows)} (once)")
+    fn = core.graph_for(rows)
+
+    class Graph(torch.nn.Module):
+        def forward(self, ks: Any, vs: Any, ids: Any, pos: Any, slots: Any, mask: Any) -> Any:
+            return fn(ks, vs, ids, pos, slots, mask)
+
+    cap = torch.export.Dim("capacity", min=16, max=1 << 20)
+    width = torch.export.Dim("width", min=16, max=1 << 20)
+    ks, vs = example[0], example[1]
+    dyn = {"ks": [{1: cap}] * len(ks), "vs": [{1: cap}] * len(vs), "ids": None, "pos": None, "slots": None,
+           "mask": {1: width}}
+    with torch.inference_mode():
+        ep = torch.export.export(Graph(), tuple(example), dynamic_shapes=dyn, strict=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
+        # who can load it: `models cache prune` finds the packages another torch or CPU built (never loaded here)
+        path.with_suffix(".json").write_text(json.dumps({"torch": torch.__version__, "cpu": cpu_name()}))
+        os.replace(tmp, path)
 
 
 def use_disk_cache() -> None:
