@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.tui import chat, FakeBackend, notices, ready, saved, scripted_app, ssd_events, wait_until
+from helpers.tui import chat, FakeBackend, laid_out, notices, ready, saved, scripted_app, ssd_events, wait_until
 
 from helpers.models import as_loaded, tiny_llama
 from ssd_chat.chat import attach
@@ -114,7 +114,7 @@ async def test_c_on_a_focused_reply_copies_one_code_block_at_a_time():
         out = said(app)
         view = app.chat_view
         view.prompt.focus()
-        await wait_until(pilot, lambda: any(isinstance(w, AssistantMessage) for w in app.screen.focus_chain))
+        await wait_until(pilot, lambda: laid_out(app) and any(isinstance(w, AssistantMessage) for w in app.screen.focus_chain))
         await pilot.press("shift+tab")  # from the prompt box: the last reply
         await wait_until(pilot, lambda: isinstance(app.focused, AssistantMessage))
         await pilot.press("c")

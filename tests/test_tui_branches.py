@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from helpers.tui import after_chat, chat, FakeBackend, on_screen, press_for_reply, ready, scripted_app, ssd_events, wait_until
+from helpers.tui import after_chat, chat, FakeBackend, laid_out, on_screen, press_for_reply, ready, scripted_app, ssd_events, wait_until
 
 from ssd_chat.history.store import History
 from ssd_chat.tui.app import ChatApp
@@ -17,7 +17,7 @@ from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
 async def focus_back_to(app: ChatApp, pilot, kind: type, text: str) -> None:
     """Shift+Tab from the prompt box until the message ``text`` of ``kind`` has the focus."""
     app.chat_view.prompt.focus()
-    await wait_until(pilot, lambda: app.focused is app.chat_view.prompt)
+    await wait_until(pilot, lambda: app.focused is app.chat_view.prompt and laid_out(app))
     for _ in range(12):
         await pilot.press("shift+tab")
         await pilot.pause()

@@ -4,7 +4,7 @@ and deleting a saved chat after a confirmation (scripted streams, no model)."""
 from __future__ import annotations
 
 import pytest
-from helpers.tui import (after_chat, chat, FakeBackend, notices, on_screen, press_for_reply,
+from helpers.tui import (after_chat, chat, FakeBackend, laid_out, notices, on_screen, press_for_reply,
                           ready, saved, scripted_app, ssd_events, wait_until)
 from textual.widgets import Input
 
@@ -74,7 +74,7 @@ class TestEdit:
                               size=(140, 45)) as (app, backend, pilot):
             before = [("user", "first"), ("assistant", "one"), ("user", "second"), ("assistant", "two"),
                       ("user", "third"), ("assistant", "three")]
-            await wait_until(pilot, lambda: sum(isinstance(w, UserMessage) for w in app.screen.focus_chain) == 3)  # laid out
+            await wait_until(pilot, lambda: laid_out(app) and len(app.chat_view.messages) == 6)
             app.chat_view.prompt.focus()
             await wait_until(pilot, lambda: app.focused is app.chat_view.prompt)
             # from the prompt box: the last reply, the message it answered, then the ones before

@@ -179,6 +179,15 @@ async def ready(app: ChatApp, timeout: float = 10.0, **run_test):
         yield pilot
 
 
+def laid_out(app: ChatApp) -> bool:
+    """Every message is in the focus chain in its place.  Textual orders the chain by where widgets are, and a
+    message before its first layout sits at the top: Shift+Tab from the prompt box then skips the last reply."""
+    from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
+
+    kinds = (UserMessage, AssistantMessage)
+    return [w for w in app.screen.focus_chain if isinstance(w, kinds)] == [w for w in app.chat_view.chat.children if isinstance(w, kinds)]
+
+
 @contextlib.asynccontextmanager
 async def after_chat(db, replies: tuple[str, ...], prompts: tuple[str, ...], **run_test):
     """A :func:`scripted_app` (``replies``) under Pilot once ``prompts`` were answered; yields (app, backend, pilot)."""
