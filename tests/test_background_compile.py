@@ -33,9 +33,6 @@ class FakeBuild:
     def running(self):
         return not self.closed and self.done < len(self.jobs)
 
-    def fraction(self):
-        return 0.4
-
     def current(self):
         r, t, _path = self.jobs[min(self.done, len(self.jobs) - 1)]
         return r, t, 0.4

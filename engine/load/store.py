@@ -222,6 +222,14 @@ def find(name: str) -> Local | None:
     return None
 
 
+def _unlink(p: Path) -> None:
+    """A cache file, and a compiled package's sidecars (who built it, its build lock)."""
+    p.unlink(missing_ok=True)
+    if p.suffix == ".pt2":
+        p.with_suffix(".json").unlink(missing_ok=True)
+        p.with_suffix(".lock").unlink(missing_ok=True)
+
+
 def remove(m: Local) -> int:
     """Delete ``m`` from the hub cache (never a GGUF file: the user's own, or the pip package's) and every
     cache derived from it; the bytes freed."""
@@ -232,10 +240,7 @@ def remove(m: Local) -> int:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
         else:
-            p.unlink(missing_ok=True)
-            if p.suffix == ".pt2":  # its sidecars: who built it, the build's lock
-                p.with_suffix(".json").unlink(missing_ok=True)
-                p.with_suffix(".lock").unlink(missing_ok=True)
+            _unlink(p)
     return freed
 
 
@@ -287,10 +292,7 @@ def prune(paths: list[Path]) -> int:
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
         else:
-            p.unlink(missing_ok=True)
-            if p.suffix == ".pt2":  # its sidecars: who built it, the build's lock
-                p.with_suffix(".json").unlink(missing_ok=True)
-                p.with_suffix(".lock").unlink(missing_ok=True)
+            _unlink(p)
     return freed
 
 

@@ -88,12 +88,6 @@ class Build:
         r, t, _path = self.jobs[min(self.done, len(self.jobs) - 1)]
         return r, t, min(0.95, (time.monotonic() - self._shape_t0()) / expected_s(self.name)) if self.running else 0.0
 
-    def fraction(self) -> float:
-        """About how far the build is: shapes done, and the current one's time against the last build's."""
-        per = expected_s(self.name)
-        current = min(0.95, (time.monotonic() - self._shape_t0()) / per) if self.running else 0.0
-        return min(1.0, (self.done + current) / max(1, len(self.jobs)))
-
     def _shape_t0(self) -> float:
         return getattr(self, "_t0", self.started)
 
