@@ -100,6 +100,18 @@ class TestEdit:
         assert saved(tmp_path / "h.db", all_branches=True) == [("first", before[:3] + before[3:] + after[2:])]
 
     @pytest.mark.asyncio
+    async def test_a_message_is_in_the_focus_chain_in_its_place_before_its_first_layout(self, tmp_path):
+        """Shift+Tab right after a reply ended: the reply is the first stop even if no frame has laid it out
+        yet (Textual orders focusable siblings by where they are, and an unlaid-out widget is at the top)."""
+        async with after_chat(tmp_path / "h.db", ("one",), ("first",), size=(140, 45)) as (app, backend, pilot):
+            await wait_until(pilot, lambda: laid_out(app))
+            log = app.chat_view.chat
+            user, reply = await log.add_user("second"), await log.add_assistant("two", status="done")
+            assert reply.virtual_region.y == 0  # not laid out yet: the case this test is about
+            chain = [w for w in app.screen.focus_chain if isinstance(w, (UserMessage, AssistantMessage))]
+            assert chain[-2:] == [user, reply] and laid_out(app)
+
+    @pytest.mark.asyncio
     async def test_an_edit_while_another_program_holds_the_lock_saves_its_branch_once_the_lock_goes(self, tmp_path):
         """The branch is made in memory while the file is locked and saved once the lock goes, in the same
         chat, beside the message it replaces."""

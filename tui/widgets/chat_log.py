@@ -57,7 +57,17 @@ def branch_label(place: tuple[int, int] | None) -> str:
     return f"‹ {place[0]}/{place[1]} ›" if place else ""
 
 
-class UserMessage(Static, can_focus=True):
+class InTranscriptOrder:
+    """Focus order is the transcript's order.  Textual sorts focusable siblings by where they are on screen,
+    and a message before its first layout is at the top: Shift+Tab right after a reply ended skipped it."""
+
+    @property
+    def _focus_sort_key(self) -> tuple[int, int]:
+        parent = self.parent  # type: ignore[attr-defined]
+        return (parent.children.index(self), 0) if parent is not None else (0, 0)
+
+
+class UserMessage(InTranscriptOrder, Static, can_focus=True):
     """A prompt as the user wrote it (plain text: no Markdown surprises).  Focusable (Shift+Tab from the
     prompt box, or a click): e or Enter puts it back in the box to edit and re-run from there; ←/→ switch
     to its siblings (its other edits), whose place shows as "‹ 2/3 ›" before the text; c copies its next
@@ -100,7 +110,7 @@ class Notice(Static):
         self.text = text
 
 
-class AssistantMessage(Vertical, can_focus=True):
+class AssistantMessage(InTranscriptOrder, Vertical, can_focus=True):
     """A reply: Markdown while streaming (coalesced through a MarkdownStream), a status line at the end.
     Focusable (Shift+Tab, a click): ←/→ switch to the replies regenerated beside it, its place shown as
     "‹ 2/3 ›" above it; c copies its next fenced code block, cycling through them.
