@@ -180,8 +180,8 @@ async def ready(app: ChatApp, timeout: float = 10.0, **run_test):
 
 
 def laid_out(app: ChatApp) -> bool:
-    """Every message is in the focus chain in its place.  Textual orders the chain by where widgets are, and a
-    message before its first layout sits at the top: Shift+Tab from the prompt box then skips the last reply."""
+    """Every message is in the focus chain in its place, the order Shift+Tab walks back through
+    (tui/widgets/chat_log.py's ``InTranscriptOrder`` keeps it so before a message's first layout too)."""
     from ssd_chat.tui.widgets.chat_log import AssistantMessage, UserMessage
 
     kinds = (UserMessage, AssistantMessage)

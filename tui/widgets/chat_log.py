@@ -8,6 +8,7 @@ markup nor a terminal escape sequence in it is obeyed.  The widgets keep the tex
 from __future__ import annotations
 
 import functools
+import math
 
 from markdown_it import MarkdownIt
 from rich.text import Text
@@ -57,14 +58,14 @@ def branch_label(place: tuple[int, int] | None) -> str:
     return f"‹ {place[0]}/{place[1]} ›" if place else ""
 
 
-class InTranscriptOrder:
+class InTranscriptOrder(Widget):
     """Focus order is the transcript's order.  Textual sorts focusable siblings by where they are on screen,
-    and a message before its first layout is at the top: Shift+Tab right after a reply ended skipped it."""
+    and a message before its first layout has an empty region at the top: Shift+Tab right after a reply ended
+    skipped it.  Messages are only appended, so one not laid out yet sorts last (ties keep the DOM order)."""
 
     @property
-    def _focus_sort_key(self) -> tuple[int, int]:
-        parent = self.parent  # type: ignore[attr-defined]
-        return (parent.children.index(self), 0) if parent is not None else (0, 0)
+    def _focus_sort_key(self) -> tuple[float, float]:
+        return super()._focus_sort_key if self.virtual_region else (math.inf, 0)
 
 
 class UserMessage(InTranscriptOrder, Static, can_focus=True):
