@@ -1,14 +1,9 @@
 """Between-reply actions of the chat, called by its controller (which dispatches the slash commands); the app
 opens the dialogs that lead here.
 
-:class:`ChatActions`: new chat, copy, system prompt, settings (mode / k / fan-out / temperature without
-reloading models), resuming and exporting saved chats, token colours.
-
-:class:`Attachments`: ``/attach FILE`` stages a text file (read and counted now, with the target's tokenizer
-once it has loaded); the next message sent carries it, as ``ask -a`` does (:mod:`ssd_chat.chat.attach`), and the
-saved chat keeps that full turn.  ``/attach`` lists what is staged and ``/attach clear`` drops it.  ``c`` on a
-focused message copies its next fenced block; ``/save N FILE`` writes block N of the last reply to a file,
-refusing to overwrite one unless ``--force`` is given.
+:class:`ChatActions`: new chat, copy, system prompt, settings (without reloading models), resuming and exporting
+saved chats, token colours.  :class:`Attachments`: files into the next message (``/attach``, as ``ask -a`` does:
+:mod:`ssd_chat.chat.attach`; the saved chat keeps that full turn) and code blocks out (``c``, ``/save``).
 """
 
 from __future__ import annotations
@@ -103,7 +98,6 @@ class ChatActions:
             await chat.add_notice("settings change between replies: stop this one first (Esc)", "warning")
             return False
         engine_changes = {k: v for k, v in changes.items() if k in ENGINE_CHANGES}
-        sampling = {k: v for k, v in changes.items() if k in SAMPLING_KEYS}
         if engine_changes:
             if c.switching is not None:
                 await chat.add_notice(f"still switching to {c.switching}; change settings after that", "warning")
@@ -117,7 +111,7 @@ class ChatActions:
             finally:
                 c.switching = None
             c.engine_changes.update(engine_changes)
-        c.params.update(sampling)
+        c.params.update({k: v for k, v in changes.items() if k in SAMPLING_KEYS})
         c.update_info()
         if changes.get("mode") == "auto":  # what auto chose here, and why (the panel's why line)
             info = c.backend.info()
@@ -176,8 +170,7 @@ class ChatActions:
             elif m.role == "assistant":
                 status = "stopped" if m.status == "streaming" else m.status  # "streaming": the app died mid-reply
                 meta = (metrics_line(m.metrics) if m.metrics else "") + ("" if status == "done" else f" · {status}")
-                w = await chat.add_assistant(m.content, status, meta, c.colour)
-                w.remove_class("-streaming")
+                w = await chat.add_assistant(m.content, status, meta, c.colour)  # never "streaming": no -streaming class
             else:
                 continue
             if m.role != "system":
@@ -226,10 +219,8 @@ class Attachments:
     async def command(self, arg: str) -> None:
         chat = self.view.chat
         if not arg:
-            if not self.staged:
-                await chat.add_notice("nothing attached · /attach FILE puts a text file in your next message")
-            else:
-                await chat.add_notice(f"attached to your next message: {self._listed()} · /attach clear drops them")
+            await chat.add_notice(f"attached to your next message: {self._listed()} · /attach clear drops them" if self.staged
+                                  else "nothing attached · /attach FILE puts a text file in your next message")
             return
         if arg == "clear":
             n, self.staged = len(self.staged), []

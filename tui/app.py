@@ -8,9 +8,10 @@ saved-chat history and quitting (Ctrl+C, SIGTERM, SIGHUP).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from textual.app import App, ComposeResult, SystemCommand
@@ -41,13 +42,10 @@ def yield_to_engine() -> None:
     """Lower every thread of the app's own process (not the engine process, started before, nor the thread that
     starts engine processes: one started after /model inherits its priority): on a machine whose cores the decoder
     fills, the drawing takes what the decoder leaves instead of stalling its threads."""
-    try:
+    with contextlib.suppress(OSError, AttributeError, ValueError):  # not Linux, or a thread gone meanwhile: the app runs as it is
         for tid in os.listdir("/proc/self/task"):
-            if int(tid) == processes.spawner_tid:
-                continue
-            os.setpriority(os.PRIO_PROCESS, int(tid), min(19, os.getpriority(os.PRIO_PROCESS, int(tid)) + UI_NICE))
-    except (OSError, AttributeError, ValueError):  # not Linux, or a thread gone meanwhile: the app runs as it is
-        pass
+            if int(tid) != processes.spawner_tid:
+                os.setpriority(os.PRIO_PROCESS, int(tid), min(19, os.getpriority(os.PRIO_PROCESS, int(tid)) + UI_NICE))
 
 
 class ChatApp(App[int]):
@@ -81,19 +79,9 @@ class ChatApp(App[int]):
             super().__init__()
             self.error, self.backend = error, backend
 
-    def __init__(
-        self,
-        backend: Backend,
-        *,
-        settings: dict[str, Any] | None = None,
-        history: History | None = None,
-        recorder: Any = None,
-        resume: int | None = None,
-        script: Iterable[str] = (),
-        type_delay_s: float = 0.03,
-        baselines: Iterable[Baseline] = (),
-        backend_factory: Callable[[dict[str, Any]], Backend] | None = None,
-    ) -> None:
+    def __init__(self, backend: Backend, *, settings: dict[str, Any] | None = None, history: History | None = None,
+                 recorder: Any = None, resume: int | None = None, script: Iterable[str] = (), type_delay_s: float = 0.03,
+                 baselines: Iterable[Baseline] = (), backend_factory: Callable[[dict[str, Any]], Backend] | None = None) -> None:
         super().__init__()
         self.backend = backend
         # /model builds the next backend from these settings with another target (None: this app cannot switch)
@@ -115,9 +103,8 @@ class ChatApp(App[int]):
         super().notify(printable(message), title=title, severity=severity, timeout=timeout, markup=markup)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in self.MAIN_SCREEN_ACTIONS and isinstance(self.screen, ModalScreen):
-            return False  # let the dialog have its keys (ctrl+s saves the system prompt there)
-        return True
+        # off behind a dialog: it has its own keys (ctrl+s saves the system prompt there)
+        return not (action in self.MAIN_SCREEN_ACTIONS and isinstance(self.screen, ModalScreen))
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
@@ -183,10 +170,8 @@ class ChatApp(App[int]):
             return
         self._quitting = True
         await self.controller.close()
-        try:
+        with contextlib.suppress(Exception):  # closing must not raise at exit
             await asyncio.to_thread(self.backend.close)
-        except Exception:  # noqa: BLE001 - closing must not raise at exit
-            pass
         self.history.close()
         self.exit(0)
 
@@ -210,12 +195,16 @@ class ChatApp(App[int]):
         await self.controller.rerun.regenerate()
 
     # -- dialogs -------------------------------------------------------------------------
-    def action_system_prompt(self) -> None:
-        def done(value: str | None) -> None:
-            if value is not None:
-                self.run_worker(self.controller.actions.set_system(value), exclusive=False)
+    def _ask(self, dialog: ModalScreen, then: Callable[[Any], Awaitable[Any]]) -> None:
+        """Open ``dialog``; unless it is cancelled (None) or changes nothing ({}), ``then(answer)`` runs in a worker."""
+        def done(answer: Any) -> None:
+            if answer is not None and answer != {}:
+                self.run_worker(then(answer), exclusive=False)
 
-        self.push_screen(SystemPromptDialog(self.controller.system), done)
+        self.push_screen(dialog, done)
+
+    def action_system_prompt(self) -> None:
+        self._ask(SystemPromptDialog(self.controller.system), self.controller.actions.set_system)  # "" clears it
 
     def action_settings(self) -> None:
         ctl = self.controller
@@ -224,19 +213,10 @@ class ChatApp(App[int]):
             return
         current = {"settings": self.engine_settings, **self.backend.info(), **self.backend.sampling_defaults(), **ctl.params,
                    **ctl.pending_settings}  # the temperature in force
-
-        def done(changes: dict | None) -> None:
-            if changes:
-                self.run_worker(ctl.actions.apply_settings(changes), exclusive=False)
-
-        self.push_screen(SettingsDialog(current), done)
+        self._ask(SettingsDialog(current), ctl.actions.apply_settings)
 
     def action_chats(self) -> None:
-        def done(cid: int | None) -> None:
-            if cid is not None:
-                self.run_worker(self.controller.resume(cid), exclusive=False)
-
-        self.push_screen(ChatsDialog(self.history), done)
+        self._ask(ChatsDialog(self.history), self.controller.resume)
 
     async def on_chats_dialog_deleted(self, msg: ChatsDialog.Deleted) -> None:
         await self.controller.chat_deleted(msg.conversation_id)

@@ -1,10 +1,7 @@
-"""Ctrl+G in the app: the prompt in the box (or the last one sent) answered greedily in AR, SD and
-SSD in turn, :data:`ssd_chat.chat.compare.DEFAULT_REPEATS` times over, on the loaded models, each run's
-figures as it ends, then whether every output is identical and the speedups measured on that
-prompt (median, spread, physical bound): :class:`Comparison`; the loop itself is :func:`ssd_chat.chat.compare.run`.
-
-The comparison is not part of the conversation: nothing is added to the chat's messages or history.
-"""
+"""Ctrl+G in the app (:class:`Comparison`): the prompt in the box (or the last one sent) answered greedily in AR,
+SD and SSD in turn, several times over on the loaded models (the loop is :func:`ssd_chat.chat.compare.run`), then
+whether every output is identical and the speedups measured on that prompt.  It is not part of the conversation:
+nothing is added to the chat's messages or history."""
 
 from __future__ import annotations
 
@@ -119,10 +116,9 @@ class Comparison:
             med = result.median_tok_per_s(mode)
             if med is not None:
                 bound = result.bound("ssd", "sd") if mode == "sd" else None
-                self.same_prompt[mode] = replace(b, tok_per_s=med, source=f"{mode.upper()} runs of the same prompt (compare, median)",
-                                                 ssd_bound=bound if bound is not None else b.ssd_bound)
-        for b in self.same_prompt.values():  # later replies in this chat compare with these rates
-            panel.set_measured(replace(b, source=f"{b.mode.upper()} runs in the last compare (median)"))
+                self.same_prompt[mode] = b = replace(b, tok_per_s=med, ssd_bound=bound if bound is not None else b.ssd_bound,
+                                                     source=f"{mode.upper()} runs of the same prompt (compare, median)")
+            panel.set_measured(replace(b, source=f"{mode.upper()} runs in the last compare (median)"))  # for later replies
         if result.finished:  # the last mode's median run, against the other modes' medians on the same prompt
             last = result.finished[-1]
             med = result.median_tok_per_s(last.mode)

@@ -65,8 +65,7 @@ class ChatController:
 
     # -- keys and commands, each in one explicit order -------------------------------------
     async def submit(self, text: str) -> None:
-        """Enter (and a demo's typed prompt): an edit in progress re-runs the chat from the edited message;
-        else a slash command runs, or the text is sent and its reply streams."""
+        """Enter (and a demo's typed prompt): re-run the chat from an edit in progress, run a slash command, or send."""
         text = text.strip("\n")
         if self.rerun.edit_open(text):
             if await self.rerun.can_rerun():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -40,10 +41,8 @@ MAX_FRAME_S = 0.5
 async def settle(worker: Any, timeout_s: float) -> bool:
     """Wait up to ``timeout_s`` for a worker (None: none) to end; True while it still runs."""
     if worker is not None and worker.is_running:
-        try:
+        with contextlib.suppress(Exception):  # a timeout, or the worker failed (it has ended then)
             await asyncio.wait_for(worker.wait(), timeout_s)
-        except Exception:  # noqa: BLE001 - a timeout, or the worker failed (it has ended then)
-            pass
     return worker is not None and worker.is_running
 
 
@@ -215,8 +214,7 @@ class Replies:
             await self.apply_pending()
 
     async def frame(self) -> None:
-        """The frame timer's tick (every FRAME_S while a reply streams): draw, unless the app's CPU time since
-        the last frame is more than UI_SHARE of the time since (MAX_FRAME_S apart at most)."""
+        """The frame timer's tick: draw, unless the app's CPU time since the last frame is over UI_SHARE of the time since."""
         t = self.ctl.current
         if t is None:
             return
@@ -242,24 +240,23 @@ class Replies:
         notices: list[Notice] = []
         end: Done | Error | None = None
         for ev in events:
+            if isinstance(ev, (Done, Error)):
+                end = ev
+                continue
+            t.metrics.add(ev)  # a Notice too: a switch of mode (SSD without its speculator) is part of the reply's stats
             if isinstance(ev, Token):
-                t.metrics.add(ev)
                 pieces.append((ev.text, ev.source))
                 if ev.text:
                     self.token_text[ev.id] = ev.text
                 t.last_t_s = ev.t_s
             elif isinstance(ev, Round):
-                t.metrics.add(ev)
                 t.rounds.append((ev, self.token_text.get(ev.bonus_id) if ev.bonus_id is not None else None))
                 self.seen_ids.update(i for _, cands in (ev.predicted or ()) for i in cands)
                 if ev.bonus_id is not None:
                     self.seen_ids.add(ev.bonus_id)
                 t.last_t_s = max(t.last_t_s, ev.t_s)
-            elif isinstance(ev, Notice):
-                t.metrics.add(ev)  # a switch of mode (SSD without its speculator) is part of the reply's stats
+            else:
                 notices.append(ev)
-            elif isinstance(ev, (Done, Error)):
-                end = ev
         # The panel and the cache view are updated before the first await, so no other task ever sees
         # them half way through a batch; while the reply streams, at most every PANEL_S (the end shows
         # its own figures, and _finish its rounds).
@@ -328,9 +325,8 @@ class Replies:
         t.stop.set()
         self.ctl.script.clear()
         await self._receive()
-        pending = [e for e in t.pending if not isinstance(e, (Done, Error))]
         done = next((e for e in t.pending if isinstance(e, (Done, Error))), None)
-        t.pending = pending
+        t.pending = [e for e in t.pending if not isinstance(e, (Done, Error))]
         await self.flush_pending()
         if t.status != "streaming":  # its last event came while the tokens were drawn: it ended there, as done
             return
@@ -354,12 +350,10 @@ class Replies:
             return
         text = c.script.pop(0)
         await asyncio.sleep(0.4)
-        typed = ""
-        for ch in text:
+        for n in range(1, len(text) + 1):
             if c.quitting or c.streaming():
                 return
-            typed += ch
-            self.view.prompt.set_text(typed)
+            self.view.prompt.set_text(text[:n])
             await asyncio.sleep(c.type_delay_s)
         await asyncio.sleep(0.2)
         await c.submit(text)

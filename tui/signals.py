@@ -9,6 +9,7 @@ then blocks on its next one, so the app stops the reply and the speculator and l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -54,9 +55,7 @@ def leave_now(app: Any, sig: int) -> None:
         if stop is not None:
             stop.set()
     for close in (app.backend.close, getattr(chat.recorder, "close", None), app.history.close):
-        try:
+        with contextlib.suppress(Exception):  # nothing can be shown any more; exit regardless
             if close is not None:
                 close()
-        except Exception:  # noqa: BLE001 - nothing can be shown any more; exit regardless
-            pass
     os._exit(128 + sig)

@@ -6,6 +6,7 @@ closes (its engine process and speculator exit) and a new one loads with the loa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 from typing import Any
@@ -51,9 +52,8 @@ def in_use(models: list[Any], target: str | None) -> Any:
     except Exception:  # noqa: BLE001 - a target no longer resolvable is simply not marked
         return None
     for m in models:
-        if spec.kind == "hub" and m.kind == "hub" and m.name == spec.source:
-            return m
-        if spec.kind == "gguf" and m.kind != "hub" and Path(spec.source).resolve() == Path(m.path).resolve():
+        if (spec.kind == "hub" and m.kind == "hub" and m.name == spec.source) or (
+                spec.kind == "gguf" and m.kind != "hub" and Path(spec.source).resolve() == Path(m.path).resolve()):
             return m
     return None
 
@@ -127,10 +127,8 @@ class ModelSwitch:
         old = c.backend
         c.ready, c.load_error = False, None
         app.sub_title = "loading…"
-        try:
+        with contextlib.suppress(Exception):  # a backend that failed to close is gone with the app at the latest
             await asyncio.to_thread(old.close)  # the engine process and its speculator exit
-        except Exception:  # noqa: BLE001 - a backend that failed to close is gone with the app at the latest
-            pass
         app.values, app.engine_settings = values, {k: values.get(k) for k in ("k", "fan_out")}
         c.engine_changes = {}
         c.backend = app.backend = app.backend_factory(values)

@@ -32,12 +32,6 @@ class CacheRow:
     bonus_text: str = ""  # this round's own bonus token (shown for SD rounds, which have no cache)
 
 
-def _show(text: str | None, token_id: int | None) -> str:
-    if text is None:
-        return "?" if token_id is None else f"#{token_id}"
-    return repr(text)[1:-1] or "␀"
-
-
 class CacheView(Static):
     """Latest rounds, newest first: hit or miss, the outcome the target chose, the predicted outcomes."""
 
@@ -46,6 +40,14 @@ class CacheView(Static):
         self.rows: deque[CacheRow] = deque(maxlen=max_rows)
         self.token_text: Callable[[int], str | None] = lambda _id: None
         self._prev: tuple[Round, str | None] | None = None  # the previous round of this reply
+
+    def _token(self, text: str | None, token_id: int | None) -> str:
+        """A token as shown: ``text`` (None: looked up by ``token_id``), escaped."""
+        if text is None and token_id is not None:
+            text = self.token_text(token_id)
+        if text is None:
+            return "?" if token_id is None else f"#{token_id}"
+        return repr(text)[1:-1] or "␀"
 
     def on_mount(self) -> None:
         self._refresh_table()
@@ -60,13 +62,11 @@ class CacheView(Static):
             prev = self._prev
             if prev is not None and prev[0].index == r.index - 1:
                 p, p_text = prev
-                text = p_text if p_text is not None else (self.token_text(p.bonus_id) if p.bonus_id is not None else None)
-                chosen = (p.accepted, p.bonus_id, _show(text, p.bonus_id))
+                chosen = (p.accepted, p.bonus_id, self._token(p_text, p.bonus_id))
             else:
                 chosen = (None, None, "—")
-            own = bonus_text if bonus_text is not None else (self.token_text(r.bonus_id) if r.bonus_id is not None else None)
             self.rows.append(CacheRow(r.index, r.cache_hit, tuple(r.predicted or ()), *chosen, r.accepted, r.fallback,
-                                      _show(own, r.bonus_id)))
+                                      self._token(bonus_text, r.bonus_id)))
             self._prev = (r, bonus_text)
         if rounds:
             self._refresh_table()
@@ -90,7 +90,7 @@ class CacheView(Static):
             for m, c in enumerate(cands):
                 if m:
                     out.append(" ")
-                label = _show(self.token_text(c), c)
+                label = self._token(None, c)
                 if is_j and c == row.chosen_id:
                     out.append(label, style="bold reverse green")
                 else:
@@ -103,14 +103,12 @@ class CacheView(Static):
         for row in reversed(self.rows):
             line = Text()
             line.append(f"#{row.index:<4}", style="dim")
-            if row.hit is None:
-                line.append("—    ", style="dim")
-            else:
-                line.append("hit  " if row.hit else "miss ", style="bold green" if row.hit else "bold red")
             if row.hit is None:  # SD: no cache, just this round's outcome
+                line.append("—    ", style="dim")
                 line.append(f"accepted {row.accepted} + ")
                 line.append(row.bonus_text, style="bold")
             else:
+                line.append("hit  " if row.hit else "miss ", style="bold green" if row.hit else "bold red")
                 if row.chosen_j is not None:
                     line.append(f"target chose j={row.chosen_j} + ")
                     line.append(row.chosen_text, style="bold")

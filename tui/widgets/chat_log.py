@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
+from typing import Any
 
 from markdown_it import MarkdownIt
 from rich.text import Text
@@ -34,20 +36,19 @@ DRAFT_STYLE = "green"
 TARGET_STYLE = "bold yellow"  # drawn orange: the app's dark theme maps ANSI yellow to orange (the docs say orange)
 
 
+@dataclass
 class CopyBlock(Message):
     """``c`` on a focused message: copy its next fenced code block (the chat keeps which one was last)."""
 
-    def __init__(self, message: "UserMessage | AssistantMessage") -> None:
-        super().__init__()
-        self.message = message
+    message: UserMessage | AssistantMessage
 
 
+@dataclass
 class BranchStep(Message):
     """←/→ on a focused message: show its sibling ``by`` places away (another edit or regenerated reply)."""
 
-    def __init__(self, widget: "UserMessage | AssistantMessage", by: int) -> None:
-        super().__init__()
-        self.widget, self.by = widget, by
+    widget: UserMessage | AssistantMessage
+    by: int
 
 
 BRANCH_KEYS = [Binding("left", "branch(-1)", "Previous branch"), Binding("right", "branch(1)", "Next branch")]
@@ -59,13 +60,24 @@ def branch_label(place: tuple[int, int] | None) -> str:
 
 
 class InTranscriptOrder(Widget):
-    """Focus order is the transcript's order.  Textual sorts focusable siblings by where they are on screen,
-    and a message before its first layout has an empty region at the top: Shift+Tab right after a reply ended
-    skipped it.  Messages are only appended, so one not laid out yet sorts last (ties keep the DOM order)."""
+    """A message, with the keys both kinds share (←/→, c), focused in the transcript's order.  Textual sorts focusable
+    siblings by where they are on screen, and a message before its first layout has an empty region at the top:
+    Shift+Tab right after a reply ended skipped it.  Messages are only appended, so one not laid out yet sorts last
+    (ties keep the DOM order)."""
+
+    block_index = -1  # the block c copied last
+    message_id: int | None = None  # the saved message (ssd_chat/history/tree.py)
+    branch = ""  # its place among its siblings, "‹ 2/3 ›" ("": none)
 
     @property
     def _focus_sort_key(self) -> tuple[float, float]:
         return super()._focus_sort_key if self.virtual_region else (math.inf, 0)
+
+    def action_branch(self, by: int) -> None:
+        self.post_message(BranchStep(self, by))
+
+    def action_copy_block(self) -> None:
+        self.post_message(CopyBlock(self))
 
 
 class UserMessage(InTranscriptOrder, Static, can_focus=True):
@@ -75,18 +87,14 @@ class UserMessage(InTranscriptOrder, Static, can_focus=True):
     code block (an attached file)."""
 
     BINDINGS = [Binding("e,enter", "edit", "Edit and re-run"), *BRANCH_KEYS, COPY_KEY]
-    block_index = -1  # the block c copied last
 
+    @dataclass
     class EditRequested(Message):
-        def __init__(self, message: "UserMessage") -> None:
-            super().__init__()
-            self.message = message
+        message: UserMessage
 
     def __init__(self, text: str) -> None:
         super().__init__(Text(printable(text)), classes="message user", markup=False)
         self.text = text
-        self.message_id: int | None = None  # the saved message (ssd_chat/history/tree.py)
-        self.branch = ""
 
     def set_branch(self, place: tuple[int, int] | None) -> None:
         self.branch = branch_label(place)
@@ -95,12 +103,6 @@ class UserMessage(InTranscriptOrder, Static, can_focus=True):
 
     def action_edit(self) -> None:
         self.post_message(self.EditRequested(self))
-
-    def action_branch(self, by: int) -> None:
-        self.post_message(BranchStep(self, by))
-
-    def action_copy_block(self) -> None:
-        self.post_message(CopyBlock(self))
 
 
 class Notice(Static):
@@ -112,17 +114,13 @@ class Notice(Static):
 
 
 class AssistantMessage(InTranscriptOrder, Vertical, can_focus=True):
-    """A reply: Markdown while streaming (coalesced through a MarkdownStream), a status line at the end.
-    Focusable (Shift+Tab, a click): ←/→ switch to the replies regenerated beside it, its place shown as
-    "‹ 2/3 ›" above it; c copies its next fenced code block, cycling through them.
-
-    ``segments`` keeps each token's text and source so the reply can be shown coloured
-    by who produced each token (``-colour`` class).
-    """
+    """A reply: Markdown while streaming (coalesced through a MarkdownStream), a status line at the end, and
+    ``segments`` (each token's text and source) for the view coloured by token (``-colour``).  Focusable (Shift+Tab,
+    a click): ←/→ switch to the replies regenerated beside it, its place shown as "‹ 2/3 ›" above it; c copies its
+    next fenced code block, cycling through them."""
 
     DEFAULT_CLASSES = "message assistant"
     BINDINGS = [*BRANCH_KEYS, COPY_KEY]
-    block_index = -1  # the block c copied last
 
     def __init__(self, text: str = "", status: str = "streaming", meta: str = "", colour: bool = False) -> None:
         super().__init__()
@@ -136,13 +134,8 @@ class AssistantMessage(InTranscriptOrder, Vertical, can_focus=True):
         self._meta = Static(Text(printable(meta)), classes="meta", markup=False)
         self._branch = Static("", classes="branch", markup=False)
         self._branch.display = False
-        self.message_id: int | None = None
-        self.branch = ""
         self.set_class(colour, "-colour")
         self.set_class(status == "streaming", "-streaming")
-
-    def action_copy_block(self) -> None:
-        self.post_message(CopyBlock(self))
 
     def compose(self):
         yield self._branch
@@ -184,7 +177,8 @@ class AssistantMessage(InTranscriptOrder, Vertical, can_focus=True):
         self.status = status
         await self.body.update(printable(text))
         self._colour_view.update(self._coloured())
-        self.set_meta(meta)
+        self._meta_text = meta
+        self._meta.update(Text(printable(meta)))
         self.remove_class("-streaming")
         self.set_class(status != "done", f"-{status}")
 
@@ -192,13 +186,6 @@ class AssistantMessage(InTranscriptOrder, Vertical, can_focus=True):
         self.branch = branch_label(place)
         self._branch.update(self.branch)
         self._branch.display = bool(self.branch)
-
-    def action_branch(self, by: int) -> None:
-        self.post_message(BranchStep(self, by))
-
-    def set_meta(self, meta: str) -> None:
-        self._meta_text = meta
-        self._meta.update(Text(printable(meta)))
 
     def set_colour(self, on: bool) -> None:
         self.set_class(on, "-colour")
@@ -212,21 +199,19 @@ class ChatLog(VerticalScroll):
     def on_mount(self) -> None:
         self.anchor()
 
-    async def add_user(self, text: str) -> UserMessage:
-        w = UserMessage(text)
-        await self.mount(w)
+    async def _add(self, w: Any, before: Widget | None = None) -> Any:
+        await self.mount(w, before=before)
         return w
 
+    async def add_user(self, text: str) -> UserMessage:
+        return await self._add(UserMessage(text))
+
     async def add_assistant(self, text: str = "", status: str = "streaming", meta: str = "", colour: bool = False) -> AssistantMessage:
-        w = AssistantMessage(text, status, meta, colour)
-        await self.mount(w)
-        return w
+        return await self._add(AssistantMessage(text, status, meta, colour))
 
     async def add_notice(self, text: str, level: str = "info", before: Widget | None = None) -> Notice:
         """A notice at the end of the chat, or above ``before`` (a streaming reply's notice, above the reply)."""
-        w = Notice(text, level)
-        await self.mount(w, before=before if before is not None and before.parent is self else None)
-        return w
+        return await self._add(Notice(text, level), before if before is not None and before.parent is self else None)
 
     async def clear(self) -> None:
         await self.remove_children()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -21,14 +22,13 @@ from .confirm_dialog import ConfirmDialog
 class ChatsDialog(ModalScreen[int | None]):
     """Returns the id of the chat to resume, or None."""
 
+    @dataclass
     class Deleted(Message):
         """A saved chat was deleted (the app leaves it if it is the open one: its later turns would have no chat)."""
 
-        def __init__(self, conversation_id: int) -> None:
-            super().__init__()
-            self.conversation_id = conversation_id
+        conversation_id: int
 
-    BINDINGS = [Binding("escape", "cancel", "Close"), Binding("d,delete", "delete", "Delete")]
+    BINDINGS = [Binding("escape", "dismiss", "Close"), Binding("d,delete", "delete", "Delete")]
 
     def __init__(self, history) -> None:
         super().__init__()
@@ -67,9 +67,6 @@ class ChatsDialog(ModalScreen[int | None]):
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(int(event.option.id))
-
-    def action_cancel(self) -> None:
-        self.dismiss(None)
 
     def action_delete(self) -> None:
         ol = self.query_one(OptionList)

@@ -115,20 +115,15 @@ class _Renderer:
                 self.quote += 1
             elif kind == "blockquote_close":
                 self.quote -= 1
-            elif kind in ("fence", "code_block"):
-                self.take(t.content.rstrip("\n"), CODE)
-                self.block_end()
-            elif kind == "html_block":
-                self.take(t.content.rstrip("\n"))
+            elif kind in ("fence", "code_block", "html_block"):  # HTML shown as written, not as code
+                self.take(t.content.rstrip("\n"), None if kind == "html_block" else CODE)
                 self.block_end()
             elif kind == "hr":
                 self.emit("───")
                 self.block_end()
             elif kind in ("th_open", "td_open") and self.out and self.out[-1][0] != "\n":
                 self.emit(" │ ", Style(dim=True))
-            elif kind == "tr_close":
-                self.emit("\n")
-            elif kind == "table_close":
+            elif kind in ("tr_close", "table_close"):
                 self.emit("\n")
             elif kind == "inline":
                 self.inline(t.children or [])

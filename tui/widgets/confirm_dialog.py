@@ -12,7 +12,7 @@ from textual.widgets import Button, Label
 class ConfirmDialog(ModalScreen[bool]):
     """Returns True when confirmed (y, Enter on the focused confirm button), False when cancelled (n, Esc)."""
 
-    BINDINGS = [Binding("y", "answer(True)", "Yes"), Binding("n,escape", "answer(False)", "No")]
+    BINDINGS = [Binding("y", "dismiss(True)", "Yes"), Binding("n,escape", "dismiss(False)", "No")]
 
     def __init__(self, question: str, confirm: str = "Yes") -> None:
         super().__init__()
@@ -29,9 +29,6 @@ class ConfirmDialog(ModalScreen[bool]):
 
     def on_mount(self) -> None:
         self.query_one("#confirm", Button).focus()  # Enter presses it
-
-    def action_answer(self, yes: bool) -> None:
-        self.dismiss(yes)
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         event.stop()

@@ -152,12 +152,10 @@ def basis(s: Stats | None, measured: dict[str, Baseline]) -> str:
     parts = []
     for mode in ("ar", "sd"):
         sp = speedup_vs(s, mode, measured.get(mode))
-        if sp.kind == "measured":
+        if sp.kind == "measured" or sp.note in ("not measured", "estimate above its bound"):
             parts.append(f"{mode.upper()}: {sp.note}")
         elif sp.kind == "estimated":
             parts.append(f"{mode.upper()}: estimate")
-        elif sp.note in ("not measured", "estimate above its bound"):
-            parts.append(f"{mode.upper()}: {sp.note}")
     return " · ".join(parts) or "—"
 
 

@@ -1,9 +1,6 @@
-"""Model loading, shown in the app: the stage, a progress bar, and "37% · 12 s".
-
-The fraction is the stage's own (a download's bytes, a conversion's tensors); a stage that
-cannot know its fraction shows a moving bar and the seconds it has taken so far, never a
-percentage it does not have.
-"""
+"""Model loading, shown in the app: the stage, a progress bar, and "37% · 12 s".  The fraction is the stage's own
+(a download's bytes, a conversion's tensors); a stage that cannot know its fraction shows a moving bar and the
+seconds it has taken so far, never a percentage it does not have."""
 
 from __future__ import annotations
 
@@ -44,13 +41,10 @@ class LoadStatus(Vertical):
             bar.update(total=100, progress=round(100 * frac))
         self._render_percent()
 
-    def percent_text(self) -> str:
-        seconds = f"{time.monotonic() - self._stage_t0:.0f} s"
-        return seconds if self.frac is None else f"{self.frac:.0%} · {seconds}"
-
     def _render_percent(self) -> None:
         if self.is_mounted and self.display:
-            self.query_one("#load-percent", Label).update(self.percent_text())
+            seconds = f"{time.monotonic() - self._stage_t0:.0f} s"
+            self.query_one("#load-percent", Label).update(seconds if self.frac is None else f"{self.frac:.0%} · {seconds}")
 
     def restart(self) -> None:
         """Shown again for the next load (``/model``), failed or hidden before."""

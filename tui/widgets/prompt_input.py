@@ -69,7 +69,6 @@ class PromptInput(TextArea):
         self.move_cursor(self.document.end)
 
     async def _on_key(self, event: events.Key) -> None:
-        key = event.key
         if event.is_printable and event.character and not self.read_only:
             event.stop()
             event.prevent_default()
@@ -79,40 +78,31 @@ class PromptInput(TextArea):
                 self.call_later(self._check_typed)  # after the keys already queued for this box
             return
         self.flush_typed()  # the key acts after what was typed before it (Enter sends it all)
+        if self._own_key(event.key):
+            event.stop()
+            event.prevent_default()
+        else:
+            await super()._on_key(event)
+
+    def _own_key(self, key: str) -> bool:
+        """Act on a key the box handles itself (Enter, Tab after ``/model``, new line, history); False for the rest."""
         if key == "enter":
-            event.stop()
-            event.prevent_default()
-            text = self.text
-            if text.strip():
-                self.post_message(self.Submitted(text))
-            return
-        if key == "tab" and self.text.startswith("/model ") and "\n" not in self.text:
-            event.stop()
-            event.prevent_default()
+            if self.text.strip():
+                self.post_message(self.Submitted(self.text))
+        elif key == "tab" and self.text.startswith("/model ") and "\n" not in self.text:
             self.post_message(self.Complete(self.text))
-            return
-        if key in ("shift+enter", "ctrl+j", "alt+enter"):
-            event.stop()
-            event.prevent_default()
-            start, end = self.selection
-            self._replace_via_keyboard("\n", start, end)
-            return
-        if key == "up" and self.cursor_location[0] == 0 and self.prompt_history:
-            event.stop()
-            event.prevent_default()
+        elif key in ("shift+enter", "ctrl+j", "alt+enter"):
+            self._replace_via_keyboard("\n", *self.selection)
+        elif key == "up" and self.cursor_location[0] == 0 and self.prompt_history:
             if self._pos is None:
                 self._draft, self._pos = self.text, len(self.prompt_history)
             self._pos = max(0, self._pos - 1)
             self.set_text(self.prompt_history[self._pos])
-            return
-        if key == "down" and self._pos is not None and self.cursor_location[0] == self.document.line_count - 1:
-            event.stop()
-            event.prevent_default()
+        elif key == "down" and self._pos is not None and self.cursor_location[0] == self.document.line_count - 1:
             self._pos += 1
             if self._pos >= len(self.prompt_history):
                 self._pos = None
-                self.set_text(self._draft)
-            else:
-                self.set_text(self.prompt_history[self._pos])
-            return
-        await super()._on_key(event)
+            self.set_text(self._draft if self._pos is None else self.prompt_history[self._pos])
+        else:
+            return False
+        return True

@@ -23,7 +23,7 @@ class SettingsDialog(ModalScreen[dict | None]):
     """Returns the changed settings, or None when cancelled.  A field counts as changed when its text
     was edited; a bad value is refused in words below the fields and the dialog stays open."""
 
-    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    BINDINGS = [Binding("escape", "dismiss", "Cancel")]
 
     def __init__(self, current: dict[str, Any]) -> None:
         super().__init__()
@@ -35,12 +35,10 @@ class SettingsDialog(ModalScreen[dict | None]):
         v = self.current.get(key)
         if v is None and key in ENGINE_CHANGES:  # k and fan-out as set, in AR too (they apply once SD / SSD run)
             v = (self.current.get("settings") or {}).get(key)
-            if v is None and key == "k":
-                v = EngineConfig().k
+            if v is None:  # what SD / SSD run with when none was chosen
+                v = {"k": EngineConfig().k, "fan_out": DEFAULT_FAN_OUT}.get(key)
         if v is None and key in SAMPLING_KEYS:
             v = getattr(SamplingParams(), key)  # what the next reply runs with
-        if key == "fan_out" and v is None:
-            v = DEFAULT_FAN_OUT  # what SSD runs with when none was chosen
         return "" if v is None else str(v)
 
     def compose(self) -> ComposeResult:
@@ -64,9 +62,6 @@ class SettingsDialog(ModalScreen[dict | None]):
             modes.insert(0, (f"{self.mode.upper()} (unchanged)", self.mode))
         return modes
 
-    def action_cancel(self) -> None:
-        self.dismiss(None)
-
     def _apply(self) -> None:
         mode = str(self.query_one("#mode", Select).value)
         raw = {key: text for key in FIELDS if (text := self.query_one(f"#{key}", Input).value) != self.shown[key]}
@@ -84,4 +79,4 @@ class SettingsDialog(ModalScreen[dict | None]):
         self._apply()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
-        self._apply() if event.button.id == "apply" else self.action_cancel()
+        self._apply() if event.button.id == "apply" else self.dismiss(None)

@@ -12,7 +12,7 @@ from textual.widgets import Button, Label, TextArea
 class SystemPromptDialog(ModalScreen[str | None]):
     """Returns the new system prompt ("" clears it), or None when cancelled."""
 
-    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
+    BINDINGS = [Binding("escape", "dismiss", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
     def __init__(self, current: str | None) -> None:
         super().__init__()
@@ -32,8 +32,5 @@ class SystemPromptDialog(ModalScreen[str | None]):
     def action_save(self) -> None:
         self.dismiss(self.query_one("#system-text", TextArea).text.strip())
 
-    def action_cancel(self) -> None:
-        self.dismiss(None)
-
     def on_button_pressed(self, event: Button.Pressed) -> None:
-        self.action_save() if event.button.id == "save" else self.action_cancel()
+        self.action_save() if event.button.id == "save" else self.dismiss(None)
