@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -29,6 +30,18 @@ def cache_dir() -> Path:
 def user_dir(env: str, xdg: str, home: str) -> Path:
     """``$env`` if set, else ``$xdg/ssd-chat``, else ``~/home/ssd-chat`` (the XDG base directory rule)."""
     return Path(os.environ.get(env) or Path(os.environ.get(xdg) or Path.home() / home) / "ssd-chat")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` in one step (two programs at once must not leave half a file); a cache dir that
+    cannot be written is left as it is."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def numba_attention() -> bool:

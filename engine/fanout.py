@@ -2,21 +2,14 @@
 for each possible accepted length j = 0..k.
 
 Notation as in Kumar, Dao & May (2026): ``F_j`` is the fan-out at accepted length j,
-``B = sum(F_j)`` the cache budget.  There are two lists, one used when the current
-speculation came from the cache (a hit, ``F^p``) and one when it came from a fallback
-(a miss, ``F^b``); the paper lets them differ because the acceptance rates differ.
+``B = sum(F_j)`` the cache budget.  One list is used after a hit (``F^p``) and one after a miss
+(``F^b``): the paper lets them differ because the acceptance rates differ.
 
-Policies (``--fan-out``):
-
-* ``uniform:F``          F_j = F for every j (B = F * (k + 1)).
-* ``geometric``          Saguaro's capped geometric series under budget B (Theorem 12):
-                         ``F_j ∝ a^(j/(1+r))`` for j < k and
-                         ``F_k ∝ a^(k/(1+r)) * (1-a)^(-1/(1+r))``, with the per-token
-                         acceptance rate ``a`` estimated online from recent rounds
-                         (separately after hits and after misses), rounded to integers
-                         that sum to B (largest remainder).
-* ``3,3,2,2,1``          an explicit list of k + 1 numbers, used after hits and misses;
-  ``4,3,2,2,1/2,2,2,2,2`` or two lists (after a hit / after a miss).
+Policies (``--fan-out``): ``uniform:F`` (F_j = F); ``geometric``, Saguaro's capped geometric series
+under budget B (Theorem 12): ``F_j ∝ a^(j/(1+r))`` for j < k and ``F_k ∝ a^(k/(1+r)) * (1-a)^(-1/(1+r))``,
+with the per-token acceptance rate ``a`` estimated online (after hits and after misses apart) and
+rounded to integers that sum to B; or explicit lists of k + 1 numbers (``3,3,2,2,1``, or
+``4,3,2,2,1/2,2,2,2,2`` after a hit / after a miss).
 """
 
 from __future__ import annotations

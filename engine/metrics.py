@@ -10,11 +10,9 @@
   (1 in AR, the first round's in SD/SSD); TTFT = t_first_token
 
 Two physical bounds on a speedup, one rule each for the bench, ``compare``, Ctrl+G and the panel:
-
-* SSD/SD <= 1 + SD's draft time / SD's verify time (over the same rounds): with the same draft and
-  accepted lengths, SSD can at most hide SD's drafting (its verifier has no more hardware than SD's)
-* SD/AR and SSD/AR <= mean accepted length: a round emits that many tokens per target forward on
-  average, and a k+1-row forward costs at least as much as AR's 1-row one
+SSD/SD <= 1 + SD's draft time / SD's verify time over the same rounds (with the same draft and
+accepted lengths, SSD can at most hide SD's drafting), and SD/AR, SSD/AR <= mean accepted length
+(a round emits that many tokens per target forward, and a k+1-row forward costs at least AR's).
 """
 
 from __future__ import annotations

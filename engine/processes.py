@@ -1,25 +1,19 @@
-"""Starting the engine's worker processes (the SSD speculator, tensor-parallel ranks).
+"""Starting the engine's worker processes (the SSD speculator, tensor-parallel ranks, background compiles).
 
-Workers are ``spawn``ed: a fork of a process that already runs torch threads (and, in the
-app, Textual's) is unsafe.  The engine's own workers (the speculator, tensor-parallel ranks, a
-background compile) are forked instead by a forkserver (:func:`context`): a clean single-threaded
-process that has imported torch once.
-Three things make a start fail or leak unless handled here:
+Workers are never forked from the app (a fork of a process that already runs torch threads, and in
+the app Textual's, is unsafe): they are ``spawn``ed, or forked by a forkserver (:func:`context`), a
+clean single-threaded process that has imported torch once.  Three things make a start fail or leak
+unless handled here:
 
-* Textual replaces ``sys.stdout``/``sys.stderr`` with objects whose ``fileno()`` is -1.
-  multiprocessing starts its resource tracker on the first spawn and hands it the fd of
-  ``sys.stderr``; -1 makes the start fail ("bad value(s) in fds_to_keep").  :func:`prepare`
-  starts the tracker while the real streams are in place (call it before a full-screen app
-  takes the terminal), and :func:`start` puts the interpreter's own streams back for the
-  moment it makes sure the tracker runs, in case a worker is started later from inside the app.
-* A worker must not outlive the app, even when the app is killed: :func:`child_start` (which
-  sets Linux ``PR_SET_PDEATHSIG``) is the first thing a worker runs.  That signal comes when the
-  *thread* that started the worker ends, so :func:`start` starts every worker from one thread
-  that lives as long as the process (the app loads models in short-lived threads).
+* Textual's ``sys.stdout``/``sys.stderr`` have ``fileno()`` -1, which makes multiprocessing's
+  resource tracker fail to start ("bad value(s) in fds_to_keep"): :func:`prepare` starts it while
+  the real streams are in place, and :func:`start` puts them back while it makes sure it runs.
+* A worker must not outlive the app, even when the app is killed: :func:`child_start` sets Linux
+  ``PR_SET_PDEATHSIG``.  That signal comes when the *thread* that started the worker ends, so
+  :func:`start` starts every worker from one thread that lives as long as the process.
 * Ctrl-C reaches every process of the terminal's foreground group: workers start with SIGINT
-  blocked (:func:`start`) and ignore it (:func:`child_start`); the parent closes them.  A
-  forkserver, started from that same thread, keeps SIGINT and SIGHUP blocked too, and its workers
-  die with it: it exits when its parent does, and :func:`child_start` lets go of its "alive" pipe.
+  blocked and ignore it; the parent closes them.  A forkserver keeps SIGINT and SIGHUP blocked
+  too, exits when its parent does, and its workers die with it.
 """
 
 from __future__ import annotations

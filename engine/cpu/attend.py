@@ -2,22 +2,17 @@
 over the slots ``mask[t]`` allows.
 
 A verify of k + 1 rows must compute the very numbers of k + 1 one-row steps, and a graph on two
-threads those of one on one thread.  Here every query row (one token's query head) is computed on
-its own, in an order that depends on nothing but the row and the slots it may see:
+threads those of one on one thread.  Here every query row is computed on its own, in an order that
+depends on nothing but the row and the slots it may see: dot products and the softmax's sum in 8
+lanes added in a fixed tree (:func:`_dot8`, LLVM vector code, because the loop vectoriser will not
+reduce without reordering), masked slots as exact zeros (so a wider window adds nothing), and
+``exp`` written out (Cephes' ``expf``), so a vector lane and a scalar tail compute alike.  Kernels
+are compiled without reassociation (as in :mod:`qkernels`).
 
-* a score is a dot product over D in 8 lanes (lane ``l`` sums elements ``l``, ``l + 8``, ... in
-  order), the lanes then added in a fixed tree (:func:`_dot8`, written as LLVM vector code, because
-  the loop vectoriser will not reduce without reordering);
-* the softmax's sum adds the slots in 8 lanes by ``slot % 8``, then the same tree; masked slots
-  are exact zeros, so a wider window (a verify sees one) adds nothing;
-* the output adds ``e[w] * v[w]`` over the allowed slots in order, then divides by the sum;
-* ``exp`` is written out (Cephes' ``expf``), so a vector lane and a scalar tail compute alike.
-
-Kernels are compiled without reassociation (as in :mod:`qkernels`).  The broadcast form inductor
-compiles (``core.attend_rows``) is latency-bound on one accumulator per output: on one thread, with
-a thousand tokens in the cache, it costs two to three times this.  This runs on one thread, though,
-and inductor's on the graph's threads: on two threads it lost, so it is opted into
-(``SSD_CHAT_ATTENTION=numba``, docs/performance-cpu.md).
+Inductor's broadcast form (``core.attend_rows``) is latency-bound on one accumulator per output:
+on one thread, with a thousand tokens in the cache, it costs two to three times this.  This runs on
+one thread, though, and inductor's on the graph's threads: on two threads it lost, so it is opted
+into (``SSD_CHAT_ATTENTION=numba``, docs/performance-cpu.md).
 """
 
 from __future__ import annotations

@@ -1,30 +1,21 @@
 """Faster few-row ``nn.Linear`` on CPU: decode steps, verification and draft trees.
 
-Decoding multiplies every weight matrix by a handful of rows (1 for an AR step, k+1 for a
-verification, a few tree nodes for the speculator).  PyTorch's CPU ``F.linear`` computes
-``x @ W.T`` through MKL's GEMM with a transposed operand, and for 2-5 rows that path can be two
-to three times slower than one row: it reorganises the whole weight for every call.  The same
-products computed another way are memory-bound, as they should be.  The formulations:
+Decoding multiplies every weight matrix by a handful of rows.  PyTorch's CPU ``F.linear`` goes
+through MKL's GEMM with a transposed operand, and for 2-5 rows that path can be two to three times
+slower than one row: it reorganises the whole weight for every call.  The same products computed
+another way are memory-bound, as they should be: ``wxt`` ``(W @ x.T).T``, ``xwt`` ``x @ Wt`` with a
+cached transpose, and ``rows`` / ``rows4``, the numba kernels of :mod:`rowkernels`.
 
-* ``linear``: ``F.linear``;
-* ``wxt``: ``(W @ x.T).T`` (copied back to row-major, which the next ops read faster);
-* ``xwt``: ``x @ Wt`` with a cached contiguous transpose of the weight;
-* ``rows`` / ``rows4``: the numba kernels of :mod:`rowkernels`, which read each weight once
-  for all rows.
+Which one is fastest depends on the CPU, the shape, the row count and torch's thread count (one
+CPU's rule made another's 2-3-row forwards 35 % slower), so a :class:`FastPath` times them on the
+model's own weights, once per machine, and keeps the choices in ``fastlinear.json`` in the cache
+dir.  All are the same products in a different summation order: results equal ``F.linear`` up to
+float rounding, what GEMV and GEMM already differ by.
 
-Which one is fastest depends on the CPU, the shape, the row count and torch's thread count
-(one CPU's rule made another's 2-3-row forwards 35 % slower), so a :class:`FastPath` times them
-on the model's own weights streaming from memory, once per machine, and keeps the choices in
-``fastlinear.json`` in the cache dir (keyed by CPU model, torch version, thread count).  All
-are the same products in a different summation order: results equal ``F.linear`` up to float
-rounding, what GEMV and GEMM already differ by.
-
-It is explicit: :meth:`FastPath.install` replaces each plain float32 CPU ``nn.Linear`` of a
-model by a :class:`FastLinear` (the same weight and bias, so tied and shared weights stay
-shared) owned by the path, and :meth:`FastPath.prepare` times (or reads back) the choices for a
-thread count; the SSD verifier calls it for the thread count it decodes with.  One path serves
-a process (:func:`shared`).  ``SSD_CHAT_FAST_LINEAR=0`` turns it off, ``=torch`` keeps to
-torch's products (A/B runs against the row kernels).
+:meth:`FastPath.install` replaces each plain float32 CPU ``nn.Linear`` by a :class:`FastLinear`
+(the same weight and bias, so tied and shared weights stay shared), and :meth:`FastPath.prepare`
+times (or reads back) the choices for a thread count.  One path serves a process (:func:`shared`).
+``SSD_CHAT_FAST_LINEAR=0`` turns it off, ``=torch`` keeps to torch's products (A/B runs).
 """
 
 from __future__ import annotations

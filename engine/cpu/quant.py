@@ -1,22 +1,16 @@
 """Linear layers computed from GGUF blocks (Q4_0, Q4_1, Q8_0) on CPU, in the checkpoint's precision.
 
-A GGUF loaded through transformers is dequantized to float32: a decode step then streams
-4 bytes per weight (about 540 MB per forward for SmolLM2-135M).  :class:`GGUFLinear` keeps the
-file's blocks (packed nibbles and float16 scales: 0.625 byte per Q4_1 weight, 1.06 per Q8_0
-weight, about 97 MB per forward for that model) and dequantizes inside the product
-(:mod:`qkernels`, which also states why the result is exact and row- and thread-independent).
+A GGUF loaded through transformers is dequantized to float32: a decode step then streams 4 bytes
+per weight (about 540 MB per forward for SmolLM2-135M).  :class:`GGUFLinear` keeps the file's blocks
+(0.625 byte per Q4_1 weight, 1.06 per Q8_0 weight, about 97 MB per forward for that model) and
+dequantizes inside the product (:mod:`qkernels`, which also states why the result is exact and
+row- and thread-independent).  Each weight ``w = d * q + m`` is bit-identical to the one
+transformers loads (``gguf.dequantize``); outputs differ from ``F.linear`` only by the order of the
+float32 sums.  Beyond ``KERNEL_MAX_ROWS`` rows (a prompt) the product is ``F.linear`` on the
+dequantized weight, since MKL's GEMM is far better at compute-bound products.
 
-Exactness.  Q4_0, Q4_1 and Q8_0 weights decode as ``w = d * q + m`` (Q4_0: ``d * (q - 8)``,
-Q8_0: ``m = 0``) with ``d`` and ``m`` float16 and ``q`` at most 8 bits, so ``d * q`` is exact in
-float32 and each weight used here is bit-identical to the one transformers loads
-(``gguf.dequantize``).  Outputs differ from ``F.linear`` with those weights only by the order of
-the float32 sums.  Beyond ``KERNEL_MAX_ROWS`` rows (a prompt) the product is ``F.linear`` on the
-dequantized weight (the model's own float32 weight where it was given: the same numbers), since
-MKL's GEMM is far better at compute-bound products.
-
-:func:`quantize` makes Q8_0 blocks from a float weight (gguf's own quantizer), for drafts: a
-draft need not reproduce anything, and SD/SSD stay exact because the target verifies.
-:mod:`gguf_map` maps a GGUF's tensors onto the modules of a model loaded from it.
+:func:`quantize` makes Q8_0 blocks from a float weight (gguf's own quantizer), for drafts: a draft
+need not reproduce anything, and SD/SSD stay exact because the target verifies.
 """
 
 from __future__ import annotations

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ..config import cache_dir, cpu_name
+from ..config import cache_dir, cpu_name, write_atomic
 from .rowkernels import MAX_ROWS
 
 Tune = Callable[[list[torch.Tensor], bool], dict[int, str]]
@@ -63,11 +62,5 @@ def stored_or_tuned(by_shape: dict[tuple[int, int], list[torch.Tensor]], allow_t
         if tuned is not None:
             tuned(1.0)
         stored[key] = mine
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(stored, indent=1, sort_keys=True))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only cache dir: keep the choices for this process only
+        write_atomic(path, json.dumps(stored, indent=1, sort_keys=True))  # read-only: kept for this process only
     return out

@@ -8,12 +8,11 @@ from __future__ import annotations
 import time
 from collections.abc import Generator
 
-from ..events import Event, Token
+from ..events import Event
 from ..load.models import LoadedModel
 from ..model import forward
 from ..params import SamplingParams
-from .decoder import Decoder, ReplyFrame, context_budget
-from . import logprobs
+from .decoder import Decoder, ReplyFrame, context_budget, emit_block
 from ..sampling.penalties import Penalties
 from ..sampling.sampling import make_generator, sample_next
 
@@ -40,14 +39,7 @@ class ARDecoder(Decoder):
             # sample one token, then feed it back
             tok = sample_next(pen.apply(logits), params.temperature, params.top_k, params.top_p, gen)
             pen.add([tok])
-            delta = builder.push(tok)
-            lp = logprobs.of_rows(logits[None], [tok], params.logprobs)[0] if params.logprobs is not None else (None, None)
-            if builder.reason == "eos" and params.logprobs is not None:
-                builder.eos_logprob = (tok, *lp)  # type: ignore[assignment]
-            if builder.reason != "eos":
-                ev = Token(tok, delta, "target", time.perf_counter() - r.t0, *lp)
-                r.metrics.add(ev)
-                yield ev
+            yield from emit_block(builder, r.metrics, [], 0, tok, r.t0, logits[None], params.logprobs)
             if builder.finished:
                 break
             logits = runner.append([tok]).logits[-1]

@@ -1,8 +1,7 @@
 """Speculative speculative decoding (SSD, Saguaro; Kumar, Dao & May, ICLR 2026): the verifier.
 
-The target runs here, in the app process; the draft runs in a speculator process
-(:mod:`speculator`, :mod:`worker`) on its own device or CPU cores, behind :mod:`channel`.
-One round, :meth:`SSDDecoder._round` (spec §2.2):
+The target runs here, in the app process; the draft runs in a speculator process on its own device
+or CPU cores, behind :mod:`channel`.  One round, :meth:`SSDDecoder._round` (spec §2.2):
 
 1. take the drafts ``d_1..d_k`` (and the q' they were drawn from) that the speculator served for
    the last outcome ``(k_prev, bonus)``: from its speculation cache (a hit) or a fallback (a miss);
@@ -11,26 +10,18 @@ One round, :meth:`SSDDecoder._round` (spec §2.2):
 3. send the outcome at once, so the next round's drafts are served while this round's
    accepted tokens and bonus are committed; repeat.
 
-The output is exact: greedy SSD equals greedy AR token for token, and at temperature > 0
-it is distributed as the target's, because every proposal comes with the distribution it
-was sampled from (Saguaro-reshaped or a point mass) and verification is SD's routine
-(:mod:`outcome`, on the device: one read per round).
+The output is exact (greedy SSD equals greedy AR token for token; at temperature > 0 it is
+distributed as the target's), because every proposal comes with the distribution it was sampled
+from (Saguaro-reshaped or a point mass) and verification is SD's routine.
 
-The round asks a :mod:`proposers` object for its drafts and does not know which one it has.
-Around it, on the frame every decoder shares (:mod:`decoder`), :meth:`SSDDecoder._prepare`
-starts (or restarts) the speculator, and :meth:`SSDDecoder._reply` pins the verifier to its
-cores and keeps the SD estimate.  If the speculator dies, raises or stays silent for
-``speculator_timeout_s``, the reply continues here with a :class:`Notice`: as plain SD with
-the in-process draft (``engine.draft``), else as AR.  No speculator process outlives the app: it is a daemon
-child that is closed by :meth:`SSDDecoder.close`, a finalizer at interpreter exit, and
-(Linux) PR_SET_PDEATHSIG if the app is killed; it ignores SIGINT.
+If the speculator dies, raises or stays silent for ``speculator_timeout_s``, the reply continues
+here with a :class:`Notice`: as plain SD with the in-process draft, else as AR.  No speculator
+process outlives the app (:mod:`processes`).
 
-About the ``Round`` fields here: ``cache_hit``, ``fallback``, ``predicted`` and
-``speculator_busy_s`` describe where *this round's* drafts came from: ``predicted`` is the
-outcome set the speculator cached while the *previous* round was verified (its key is the
-previous round's ``(accepted, bonus_id)``), and ``speculator_busy_s`` the glue + tree time
-that built it.  ``wait_s`` is how long the verifier waited for this round's drafts;
-``draft_s`` the fallback drafting on the critical path (0 on a hit).
+``Round`` fields here describe where *this round's* drafts came from: ``predicted`` is the outcome
+set the speculator cached while the *previous* round was verified, ``speculator_busy_s`` the glue +
+tree time that built it, ``wait_s`` how long the verifier waited for the drafts, and ``draft_s`` the
+fallback drafting on the critical path (0 on a hit).
 """
 
 from __future__ import annotations
@@ -50,7 +41,7 @@ from ..cpu import fastlinear
 from ..drafts.drafter import vocab_size
 from ..drafts.shipped import check_draft_for_mode
 from ..errors import ParamError, SpeculatorError
-from ..events import Event, Notice, Round, Token
+from ..events import Event, Notice, Round
 from ..load.models import LoadedModel
 from ..metrics import Metrics
 from ..model import forward, runner as kv
@@ -63,7 +54,7 @@ from ..speculate.process import recipe_for
 from .decoder import Decoder, Noticing, ReplyFrame, context_budget, emit_block
 from .detok import ReplyBuilder
 from ..sampling.penalties import Penalties
-from . import logprobs, outcome
+from . import outcome
 from ..sampling.sampling import logits_to_probs, make_generator, sample_next
 
 LOAD_TIMEOUT_S = 180.0  # the speculator's start (imports + loading the draft)
@@ -247,14 +238,7 @@ class SSDDecoder(Decoder):
         metrics.prefill_s = time.perf_counter() - r.t0
         pen = Penalties.of(params, prompt_ids)
         pending = sample_next(pen.apply(logits), params.temperature, params.top_k, params.top_p, gen)
-        delta = builder.push(pending)
-        lp = logprobs.of_rows(logits[None], [pending], params.logprobs)[0] if params.logprobs is not None else (None, None)
-        if builder.reason == "eos" and params.logprobs is not None:
-            builder.eos_logprob = (pending, *lp)  # type: ignore[assignment]
-        if builder.reason != "eos":
-            ev = Token(pending, delta, "target", time.perf_counter() - r.t0, *lp)
-            metrics.add(ev)
-            yield ev
+        yield from emit_block(builder, metrics, [], 0, pending, r.t0, logits[None], params.logprobs)
         return _VerifierState(runner, builder, metrics, params, gen, r.t0, r.stop, list(prompt_ids), pending, pen)
 
     def _round(self, st: _VerifierState, spec: Proposer) -> Generator[Event, None, bool]:

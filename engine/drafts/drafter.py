@@ -1,20 +1,12 @@
 """Drafts behind one interface: what SD (and SSD's in-process fallback) asks of a draft.
 
-A drafter keeps the draft model's view of the sequence being decoded and answers three calls:
-
-* ``prefill(ids, target_out)``: a new sequence, ``ids`` (the prompt but its last token) already
-  run by the target, whose output ``target_out`` a feature draft reads;
-* ``propose(seq, k, choose)``: catch up on the tokens of ``seq`` it has not seen, then draft k
-  tokens, each drawn by the caller's ``choose(logits, i) -> (token, q row or None)`` (the
-  caller owns the sampling rule and its generator); the token is a tensor that stays on the
-  device and is fed back as one, so drafting never waits for a device read;
-* ``rollback(keep, target_out)``: the target kept ``seq[:keep]``; ``target_out`` is its
-  verification forward, whose first rows a feature draft takes as the true features.
-
-:class:`ModelDrafter` serves any causal LM (a small model, the int8 copy, ``layers:N``, a trained
-layers draft); :class:`FeatureDrafter` a feature draft, which reads the target's hidden state at
-the position before each token (``reads_features``: the target runner must return it, with the
-output of layer ``mid_layer`` as well for a fused draft).  :func:`drafter` picks one.
+A drafter keeps the draft model's view of the sequence being decoded: ``prefill``, ``propose``
+(catch up on ``seq``, then draft k tokens drawn by the caller's ``choose``, which owns the sampling
+rule; the tokens stay on the device and are fed back as tensors, so drafting never waits for a
+device read) and ``rollback``.  :class:`ModelDrafter` serves any causal LM; :class:`FeatureDrafter`
+a feature draft, which reads the target's hidden state at the position before each token
+(``reads_features``: the target runner must return it, with layer ``mid_layer``'s output for a
+fused draft).  :func:`drafter` picks one.
 """
 
 from __future__ import annotations

@@ -1,36 +1,28 @@
 """A feature-conditioned draft (EAGLE-style, Li et al. 2024) derived from its target.
 
-The draft reads, besides each token, the target's own final hidden state at the
-position before it: the vector the target's head turns into the distribution of that
-very token.  It is the richest summary of the context there is, so a single small
-layer on top of it predicts the target's next step far better than a small stand-alone
-model (measured on SmolLM2-135M in the README).  Shape, for a Llama-style target::
+The draft reads, besides each token, the target's own final hidden state at the position before
+it: the vector the target's head turns into the distribution of that very token, the richest
+summary of the context there is, so a single small layer on top of it predicts the target's next
+step far better than a small stand-alone model (measured on SmolLM2-135M in the README)::
 
     f[p-1] (target feature, or the draft's own for a drafted token) ─┐
     token x[p] ─> target embedding (shared, frozen) ────────────────┴> fc ─> new layer(s) ─> norm ─> h[p]
                                                                               reduced head(h[p]) = next-token logits
 
-* ``h[p]`` is trained to be both the target's feature at p (a regression loss) and,
-  through the target's own head rows over a reduced vocabulary, its next-token
-  distribution (KL).  When the draft drafts several tokens in a row, the feature of a
-  drafted position is the draft's own ``h``; once the target has verified a token, its
-  true feature replaces the draft's.
-* With ``fuse_layer`` n (EAGLE-3-style, Li et al. 2025), the feature of a position the
-  target has run is ``fuse([mid_norm(m) | f])``, where m is the output of the target's first n
-  layers there: a lower layer keeps more of the context than the final state, which the
-  target has already spent on predicting the next token.  ``fuse`` starts as "f alone", so an
-  untrained fused draft equals the plain one.
-* Like :mod:`draft_model`, the folder stores only the draft's own tensors (fc, layers,
-  norm, a bias over the reduced vocabulary, the vocabulary ids); the embedding and the
+* ``h[p]`` is trained to be both the target's feature at p (regression) and, through the target's
+  head rows over a reduced vocabulary, its next-token distribution (KL).  A drafted position's
+  feature is the draft's own ``h`` until the target verifies the token and its true feature replaces it.
+* With ``fuse_layer`` n (EAGLE-3-style, Li et al. 2025), a feature is ``fuse([mid_norm(m) | f])``,
+  m the output of the target's first n layers: a lower layer keeps more of the context than the
+  final state, which the target has already spent on predicting the next token.  ``fuse`` starts
+  as "f alone", so an untrained fused draft equals the plain one.
+* As for :mod:`draft_model`, the folder stores only the draft's own tensors; the embedding and
   head rows are rebuilt from the target, whose hash the manifest records.
-* Speculative sampling stays exact whatever the draft proposes; the features only
-  change how often a draft token is accepted.
 
 Calling convention (not a transformers model): ``draft(input_ids=[B, T], features=[B, T, H],
-cache=..., position_ids=..., attention_mask=..., logits_to_keep=...)`` returns an object
-with ``logits`` [B, T', V] (full vocabulary, -inf outside the reduced one) and ``hidden``
-[B, T, H]; ``features[:, t]`` is the feature of the position *before* token t (zeros for
-the first token of a sequence).
+cache=..., position_ids=..., attention_mask=..., logits_to_keep=...)`` returns ``logits`` [B, T', V]
+(full vocabulary, -inf outside the reduced one) and ``hidden`` [B, T, H]; ``features[:, t]`` is the
+feature of the position *before* token t (zeros for the first token of a sequence).
 """
 
 from __future__ import annotations

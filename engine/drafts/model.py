@@ -5,21 +5,14 @@ Shape (for a Llama-style target with ``model.layers``)::
     target embedding ─> target layers 0..S-1 ─> new layers (trained) ─> final norm (trained) ─> reduced head
     └──────────── shared, frozen, never saved ─┘  └────────────────── saved in the draft folder ───────────┘
 
-* The shared trunk is the target's own modules (no copy, no extra memory); the
-  draft folder stores only the tail, the final norm, a bias over the reduced
-  vocabulary and the list of its token ids.  A hash of the shared weights in the
-  manifest makes loading refuse a different target.
-* The head scores only the ``V'`` tokens the target actually emits on the training
-  data, with the target's own output-embedding rows (rebuilt at load time), and
-  returns full-vocabulary logits with ``-inf`` elsewhere.  Speculative sampling is
-  exact for *any* proposal distribution q: a token outside the support of q is
-  simply never drafted, and the residual ``max(p - q, 0)`` still gives it its
-  target probability on a rejection.  Restricting q's support costs acceptance
-  (only when the target's token is outside V'), never correctness.
-* The draft is an object of the target's own class (a shallow copy with its own
-  layer list and config), so it is called exactly like any model:
-  ``model(input_ids=..., cache=DynamicCache(config=model.config), use_cache=True,
-  position_ids=..., logits_to_keep=...)`` and its cache has one entry per layer it runs.
+* The shared trunk is the target's own modules (no copy, no extra memory); a hash of the shared
+  weights in the manifest makes loading refuse a different target.
+* The head scores only the ``V'`` tokens the target emits on the training data, with the target's
+  own output-embedding rows, and returns full-vocabulary logits with ``-inf`` elsewhere.
+  Speculative sampling is exact for *any* proposal q (the residual ``max(p - q, 0)`` gives a token
+  outside q's support its target probability), so this costs acceptance, never correctness.
+* The draft is an object of the target's own class (a shallow copy with its own layer list and
+  config), so it is called exactly like any model, with one cache entry per layer it runs.
 
 Loading a draft folder is :mod:`draft_folder`; training one is ``ssd_chat.train``.
 """

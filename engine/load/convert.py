@@ -1,14 +1,12 @@
 """GGUF files dequantized once into an fp32 safetensors folder that loads in about a second.
 
-The cache is keyed by the GGUF's *content*, a SHA-256 of the whole file, not by its path: every
-virtual environment or checkout holds its own copy of the packaged GGUF at another path, and a
-path key made each of them write another ~0.5 GB folder.  Hashing the packaged 98 MB file takes
-about 0.3 s (2-core VM); the hash is remembered per (path, size, mtime) in ``hashes.json`` next
-to the folders, so a start after the first only stats the file.  A hash of the whole file (rather
-than of its header, size and name) cannot mistake two different models for one: two fine-tunes of
-the same architecture and quantization have the same header and size.
+The cache is keyed by a SHA-256 of the GGUF's whole *content*, not its path: every virtual
+environment or checkout holds its own copy of the packaged GGUF, and a path key made each of them
+write another ~0.5 GB folder; a hash of the header, size and name could mistake two fine-tunes of
+one architecture and quantization for one.  The hash (about 0.3 s for the packaged 98 MB file) is
+remembered per (path, size, mtime) in ``hashes.json``, so a start after the first only stats the file.
 
-Conversion reports a real fraction to ``progress``: the tokenizer, then each dequantized tensor
+Conversion reports a real fraction to ``progress``: the tokenizer, each dequantized tensor
 (transformers' own loop, whose progress bar is redirected here), then copying and saving.
 """
 
@@ -18,7 +16,6 @@ import contextlib
 import functools
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 import threading
@@ -28,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..config import write_atomic
 from ..errors import ModelError
 
 ProgressFn = Callable[[str, "float | None"], None]
@@ -59,20 +57,8 @@ def content_hash(path: Path, root: Path, progress: ProgressFn | None = None) -> 
     digest = h.hexdigest()
     memo = memo if isinstance(memo, dict) else {}
     memo[where] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
-    _write_atomic(memo_file, json.dumps(memo, indent=1))
+    write_atomic(memo_file, json.dumps(memo, indent=1))  # a read-only cache only costs the hash again next time
     return digest
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` in one step (two programs starting at once must not leave half a file)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError:  # a read-only cache only costs the hash again next time
-        pass
 
 
 @contextlib.contextmanager

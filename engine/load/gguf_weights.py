@@ -3,17 +3,14 @@ are in :mod:`drafts.gguf`.
 
 * The target: every Q4_0/Q4_1/Q8_0 linear of the file becomes a :class:`quant.GGUFLinear` over
   its own blocks (exact weights; :mod:`gguf_map`), with the tiles cached in the converted folder.
-* A draft that shares target modules (``layers:N``, the trained draft's shared layers and head
-  rows) shares the target's GGUFLinear; its own float weights (the trained draft's new layers)
-  are quantized to Q8_0 blocks by gguf's quantizer; a reduced head takes the target head's
-  blocks for its rows.  A draft need not be exact: speculative decoding stays exact because
-  the target verifies every token.
-* :func:`q8_copy` is the "int8" draft served by the same kernels: the target with every layer
-  re-quantized to Q8_0 (1.06 bytes per weight, against the Q4 target's 0.625).
+* A draft shares the target's GGUFLinear where it shares its modules; its own float weights are
+  quantized to Q8_0, and a reduced head takes the target head's blocks for its rows.  A draft need
+  not be exact: speculative decoding stays exact because the target verifies every token.
+* :func:`q8_copy` is the "int8" draft: the target with every layer re-quantized to Q8_0.
 
 Order: load and derive drafts on the float32 target first (a trained draft checks a hash of the
-shared float weights), then swap: :func:`gguf_target` and :func:`drafts.gguf.fast_draft` return the module
-maps that :func:`quant.swap_modules` puts in place (and can undo).
+shared float weights), then swap: :func:`gguf_target` and :func:`drafts.gguf.fast_draft` return the
+module maps that :func:`quant.swap_modules` puts in place (and can undo).
 """
 
 from __future__ import annotations

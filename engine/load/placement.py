@@ -1,10 +1,9 @@
 """Where the target runs, from ``--target-device`` / ``--draft-device``: checked before anything loads.
 
     auto                        the GPUs if any: 3 or more -> tensor parallelism over all but the last
-                                (over fewer, if that splits the model's kv heads evenly and the
-                                caller says how many it has), the draft on the next; 2 -> target
-                                cuda:0, draft cuda:1; 1 -> both on
-                                cuda:0; none -> the CPU.  The plan's ``note`` says what it chose.
+                                (over fewer, if that splits the model's kv heads evenly), the draft on
+                                the next; 2 -> target cuda:0, draft cuda:1; 1 -> both on cuda:0;
+                                none -> the CPU.  The plan's ``note`` says what it chose.
     cpu | cpu:N | cpu:N-M       one process (cpu:N-M: pinned to those cores)
     cuda | cuda:N | mps         one device
     cuda:0-3 | cuda:0,cuda:1    tensor parallelism, one rank per GPU (NCCL)
@@ -104,10 +103,9 @@ def _auto(gpus: int, kv_heads: int | None) -> TargetPlan:
         kind = "tp" if n > 1 else "single"
         what = f"tensor parallelism over cuda:0-{n - 1}" if n > 1 else "the target on cuda:0"
         return TargetPlan(kind, devs, note=f"--target-device auto: {what}")
-    if gpus == 2:
-        return TargetPlan("single", ("cuda:0",), note="--target-device auto: the target on cuda:0")
-    if gpus == 1:
-        return TargetPlan("single", ("cuda:0",), note="--target-device auto: cuda:0 (the only GPU)")
+    if gpus:
+        what = "the target on cuda:0" if gpus == 2 else "cuda:0 (the only GPU)"
+        return TargetPlan("single", ("cuda:0",), note=f"--target-device auto: {what}")
     return TargetPlan("single", ("cpu",), note="--target-device auto: the CPU (no CUDA GPU)")
 
 

@@ -62,7 +62,7 @@ def hub_repo(name: str) -> str:
 
 def plan(name: str) -> Plan:
     """Resolve ``name`` and check what can be checked before downloading (a ModelError in one line)."""
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, constants, get_token
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
     from .catalog import hf_command
@@ -76,8 +76,8 @@ def plan(name: str) -> Plan:
         info = api.model_info(repo_id, files_metadata=True)
         api.auth_check(repo_id)  # a gated repo answers model_info to anyone, its files only to those it admitted
     except GatedRepoError:
-        token = "with the token it was given" if _token() else "without a token (set HF_TOKEN or run " \
-                                                                f"`{hf_command()} auth login`)"
+        token = ("with the token it was given" if get_token()
+                 else f"without a token (set HF_TOKEN or run `{hf_command()} auth login`)")
         raise ModelError(f"'{repo_id}' is gated and the hub refused {token}: accept its licence at "
                          f"https://huggingface.co/{repo_id}, then pull again") from None
     except RepositoryNotFoundError:
@@ -85,7 +85,7 @@ def plan(name: str) -> Plan:
                          "give access to it)") from None
     except Exception as e:  # noqa: BLE001 - network failures come from several libraries
         if _unreachable(e):
-            raise ModelError(f"cannot reach the Hugging Face hub ({_endpoint()}) to pull '{repo_id}': offline or no "
+            raise ModelError(f"cannot reach the Hugging Face hub ({constants.ENDPOINT}) to pull '{repo_id}': offline or no "
                              f"network ({type(e).__name__})") from None
         raise ModelError(f"the hub refused '{repo_id}': {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     files = {s.rfilename: (s.size or 0) for s in (info.siblings or [])}
@@ -97,18 +97,6 @@ def plan(name: str) -> Plan:
     repo_dir = store.hub_repos().get(repo_id)
     have = store.size_of(repo_dir) if repo_dir else 0
     return Plan(repo_id, patterns, total, have, shutil.disk_usage(_existing(cache)).free, cache)
-
-
-def _token() -> bool:
-    from huggingface_hub import get_token
-
-    return bool(get_token())
-
-
-def _endpoint() -> str:
-    from huggingface_hub import constants
-
-    return constants.ENDPOINT
 
 
 def check_space(plans: list[Plan]) -> None:
@@ -157,12 +145,9 @@ def download(p: Plan, tqdm_class: Any = None) -> Path:
     if "path" in done:
         return Path(done["path"])
     e = done["error"]
-    if isinstance(e, KeyboardInterrupt):
+    if not isinstance(e, Exception):  # Ctrl-C and the like
         raise e
-    try:
-        raise e
-    except Exception as e:  # noqa: BLE001
-        if _unreachable(e):
-            raise ModelError(f"the download of '{p.repo_id}' stopped: lost the hub ({type(e).__name__}); run the same "
-                             "command again to resume") from None
-        raise ModelError(f"could not download '{p.repo_id}': {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if _unreachable(e):
+        raise ModelError(f"the download of '{p.repo_id}' stopped: lost the hub ({type(e).__name__}); run the same "
+                         "command again to resume") from None
+    raise ModelError(f"could not download '{p.repo_id}': {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None

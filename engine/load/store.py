@@ -115,12 +115,8 @@ class Converted:
 
 def converted() -> list[Converted]:
     root = cache_dir() / "converted"
-    try:
-        memo = json.loads((root / "hashes.json").read_text())
-    except (OSError, ValueError):
-        memo = {}
     by_hash: dict[str, list[str]] = {}
-    for path, seen in (memo.items() if isinstance(memo, dict) else ()):
+    for path, seen in _memo().items():
         if isinstance(seen, dict) and "sha256" in seen:
             by_hash.setdefault(str(seen["sha256"])[:16], []).append(path)
     out = []
@@ -273,14 +269,8 @@ def orphans() -> list[Path]:
     known = {models.PACKAGED: models.packaged_gguf() is not None}
     for alias, repo in models.ALIASES.items():
         known[alias] = repo in present_hub
-    for p in packages():
-        if p.name in known:
-            gone = not known[p.name]
-        elif any(p.name == r.replace("/", "_") for r in present_hub):
-            gone = False
-        else:
-            gone = False  # unattributed: its source cannot be told from its name
-        if gone or built_elsewhere(p.path):
+    for p in packages():  # one filed under a hub id, or unattributed (its source untold by its name), stays
+        if (p.name in known and not known[p.name]) or built_elsewhere(p.path):
             out.append(p.path)
     return out
 

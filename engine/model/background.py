@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from .. import processes
-from ..config import cache_dir
+from ..config import cache_dir, write_atomic
 
 DEFAULT_SHAPE_S = 75.0  # the first estimate of one shape's build (2 cores, SmolLM2-135M), before any was timed
 
@@ -48,9 +48,7 @@ def _record_s(name: str, seconds: float) -> None:
     try:
         data = json.loads(f.read_text()) if f.exists() else {}
         data[name] = round(seconds, 1)
-        tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, f)
+        write_atomic(f, json.dumps(data))
     except (OSError, ValueError):
         pass
 

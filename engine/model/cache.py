@@ -1,23 +1,15 @@
 """A preallocated KV cache for :mod:`core`: one tensor, written at explicit slots.
 
-Layout: per layer one K and one V tensor ``[kv_heads, capacity + 1, head_dim]``: per head the
-slots are contiguous, so attention reads ``[:, :W]`` without a copy, and each is its own
-allocation, so a compiled graph writes it in place (a view of one big tensor as a graph input
-is functionalized into a copy of the whole cache per layer).  The last slot
-(``trash``) takes the KV of padding rows that a compiled row shape needs beyond the
-caller's rows; nothing ever attends to it.
+Per layer one K and one V tensor ``[kv_heads, capacity + 1, head_dim]``: per head the slots are
+contiguous, so attention reads ``[:, :W]`` without a copy, and each is its own allocation, so a
+compiled graph writes it in place (a view of one big tensor as a graph input is functionalized
+into a copy of the whole cache per layer).  The last slot (``trash``) takes the KV of a compiled
+shape's padding rows; nothing ever attends to it.
 
-The committed sequence occupies slots ``[0, length)`` with slot = position.  Everything
-else is done by the caller through slots and masks:
-
-* rollback: :meth:`truncate` (a length; nothing is erased);
-* scratch rows (an SSD tree): any slots past ``length``, written by ``Core.step``
-  without moving ``length``;
-* adopting a branch: :meth:`adopt` gathers its slots to ``[keep, keep + n)`` in one copy.
-
-Capacity is bucketed (:func:`bucket`): the next power of two at or above what the reply
-can reach, at least ``MIN_CAPACITY``, never above ``limit``.  Growing reallocates and
-copies once; no step ever costs in proportion to the model's whole context window.
+The committed sequence occupies slots ``[0, length)`` with slot = position; rollback, scratch
+rows (any slot past ``length``) and adopting a branch are the caller's slots and masks.
+Capacity is bucketed (:func:`bucket`), so growing reallocates and copies rarely, and no step ever
+costs in proportion to the model's whole context window.
 """
 
 from __future__ import annotations

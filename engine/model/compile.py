@@ -1,22 +1,17 @@
 """Compiling the core's row shapes: ``torch.compile`` once per shape, eager where that is better.
 
-Each row count in ``rows`` (1, k+1, B, ...) gets its own compiled graph of
-:meth:`Core.graph_for`; a call with fewer rows is padded up to the next compiled shape (the
-padding rows write to the cache's trash slot and are dropped), a call with more rows
-(a prefill) runs eagerly.
+A call with fewer rows than a compiled shape is padded up to it (the padding rows write to the
+cache's trash slot and are dropped); one with more rows (a prefill) runs eagerly.
 
-* CUDA: ``mode="reduce-overhead"`` (CUDA graphs).  The graph's shapes are fully static: the
-  attention window is the whole cache buffer, which is marked a static address so its
-  in-place K/V writes stay inside the graph.  Outputs are cloned (a replay overwrites them).
-* CPU: an AOTInductor package per row shape (:mod:`aoti`), the attention window and the cache
-  capacity dynamic; built once per machine and model (minutes on a small CPU), then loaded in a
-  fraction of a second.  ``on`` and ``auto`` both compile every shape: eager and compiled forwards
-  differ in the last bits, and a verify must compute what one-row steps compute.  The graphs
-  attend with :func:`core.attend_rows` (or :func:`core.attend_op`) over a window padded to WIDTH_STEP slots.
+* CUDA: CUDA graphs over fully static shapes: the attention window is the whole cache buffer,
+  marked a static address so its in-place K/V writes stay inside the graph.
+* CPU: an AOTInductor package per row shape (:mod:`aoti`), built once per machine and model
+  (minutes on a small CPU), then loaded in a fraction of a second.  ``on`` and ``auto`` both
+  compile every shape: eager and compiled forwards differ in the last bits, and a verify must
+  compute what one-row steps compute.
 
-Any failure while compiling or running a graph (no C++ compiler, an inductor error, a CUDA
-graph capture failure) turns compiling off for this core, sends one ``notify`` line and
-reruns the call eagerly: the caller sees the eager result, never a traceback.
+Any failure while compiling or running a graph turns compiling off for this core, sends one
+``notify`` line and reruns the call eagerly: the caller sees the eager result, never a traceback.
 """
 
 from __future__ import annotations
@@ -137,10 +132,7 @@ class Compiler:
 
     def shape_for(self, n: int) -> int | None:
         """The compiled row count that serves ``n`` rows (None: run eagerly)."""
-        for r in self.rows:
-            if r >= n:
-                return r
-        return None
+        return next((r for r in self.rows if r >= n), None)
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> tuple | None:
         """The compiled graph's (logits, hidden, mid) for these rows, or None: run them eagerly."""
@@ -170,18 +162,14 @@ class Compiler:
             self._decide(say=False)  # the load line says it; each reply that runs eagerly says it again
             t = torch.get_num_threads()
             for r in self.rows:  # a loaded package's first call (its lazy loads, numba's head kernel: about
-                if (r, t) in self._fns and not self._call(r, *self._dummy(r)):  # a second) falls in the load
+                if (r, t) in self._fns and not self._call(r, *self.example(r)):  # a second) falls in the load
                     return
             return
         kv = self.core.kv
         kv.reserve(min(AUTO_WIDTH, kv.limit or AUTO_WIDTH))  # a small model's context may be shorter
         for r in self.rows:
-            if not self._call(r, *self._dummy(r)):
+            if not self._call(r, *self.example(r)):
                 return
-
-    def example(self, r: int) -> tuple:
-        """Inputs (ids, pos, slots, mask) of a warm-up call of ``r`` rows."""
-        return self._dummy(r)
 
     # -- background builds -------------------------------------------------------------------------
     def _decide(self, say: bool = True) -> None:
@@ -296,7 +284,8 @@ class Compiler:
         m[: mask.shape[0], : mask.shape[1]] = mask
         return m
 
-    def _dummy(self, r: int) -> tuple:
+    def example(self, r: int) -> tuple:
+        """Inputs (ids, pos, slots, mask) of a warm-up call of ``r`` rows."""
         kv, dev = self.core.kv, self.core.device
         width = min(AUTO_WIDTH, kv.capacity)
         ids = torch.zeros(r, dtype=torch.long, device=dev)

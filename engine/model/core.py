@@ -1,29 +1,23 @@
 """A compact, static-shape forward for Llama-family models: the core AR, SD and SSD run on.
 
-Why: a transformers module call per forward is a dozen small kernels per layer, each
-launched from Python, on a ``DynamicCache`` that grows by concatenation.  Like gpt-fast
-and nano-vllm, the core is a plain loop over the layers that transformers already built
-(no second loader, no weight copies) over a preallocated cache (:mod:`cache`), with
-explicit positions, slots and masks, so each row shape (1, k+1, B, ...) can be compiled
-once (:mod:`compile`).
+Why: a transformers module call per forward is a dozen small kernels per layer, each launched from
+Python, on a ``DynamicCache`` that grows by concatenation.  Like gpt-fast and nano-vllm, the core is
+a plain loop over the layers that transformers already built (no second loader, no weight copies)
+over a preallocated cache (:mod:`cache`), with explicit positions, slots and masks, so each row
+shape (1, k+1, B, ...) can be compiled once (:mod:`compile`).
 
-One call, ``step(ids [T], positions [T], slots [T], mask [T, W])``: the T rows' K/V are
-written at ``slots``, then every row attends to the slots its mask row allows.  So a
-prefill, a 1-token step, a verify of k+1 tokens and an SSD tree step over B branches (each
-row: the committed prefix + its ancestors + itself) are all single calls.
-:meth:`Core.append` is the causal, committing case; :meth:`Core.tree` builds a tree mask.
+One call, ``step(ids [T], positions [T], slots [T], mask [T, W])``, writes the T rows' K/V at
+``slots``, then every row attends to the slots its mask row allows: a prefill, a step, a verify of
+k+1 tokens and an SSD tree depth are all single calls.
 
-Every projection is *called*, never read as a raw weight: the module (an ``nn.Linear``
-with or without fastlinear, torch's dynamic-int8 Linear, a trained draft's reduced head,
-a tensor-parallel shard) or what a ``linear`` hook maps it to.  The only exception is a
-compiled graph, which calls a plain ``nn.Linear``'s weight through the product fastlinear
-chose for that row count (:func:`traceable`: its forward itself is not traceable).  A draft made of the
-target's first N layers therefore shares the target's weights through its core too.
+Every projection is *called*, never read as a raw weight (a fastlinear, int8, reduced-head or
+tensor-parallel module, or what a ``linear`` hook maps it to), so a draft made of the target's first
+N layers shares the target's weights through its core too.  The one exception is a compiled graph,
+which calls a plain ``nn.Linear``'s weight through the product fastlinear chose (:func:`traceable`).
 
-Supported: ``llama`` (Llama 2/3.x, SmolLM2 with its tied head), ``qwen2`` (qkv biases),
-``qwen3`` (q/k norms), ``mistral`` without a sliding window; RoPE ``default``, ``linear``,
-``llama3`` and ``yarn``.  :func:`supports` says why anything else is not, and callers keep
-the transformers path for it.
+Supported: ``llama`` (Llama 2/3.x, SmolLM2 with its tied head), ``qwen2`` (qkv biases), ``qwen3``
+(q/k norms), ``mistral`` without a sliding window; RoPE ``default``, ``linear``, ``llama3`` and
+``yarn``.  :func:`supports` says why anything else is not, and callers keep transformers for it.
 """
 
 from __future__ import annotations

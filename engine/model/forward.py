@@ -1,23 +1,16 @@
 """Which forward runs a model: the compact core (:mod:`core`) where it can, else transformers.
 
-A :class:`Forwards` is one model's handle in this process: every decoder and the SSD speculator
-get their :mod:`runner` runners from it (:meth:`Forwards.runner`).  The engine keeps one per loaded
-model (``LoadedModel.forwards``); the speculator process makes its own.  ``compile`` is the
-``--compile`` setting:
+A :class:`Forwards` is one model's handle in this process (``LoadedModel.forwards``; the speculator
+process makes its own): every decoder gets its :mod:`runner` runners from it.  ``compile`` is the
+``--compile`` setting: ``off`` the core eager, ``on`` every row shape compiled, ``auto`` compiled on
+GPUs and, on CPU, the target compiled (:mod:`aoti`) and drafts eager; ``transformers`` the reference
+path on a ``DynamicCache``.  A model the core does not run (:func:`core.supports`) keeps the
+transformers path, with one notice saying why; a tensor-parallel target (``sharded``) always runs
+the core, over its ranks.
 
-* ``off``: the core, eager; ``on``: the core, every row shape compiled; ``auto``: the core,
-  compiled on GPUs; on CPU the target compiled (AOTInductor packages, :mod:`aoti`) and drafts eager;
-* ``transformers``: the transformers modules on a ``DynamicCache`` (the reference path).
-
-A model the core does not run (:func:`core.supports`: another architecture, a feature draft, a
-model split over devices) keeps the transformers path, with one notice saying why.  A
-tensor-parallel target (:mod:`tp.load`) has its ranks in the handle (``sharded``): its runner is
-always the core, over its ranks.
-
-The handle keeps one core per role (target, draft) and row shapes, so each reply reuses the cache
-buffer and the compiled graphs of the one before (a reply starts with ``reset``).  Notices (why a
-model is on transformers, a compile that failed, a compile's progress) are queued once each; the
-decoder frame hands them on as :class:`events.Notice` (:meth:`Forwards.take_notices`).
+The handle keeps one core per role and row shapes, so each reply reuses the cache buffer and the
+compiled graphs of the one before.  Notices are queued once each; the decoder frame hands them on
+as :class:`events.Notice`.
 """
 
 from __future__ import annotations
@@ -105,11 +98,7 @@ class Forwards:
 
     def status(self) -> str | None:
         """What a background compile of this model is doing ("compiling ... in the background, 40%"), or None."""
-        for core in self._cores.values():
-            said = core.compiler.status()
-            if said:
-                return said
-        return None
+        return next(filter(None, (core.compiler.status() for core in self._cores.values())), None)
 
     def wait_for_builds(self, say: Callable[[str], None] = lambda s: None, every_s: float = 10.0) -> bool:
         """Until no graph of this model is being built in the background, passing :meth:`status` to ``say``

@@ -1,22 +1,11 @@
-"""The KV cache and the per-model runner every decoder drives.
+"""The KV cache and the per-model runner every decoder drives: the one place that drives a cache.
 
-A :class:`Runner` is one model's forward over one growing sequence.  Decoders and the SSD
-speculator call nothing else to run a model:
-
-* ``append(ids, logits=..., hidden=...)``: feed tokens after the committed ones and commit them
-  (a prefill, a one-token step, a verification of k+1 tokens);
-* ``truncate(keep)``: roll back to a length;
-* ``step(ids, positions, slots, mask)``: scratch rows that are not committed, each attending to
-  the slots its row of ``mask`` marks (:func:`tree_mask`: the committed prefix, its ancestors and
-  itself; one depth of an SSD tree);
-* ``adopt(keep, slots)``: make scratch rows (a winning branch) the committed continuation.
-
-This module is the one place that drives a cache.  :class:`Runner` runs a transformers model
-(or a feature draft) on a ``DynamicCache``; :class:`CoreRunner` runs the compact core
-(:mod:`core`) over its preallocated :class:`cache.StaticKV`; a model's :class:`forward.Forwards` picks one.
-On a ``DynamicCache`` the scratch rows are appended after the committed ones, so tree slots
-must continue the scratch region in order, and the next ``append`` or ``truncate`` drops them.
-On the core any slot past the committed length is scratch; nothing needs dropping.
+A runner is one model's forward over one growing sequence (``append``, ``truncate``, scratch
+``step`` rows and ``adopt``; decoders and the SSD speculator call nothing else to run a model).
+:class:`Runner` runs a transformers model (or a feature draft) on a ``DynamicCache``, where scratch
+rows are appended after the committed ones, so tree slots must continue the scratch region in order
+and the next ``append`` or ``truncate`` drops them.  :class:`CoreRunner` runs the compact core
+(:mod:`core`) over its :class:`cache.StaticKV`, where any slot past the committed length is scratch.
 
 transformers 5 changed ``Cache.crop`` to take the number of tokens to *remove*; everything here
 goes through :func:`truncate`, which takes the length to keep.

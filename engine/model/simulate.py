@@ -1,17 +1,13 @@
 """Simulated hardware: the real decoders with every forward padded to a latency model.
 
-``ssd-chat bench --simulate PROFILE`` runs AR, SD and SSD (the speculator process, the channel, the
-cache, the fan-out and every line of Python) on small models, and makes each forward of the compact
-core last what the profile says the real model takes on the real hardware: the forward computes,
-then sleeps until the modelled time has passed.  A forward whose real compute took longer is counted
-as an overrun (the report says so).  Padding only sleeps, so tokens are exactly what they would be.
-
-Profiles are JSON files in ``assets/profiles`` (see :func:`load_profile`).  A profile with
-``shared_device`` models one GPU for both models: a forward holds the device (a lock file shared by
-the processes) for its modelled time, so the verifier and the speculator take turns.
-
-The bench switches simulation on for itself and its speculator processes through the environment
-(``SSD_CHAT_SIMULATE``, set by :func:`activate`); :func:`latency` gives each core its hook.
+``ssd-chat bench --simulate PROFILE`` runs AR, SD and SSD (every process and line of Python) on
+small models, and makes each forward of the compact core last what the profile (a JSON file in
+``assets/profiles``, :func:`load_profile`) says the real model takes on the real hardware: the
+forward computes, then sleeps until the modelled time has passed (longer real compute counts as an
+overrun).  Padding only sleeps, so tokens are exactly what they would be.  With ``shared_device``
+a forward holds one device (a lock file shared by the processes) for its modelled time, so the
+verifier and the speculator take turns.  :func:`activate` switches it on through the environment
+(``SSD_CHAT_SIMULATE``), for the speculator processes too.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """Sampling math: small pure functions shared by AR, SD and SSD.
 
-Randomness is always passed in (a ``torch.Generator``), so tests are exact.
-Greedy decoding is the special case ``temperature == 0``: the distribution is a
-point mass on the argmax, and every formula below stays valid for it.
+Randomness is always passed in (a ``torch.Generator``), so tests are exact.  Greedy decoding is
+``temperature == 0``: a point mass on the argmax, for which every formula below stays valid.
 
-Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): for draft tokens
-``d_1..d_k`` proposed from ``q`` and target distributions ``p``,
-accept ``d_i`` with probability ``min(1, p_i(d_i) / q_i(d_i))``; at the first
-rejection sample the bonus token from ``norm(max(0, p_i - q_i))``; if all k are
-accepted sample it from ``p_{k+1}``.  The output is distributed exactly as ``p``
-for *any* proposal ``q`` the drafts were really drawn from, which is what lets
-SSD's Saguaro sampling reshape ``q`` freely.
+Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) accepts ``d_i`` with probability
+``min(1, p_i(d_i) / q_i(d_i))`` and samples the bonus from ``norm(max(0, p_i - q_i))`` at the first
+rejection (from ``p_{k+1}`` if all k are accepted).  The output is distributed exactly as ``p`` for
+*any* proposal ``q`` the drafts were really drawn from, which is what lets SSD's Saguaro sampling
+reshape ``q`` freely.
 
 On the CPU the distributions are computed on their top-k support (:mod:`support`); the dense
 functions here (:func:`apply_top_k_top_p`) define them and take over where that does not apply.

@@ -1,18 +1,10 @@
-"""Verifier <-> speculator messages.
+"""Verifier <-> speculator messages (the frozen dataclasses below) over one duplex ``multiprocessing`` Pipe.
 
-Transport: one duplex ``multiprocessing`` Pipe (small pickled messages: token ids, outcomes,
-timings) plus one shared-memory tensor ``[k, V]`` float32 for the draft's proposal
-distributions q' of the k speculated tokens.  The speculator writes q' there *before* it
-answers and the verifier reads it before it sends its next request, so the buffer is
-never written while it is read.  Under greedy decoding, and for fast-fallback tokens,
-q' is a point mass on the token and nothing is written (``Speculation.has_q`` is False).
-
-Messages are the frozen dataclasses below.  Verifier -> speculator: :class:`Begin` (a new
-reply: prefill the prompt, no answer), :class:`Spec` (the outcome of the last round; answered
-with the speculation for the next one, a :class:`Speculation`), :class:`Ping` (answered with a
-:class:`Pong`, to measure the round trip) and :class:`Close`.  Speculator -> verifier:
-:class:`Ready` once loaded, a :class:`Speculation` per :class:`Spec`, :class:`Failed` if it failed
-(then it exits).
+The draft's proposal distributions q' of the k speculated tokens go through one shared-memory
+tensor ``[k, V]`` float32 instead: the speculator writes it *before* it answers and the verifier
+reads it before it sends its next request, so the buffer is never written while it is read.  Under
+greedy decoding, and for fast-fallback tokens, q' is a point mass and nothing is written
+(``Speculation.has_q`` is False).
 """
 
 from __future__ import annotations

@@ -1,32 +1,24 @@
 """The SSD speculator: the draft model's side of speculative speculative decoding.
 
-:class:`Speculator` is the algorithm (Kumar, Dao & May 2026, Algorithm 1 and the
-reference code's draft runner, spec §2.2): for every round it
+:class:`Speculator` is the algorithm (Kumar, Dao & May 2026, Algorithm 1 and the reference code's
+draft runner, spec §2.2): for every round it
 
-1. **serves** the verifier's request for outcome ``(k_prev, bonus)``: from the
-   speculation cache on a hit, else from a fallback (neural: k draft steps on the
-   spot; fast: n-gram lookup tokens that cost no draft forward), and then
-2. **builds** the cache for the round being verified meanwhile: one *glue* forward
-   over ``[bonus, d_1..d_k]`` gives the draft's distribution ``g_j`` after each
-   possible accepted length j; the candidate bonus tokens for j are the top-F_j of
-   ``g_j`` excluding ``d_{j+1}``; all B branches are drafted k tokens deep as one
-   tree: one forward per depth over the B branch tokens, appended to the one KV cache
-   as a flat scratch region with a 4D attention mask (prefix + the branch's glue
-   tokens + its own earlier tree tokens) and RoPE positions of the hypothesised
-   sequence, so the shared prefix KV is never copied.  The scratch region is cropped
-   after the tree.
+1. **serves** the verifier's request for outcome ``(k_prev, bonus)``: from the speculation cache on
+   a hit, else from a fallback (neural: k draft steps on the spot; fast: n-gram lookup tokens that
+   cost no draft forward), and then
+2. **builds** the cache for the round being verified meanwhile: one *glue* forward over
+   ``[bonus, d_1..d_k]`` gives the draft's distribution ``g_j`` after each possible accepted length
+   j; the candidate bonus tokens for j are the top-F_j of ``g_j`` excluding ``d_{j+1}``; all B
+   branches are drafted k tokens deep as one tree, one forward per depth, in the runner's scratch
+   rows with a tree mask, so the shared prefix KV is never copied; on a hit the winning branch is
+   adopted, not recomputed.
 
-It runs in a worker process (:mod:`worker`, pinned to its own cores) behind
-:mod:`channel`.  It runs the draft through a :mod:`runner` runner (:meth:`forward.Forwards.runner`: the
-compact core where it can): the tree rows are the runner's uncommitted scratch rows, and on a hit the winning branch is adopted, not recomputed.
-
-Every draft token is sampled from the distribution q' that is sent with it: the
-draft's temperature/top-k/top-p distribution, reshaped by Saguaro sampling
-(``--saguaro-c``) over the top ``F_j + 1`` tokens [I: the candidates at position j are
-the top F_j *excluding the sampled token*, so the top F_j + 1 is the smallest set that
-holds every token that can become a cached bonus; the reference code does the same,
-spec §5.3].  Fast-fallback tokens are point masses (q' = one-hot), so the verifier's
-acceptance test stays exact for every proposal.
+Every draft token is sampled from the distribution q' that is sent with it: the draft's
+temperature/top-k/top-p distribution, reshaped by Saguaro sampling (``--saguaro-c``) over the top
+``F_j + 1`` tokens [I: the candidates at position j are the top F_j *excluding the sampled token*,
+so the top F_j + 1 is the smallest set that holds every token that can become a cached bonus; the
+reference code does the same, spec §5.3].  Fast-fallback tokens are point masses (q' = one-hot),
+so the verifier's acceptance test stays exact for every proposal.
 """
 
 from __future__ import annotations
@@ -124,14 +116,13 @@ class Speculator:
         self._extend(self.ctx, logits_from=len(self.ctx))
         if not self.step_times and self.ctx:  # a timed decode step, for the SD estimate and --fallback auto
             n = self.runner.length
-            self._forward(self.ctx[-1:])  # untimed: the first call pays for compiling and first-touch, SD's steps do not
-            self.runner.truncate(n)
-            del self.kv_ids[n:]
-            t0 = time.perf_counter()
-            self._forward(self.ctx[-1:])
-            self.step_times.append(time.perf_counter() - t0)
-            self.runner.truncate(n)
-            del self.kv_ids[n:]
+            for timed in (False, True):  # the first call pays for compiling and first-touch, SD's steps do not
+                t0 = time.perf_counter()
+                self._forward(self.ctx[-1:])
+                if timed:
+                    self.step_times.append(time.perf_counter() - t0)
+                self.runner.truncate(n)
+                del self.kv_ids[n:]
 
     @property
     def step_s(self) -> float:

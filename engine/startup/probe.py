@@ -2,10 +2,9 @@
 fastest, and remember it (:mod:`probe_store`: the key, the records, the lock, the machine's load).
 
 The probe runs the real decoders (greedy, one fixed chat prompt, :data:`TOKENS` new tokens with EOS
-ignored): one short warm-up each (JIT, the speculator's start), then :data:`REPEATS` runs interleaved
-(AR SD SSD AR SD SSD ...), so a machine that gets busier part-way slows every mode alike; each mode's
-figure is its median decode rate.  What explains the result comes from the same runs: tokens per
-verification (the mean accepted length) and a verification's cost in AR steps.
+ignored): one short warm-up each, then :data:`REPEATS` runs interleaved (AR SD SSD AR SD SSD ...), so
+a machine that gets busier part-way slows every mode alike; each mode's figure is its median decode
+rate, explained by the same runs' mean accepted length and a verification's cost in AR steps.
 
 A speculative mode is chosen only when it beat AR by more than :data:`MARGIN` (noise is not a reason
 to run a draft), and only from a trusted record: figures that cannot be right (:func:`noisy`) or runs
@@ -13,8 +12,8 @@ that other work shared the cores with (``Load.busy``) are kept as such, and ``au
 
 Who measures (:func:`settle`'s ``measure``): ``"now"`` (``ssd-chat config measure`` and the background
 measurer), ``"background"`` (the app and ``serve``: with no record they run AR and start a measurer
-process at the lowest priority, ``ssd_chat.chat.measure``, whose record the next start uses), ``"no"`` (``ask``
-and the rest: the record, else AR).
+process at the lowest priority, ``ssd_chat.chat.measure``), ``"no"`` (``ask`` and the rest: the
+record, else AR).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..config import EngineConfig, cache_dir, numba_attention
+from ..config import EngineConfig, cache_dir, numba_attention, write_atomic
 from ..config import cpu_name as _cpu_name  # a seam: tests give it another CPU
 
 FILE = "mode-probe.json"
@@ -220,13 +220,7 @@ def write(fields: dict[str, Any], record: Record, path: Path | None = None) -> N
     path = path or store_path()
     data = _read(path)
     data[key(fields)] = record.to_json(fields)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True, default=str), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    write_atomic(path, json.dumps(data, indent=1, sort_keys=True, default=str))
 
 
 # -- one measurer per key --------------------------------------------------------------------------

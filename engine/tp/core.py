@@ -1,30 +1,20 @@
 """Tensor-parallel execution of the compact core: :class:`TPCore`, a drop-in for :class:`Core`.
 
-The model is split over N ranks (:mod:`tp_shard`: column/row-parallel projections, two
-all-reduces per layer, vocab-parallel embedding and head).  Rank 0 is this process: it runs
-its shard here and returns full logits and hidden states, so whoever calls it (a decoder
-that verifies and samples, the speculator's peer, the UI) sees a :class:`Core`.  Ranks
-1..N-1 are worker processes (:mod:`tp_worker`) that this object starts and owns exactly like
-the SSD speculator: spawned daemons that die with the app (``PR_SET_PDEATHSIG``), ignore
-Ctrl-C, and are closed by :meth:`TPCore.close`, by a finalizer at exit, or killed.
+The model is split over N ranks (:mod:`tp_shard`).  Rank 0 is this process: it runs its shard here
+and returns full logits and hidden states, so its callers see a :class:`Core`.  Ranks 1..N-1 are
+worker processes that this object starts and owns exactly like the SSD speculator (daemons that
+die with the app and ignore Ctrl-C).
 
-Every call is sent to the other ranks on the process group itself (``broadcast``: a header
-and its tensors; NCCL on GPUs, gloo on CPU), then run here; the ranks meet in the forward's
-collectives.  If any rank fails or dies mid-call, rank 0's collective fails (gloo sees the
-closed connection at once; on NCCL a watchdog thread aborts the group when a worker exits),
-every rank is closed and the call raises :class:`TPError` in one line that names the rank.
-A new ``TPCore`` starts them again.  Between calls the workers wait in a collective, which
-would time out in an idle chat: rank 0 sends them an empty command every ``timeout_s / 3``
-(:mod:`tp_ranks`, which also holds the processes and the group).
+Every call is broadcast to the other ranks on the process group itself (NCCL on GPUs, gloo on CPU),
+then run here; the ranks meet in the forward's collectives.  If any rank fails or dies mid-call,
+rank 0's collective fails, every rank is closed and the call raises :class:`TPError` in one line
+that names the rank; a new ``TPCore`` starts them again.  Idle workers would time out in their
+collective, so rank 0 sends them an empty command every ``timeout_s / 3`` (:mod:`tp_ranks`).
 
-On CPU (gloo, one rank per core) this is the multi-GPU code path for tests and for users
-without GPUs to try; it is slower than one process (docs/multi-gpu.md: ``python -m lab.tp_bench``).
-
-Compiling: ``auto`` means on (CUDA graphs) on GPUs and off on CPU.  Ranks must all run
-compiled or all eager (the two make differently shaped collectives), so a rank whose
-compile fails raises instead of falling back to eager.  One ``TPCore`` of several ranks per
-process: it owns torch.distributed's default group.  A single rank (``devices`` of one) makes
-no collectives and starts no process: the code path alone, for checks.
+On CPU (gloo, one rank per core) this is the multi-GPU code path for tests, slower than one process.
+Ranks must all run compiled or all eager (the two make differently shaped collectives), so a rank
+whose compile fails raises instead of falling back.  One ``TPCore`` of several ranks per process:
+it owns torch.distributed's default group.  A single rank makes no collectives and starts no process.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """A tensor-parallel target: its config and tokenizer in this process, its weights split over ranks.
 
-``--target-device cuda:0-3`` or ``cpu:0,cpu:1`` (:mod:`placement`) loads the target with
-:func:`load_sharded`: rank 0's shard in this process and ranks 1..N-1 in worker processes
-(:class:`tp.TPCore`), each reading only its part of the safetensors.  The
-:class:`models.LoadedModel` it returns holds a weightless copy of the model (torch's ``meta``
-device) for what the decoders read without running it: the config, the generation config, the
-vocabulary, the parameter count.  Its handle (``lm.forwards``, :mod:`forward`) runs it on the :class:`Sharded` it holds,
-so AR, SD and SSD's verifier need no tensor-parallel code of their own, and the SSD speculator
-talks to this process (rank 0) only.
-
-If a rank dies or hangs, the reply ends with one error line and every rank is closed; the next
-reply starts them again (:meth:`Sharded.core`).
+:func:`load_sharded` loads rank 0's shard in this process and ranks 1..N-1 in worker processes,
+each reading only its part of the safetensors.  The :class:`models.LoadedModel` it returns holds a
+weightless (``meta``) copy of the model for what the decoders read without running it (config,
+vocabulary, parameter count); its handle runs it on the :class:`Sharded` it holds, so AR, SD and
+SSD's verifier need no tensor-parallel code of their own.  If a rank dies or hangs, the reply ends
+with one error line and every rank is closed; the next reply starts them again.
 
 A draft derived from the target (``trained``, ``int8``, ``layers:N``, ``copy``) needs the whole
 target's weights, which no rank has: :func:`draft_base` loads them once more, on the draft's

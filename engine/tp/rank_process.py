@@ -1,19 +1,15 @@
 """A tensor-parallel rank other than 0: a worker process that loads its shard and mirrors rank 0.
 
-Rank 0 (:class:`~ssd_chat.engine.tp.core.TPCore`, in the app) broadcasts every call that touches
-the model or its cache as a fixed 8-number header and its payload tensors, on the process
-group itself (no transport of our own); each rank then makes the very same
-:class:`~ssd_chat.engine.model.core.Core` call on its shard, so all ranks reach the same
-collectives in the same order.  Only rank 0's answer is used.
+Rank 0 (:class:`~ssd_chat.engine.tp.core.TPCore`) broadcasts every call that touches the model or
+its cache as a fixed 8-number header and its payload tensors, on the process group itself; each
+rank then makes the very same :class:`~ssd_chat.engine.model.core.Core` call on its shard, so all
+ranks reach the same collectives in the same order.  Only rank 0's answer is used.  Every append
+carries rank 0's committed length, so a rollback, ``reset`` and ``set_length`` need no message.
 
-What is not sent: the committed length.  Every append carries rank 0's length, so a
-rollback (``kv.truncate``), ``reset`` and ``set_length`` cost rank 0 nothing to tell.
-
-The worker is started and owned like the SSD speculator (:mod:`processes`): spawned, a daemon,
-killed with its parent, deaf to Ctrl-C (the app closes it).  A failure sends one line on
-the worker's pipe and ends the process; rank 0's next collective then fails and it reports
-that line.  A ``ValueError`` (an argument check) is raised by rank 0's identical call too,
-before any collective, so the worker just waits for the next command.
+The worker is started and owned like the SSD speculator (:mod:`processes`).  A failure sends one
+line on its pipe and ends the process; rank 0's next collective then fails and it reports that line.
+A ``ValueError`` (an argument check) is raised by rank 0's identical call too, before any
+collective, so the worker just waits for the next command.
 """
 
 from __future__ import annotations

@@ -1,30 +1,20 @@
 """One tensor-parallel rank's share of a Llama-family model, read straight from its safetensors.
 
-Megatron-style plain column/row-parallel linears (what gpt-fast, nano-vllm and vLLM do), not
-DTensor: the core already calls every projection as a module, so a rank is just the same
-transformers layout with fewer heads and MLP columns, plus two all-reduces per layer.  Its
-:class:`~ssd_chat.engine.model.core.Core` runs unchanged over local shapes, with local-shape K/V,
-and compiles to fixed graphs (``torch.compile`` traces the functional collectives; DTensor's
+Megatron-style plain column/row-parallel linears (as gpt-fast, nano-vllm and vLLM), not DTensor:
+the core calls every projection as a module, so a rank is the same transformers layout with fewer
+heads and MLP columns, plus two all-reduces per layer, and it compiles to fixed graphs (DTensor's
 per-op sharding propagation is dispatch overhead a decode step of a few rows cannot afford).
 
-Per layer, for rank r of N:
+* ``q/k/v_proj``, ``gate/up_proj``: column-parallel.  Key/value heads are split in contiguous
+  blocks as evenly as they go (N must not exceed the kv heads; SmolLM2-135M's 3 over 2 ranks split
+  1 + 2), each rank keeping the query heads that read its kv heads, so GQA stays local.
+* ``o_proj``, ``down_proj``: row-parallel, then an all-reduce; a bias is added once (rank 0's).
+* norms are replicated: the residual stream is whole on every rank.
 
-* ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj``: column-parallel, rank r keeps a
-  contiguous block of output rows (its heads; its MLP columns).  Key/value heads are split in
-  contiguous blocks as evenly as they go (N must not exceed the kv heads); each rank keeps the
-  query heads that read its kv heads, so grouped-query attention stays local.  Even whenever
-  N divides the kv heads (8 in every Llama-3 and Qwen3 size: N = 2, 4, 8); SmolLM2-135M's 3 kv
-  heads over 2 ranks split 1 + 2.
-* ``o_proj``, ``down_proj``: row-parallel (the matching input columns), then an all-reduce;
-  a bias is added once (rank 0 holds it, the others hold zeros).
-* norms (and Qwen3's q/k norms) are replicated: the residual stream is whole on every rank.
-
-Embedding and head are vocab-parallel, also for small models (one rule, and for a 70B target
-they are 2 GiB each in bf16): rank r holds vocabulary rows ``[r*P, (r+1)*P)``, P = ceil(V/N)
-(the last block padded with zero rows).  The embedding looks up the ids in its block (zeros
-elsewhere) and all-reduces, which is exact (one non-zero term per element); the head computes
-its block of logits and all-gathers them, so every rank holds the full logits (rank 0 samples).
-A tied head is the embedding's own shard.  Memory per rank is about 1/N of the weights.
+Embedding and head are vocab-parallel, also for small models (one rule; for a 70B target they are
+2 GiB each in bf16): rank r holds vocabulary rows ``[r*P, (r+1)*P)``, P = ceil(V/N), zero-padded.
+The embedding's all-reduce is exact (one non-zero term per element); the head all-gathers its
+logits, so every rank holds them all.  A tied head is the embedding's own shard.
 """
 
 from __future__ import annotations
