@@ -13,12 +13,6 @@ that drift of the machine hits every mode alike.  Two hardware protocols:
   protocols, so its runs are shared between them.
 
 Greedy runs also check that SD and SSD produced exactly AR's tokens.
-
-The modules, in the order a run uses them: :mod:`.prompts` (the prompt sets),
-:mod:`.protocols` (where each mode runs), :mod:`.machine` (pinning, the machine's
-description, its memory bandwidth), :mod:`.runner` (loading and racing), :mod:`.report`
-(summaries, ratios, bounds, exactness), :mod:`.render` and :mod:`.plot` (the terminal,
-Markdown and PNG views) and :mod:`.command` (the ``bench`` command).
 """
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from . import BenchError
 from .prompts import BenchPrompt
 from .protocols import Plan
-from .runner import BenchSettings, build_engines
+from .runner import BenchSettings, build_engines, close_all
 
 PROBE_TOKENS = 8  # decode steps timed per configuration, after a 2-token warm-up of the same prompt
 
@@ -80,12 +80,7 @@ def probe(base_config: Any, models_for: Callable[[Plan], tuple[Any, Any]], promp
             total += warm + per_slot * run_s
             out.append(Probe(plan.mode, plan.describe(), prefill, per_token, run_s))
     finally:
-        for eng in engines.values():
-            try:
-                eng.close()
-            except Exception:  # noqa: BLE001 - closing is best effort
-                pass
-        pin.restore()
+        close_all(engines, pin)
     return Estimate(out, load_s, total, per_slot * len(out), settings.max_new_tokens, not settings.sampling.ignore_eos, skipped)
 
 

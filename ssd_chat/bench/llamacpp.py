@@ -13,6 +13,7 @@ binary, a run that fails or hangs, output that is not llama-bench's JSON.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -57,13 +58,10 @@ def find_binary(path: str | Path) -> Path:
     """The llama-bench executable at ``path`` (the binary itself or a folder holding it)."""
     p = Path(path).expanduser()
     if p.is_dir():
-        for sub in SEARCH:
-            cand = p / sub / BINARY
-            if cand.is_file():
-                p = cand
-                break
-        else:
+        found = next((p / sub / BINARY for sub in SEARCH if (p / sub / BINARY).is_file()), None)
+        if found is None:
             raise LlamaCppError(f"no {BINARY} in '{path}' (looked in {', '.join(str(p / s / BINARY) for s in SEARCH)})")
+        p = found
     if not p.exists():
         raise LlamaCppError(f"{BINARY} not found: '{path}' does not exist")
     if not p.is_file() or not os.access(p, os.X_OK):
@@ -89,18 +87,16 @@ def run_tg(binary: str | Path, gguf: str | Path, n_gen: int, threads: int, cores
         raise LlamaCppError(f"could not start '{exe}': {e.strerror or e}") from None
     try:
         if cores is not None and hasattr(os, "sched_setaffinity"):
-            try:  # before it loads the model and starts its threads, which inherit the mask
+            # before it loads the model and starts its threads, which inherit the mask; if it exited already,
+            # its exit status says why
+            with contextlib.suppress(OSError):
                 os.sched_setaffinity(proc.pid, cores)
-            except OSError:
-                pass  # it exited already: its exit status says why
         out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    except BaseException as e:  # a timeout, or Ctrl-C: never leave it running
         proc.kill()
         proc.communicate()
-        raise LlamaCppError(f"{BINARY} did not finish within {timeout_s:.0f} s") from None
-    except BaseException:  # Ctrl-C: never leave it running
-        proc.kill()
-        proc.communicate()
+        if isinstance(e, subprocess.TimeoutExpired):
+            raise LlamaCppError(f"{BINARY} did not finish within {timeout_s:.0f} s") from None
         raise
     wall = time.perf_counter() - t0
     if proc.returncode != 0:

@@ -4,6 +4,7 @@ the target's weights (read once per forward at batch 1) and the memory bandwidth
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import time
@@ -35,10 +36,8 @@ class Pinning:
     def _set_all(self, cores: tuple[int, ...]) -> None:
         # os.sched_setaffinity(0, ...) moves only the calling thread; torch's worker threads need it too
         for tid in os.listdir("/proc/self/task"):
-            try:
+            with contextlib.suppress(OSError):  # the thread ended meanwhile
                 os.sched_setaffinity(int(tid), cores)
-            except OSError:  # the thread ended meanwhile
-                pass
 
     def restore(self) -> None:
         self._torch.set_num_threads(self._threads0)
@@ -82,13 +81,11 @@ def machine_info(hw: Hardware) -> dict[str, Any]:
     import transformers
 
     cpu = platform.processor() or platform.machine()
-    try:
+    with contextlib.suppress(OSError):
         for line in open("/proc/cpuinfo", encoding="utf-8"):
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    except OSError:
-        pass
     gpus = [torch.cuda.get_device_name(i) for i in range(hw.num_gpus)]
     summary = f"{len(hw.cpu_cores)} × {cpu}" + (f", {len(gpus)} × {gpus[0]}" if gpus else "")
     return {"cpu": cpu, "cpu_cores": list(hw.cpu_cores), "gpus": gpus, "summary": summary,

@@ -42,10 +42,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
                     ax.annotate("bound", (x, y), fontsize=7, ha="center", va="bottom")
     ax.set_xticks(range(len(protos)), [f"{p} protocol" for p in protos])
     ax.set_ylabel("decode tok/s (median, IQR)")
-    ratio_txt = []
-    for proto in protos:
-        r = report["protocols"][proto]["ratios"]
-        ratio_txt.append(f"{proto}: " + ", ".join(f"{k.upper()} {v['of_medians']:.2f}×" for k, v in r.items() if v["of_medians"] is not None))
+    ratio_txt = [f"{proto}: " + ", ".join(f"{k.upper()} {v['of_medians']:.2f}×"
+                                          for k, v in report["protocols"][proto]["ratios"].items() if v["of_medians"] is not None)
+                 for proto in protos]
     ax.set_title("\n".join(ratio_txt), fontsize=8)
     ax.legend()
     ax = axes[1]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -52,12 +52,9 @@ def load_prompts(spec: str, limit: int | None = None) -> tuple[list[BenchPrompt]
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if names and all(n in FAMILIES or n == "all" for n in names):
         fams = list(FAMILIES) if "all" in names else list(dict.fromkeys(names))
-        per_family = []
-        for f in fams:
-            text = files("ssd_chat.assets").joinpath("prompts", f"{f}.jsonl").read_text(encoding="utf-8")
-            ps = _read_jsonl(text, f"prompts/{f}.jsonl", f)
-            per_family.append(ps[:limit] if limit else ps)
-        interleaved = [p for group in _zip_longest(per_family) for p in group]
+        per_family = [_read_jsonl(files("ssd_chat.assets").joinpath("prompts", f"{f}.jsonl").read_text(encoding="utf-8"),
+                                  f"prompts/{f}.jsonl", f)[:limit] for f in fams]
+        interleaved = [p for group in itertools.zip_longest(*per_family) for p in group if p is not None]
         return interleaved, ",".join(fams)
     path = Path(spec).expanduser()
     if not path.is_file():
@@ -74,8 +71,3 @@ def load_prompts(spec: str, limit: int | None = None) -> tuple[list[BenchPrompt]
     if not ps:
         raise BenchError(f"'{path}' holds no prompts")
     return (ps[:limit] if limit else ps), str(path)
-
-
-def _zip_longest(groups: list[list[BenchPrompt]]) -> Iterator[list[BenchPrompt]]:
-    for i in range(max((len(g) for g in groups), default=0)):
-        yield [g[i] for g in groups if i < len(g)]

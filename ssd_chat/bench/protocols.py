@@ -108,13 +108,9 @@ def make_plans(protocols: tuple[str, ...], modes: tuple[str, ...], target_device
         spec_dev = f"cpu:{d_cores[0]}" if len(d_cores) == 1 else f"cpu:{d_cores[0]}-{d_cores[-1]}"
         where = td if ranks else "cpu"
         for proto in protocols:
-            for mode in modes:
-                if mode == "ssd":
-                    plans.append(Plan(proto, mode, where, spec_dev, t_cores, len(t_cores)))
-                elif proto == "paper" or ranks:
-                    plans.append(Plan(proto, mode, where, "cpu", t_cores, len(t_cores)))
-                else:
-                    plans.append(Plan(proto, mode, where, "cpu", all_cores, len(all_cores)))
+            for mode in modes:  # equal: AR and SD get the speculator's cores too (not over tensor-parallel ranks)
+                cores = all_cores if mode != "ssd" and proto != "paper" and not ranks else t_cores
+                plans.append(Plan(proto, mode, where, spec_dev if mode == "ssd" else "cpu", cores, len(cores)))
         return plans, notes
     if hw.num_gpus == 0:
         raise BenchError("a CUDA device was requested but no NVIDIA GPU is visible to torch (torch.cuda.is_available() is False)")
@@ -133,12 +129,8 @@ def make_plans(protocols: tuple[str, ...], modes: tuple[str, ...], target_device
     equal_target = ("pipeline:" if len(extra) > 1 else "") + ",".join(extra)
     for proto in protocols:
         for mode in modes:
-            if mode == "ssd":
-                plans.append(Plan(proto, mode, ",".join(t_list), d_dev, None, None))
-            elif proto == "paper":
-                plans.append(Plan(proto, mode, ",".join(t_list), t_list[0], None, None))
-            else:
-                plans.append(Plan(proto, mode, equal_target, t_list[0], None, None))
+            target = equal_target if mode != "ssd" and proto != "paper" else ",".join(t_list)
+            plans.append(Plan(proto, mode, target, d_dev if mode == "ssd" else t_list[0], None, None))
     return plans, notes
 
 

@@ -61,9 +61,8 @@ def render(report: dict[str, Any], console: Any) -> None:
                 _f(m["cache_hit_rate"], ".0%"), f"{m['runs'] - m['failed']}" + (f" [red]({m['failed']} failed)[/]" if m["failed"] else ""), eq,
             )
         console.print(table)
-        parts = []
-        for key, r in p["ratios"].items():
-            parts.append(f"{key.upper()} {_f(r['of_medians'], '.2f', '×')} (paired {_f(r['paired_median'], '.2f', '×')})")
+        parts = [f"{key.upper()} {_f(r['of_medians'], '.2f', '×')} (paired {_f(r['paired_median'], '.2f', '×')})"
+                 for key, r in p["ratios"].items()]
         if parts:
             console.print("  ratios of medians: " + ", ".join(parts))
         b = p["bound"]

@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -42,10 +43,7 @@ def spread(values: Iterable[float | None]) -> dict[str, float | int | None]:
     xs = sorted(v for v in values if v is not None)
     if not xs:
         return {"n": 0, "median": None, "p25": None, "p75": None, "min": None, "max": None}
-    if len(xs) == 1:
-        q1 = q3 = xs[0]
-    else:
-        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (xs[0],) * 3
     return {"n": len(xs), "median": statistics.median(xs), "p25": q1, "p75": q3, "min": xs[0], "max": xs[-1]}
 
 
@@ -162,23 +160,17 @@ def exactness(runs_by_mode: dict[str, list[dict[str, Any]]], tokens: dict[str, t
 def summarize_protocol(name: str, runs_by_mode: dict[str, list[dict[str, Any]]], greedy: bool,
                        tokens: dict[str, tuple[int, ...]], decode: Any = None) -> dict[str, Any]:
     modes = {m: summarize_mode(rs) for m, rs in runs_by_mode.items()}
-    ratios: dict[str, Any] = {}
-    for a, b in RATIOS:
-        if a in modes and b in modes:
-            ratios[f"{a}/{b}"] = {
-                "of_medians": _ratio(modes[a]["tok_per_s"]["median"], modes[b]["tok_per_s"]["median"]),
-                "paired_median": paired_ratio(runs_by_mode[a], runs_by_mode[b]),
-            }
+    ratios = {f"{a}/{b}": {"of_medians": _ratio(modes[a]["tok_per_s"]["median"], modes[b]["tok_per_s"]["median"]),
+                           "paired_median": paired_ratio(runs_by_mode[a], runs_by_mode[b])}
+              for a, b in RATIOS if a in modes and b in modes}
     bound: dict[str, Any] | None = None
     # the bound needs SD on the hardware of SSD's verifier: the paper protocol (see with_equal_bound for the other)
     if name == "paper" and "sd" in modes and modes["sd"]["verify_s_per_round"]:
         d, v = modes["sd"]["draft_s_per_round"], modes["sd"]["verify_s_per_round"]
         sd_med = modes["sd"]["tok_per_s"]["median"]
-        mx = ssd_over_sd_bound(d, v)
+        mx, r = ssd_over_sd_bound(d, v), ratios.get("ssd/sd", {}).get("of_medians")
         bound = {"sd_draft_s_per_round": d, "sd_verify_s_per_round": v, "ssd_over_sd_max": mx,
-                 "ssd_tok_per_s_max": sd_med * mx if sd_med else None, "measured_over_bound": None}
-        if "ssd/sd" in ratios and ratios["ssd/sd"]["of_medians"] is not None:
-            bound["measured_over_bound"] = ratios["ssd/sd"]["of_medians"] / bound["ssd_over_sd_max"]
+                 "ssd_tok_per_s_max": sd_med * mx if sd_med else None, "measured_over_bound": r / mx if r is not None else None}
     return {
         "modes": modes,
         "ratios": ratios,
@@ -213,6 +205,21 @@ def write_json(report: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
 
 
+def write_files(report: dict[str, Any], console: Any, json_file: Path | None, plot_file: Path | None, markdown_file: Path | None,
+                plot: Callable[[dict[str, Any], Path], None], markdown: Callable[[dict[str, Any]], str]) -> None:
+    """The files --json, --plot and --markdown ask for, each with a line saying where it went."""
+    if json_file is not None:
+        write_json(report, json_file)
+        console.print(f"JSON written to {json_file}")
+    if plot_file is not None:
+        plot(report, plot_file)
+        console.print(f"plot written to {plot_file}")
+    if markdown_file is not None:
+        markdown_file.parent.mkdir(parents=True, exist_ok=True)
+        markdown_file.write_text(markdown(report))
+        console.print(f"Markdown written to {markdown_file}")
+
+
 def build_report(result: BenchRun, plans: list[Plan], settings: BenchSettings, prompts: list[BenchPrompt],
                  prompt_source: str, models: dict[str, Any], base: dict[str, Any], machine: dict[str, Any],
                  notes: list[str], decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
@@ -223,10 +230,8 @@ def build_report(result: BenchRun, plans: list[Plan], settings: BenchSettings, p
     placements: dict[str, Any] = {}
     placements_text: dict[str, str] = {}
     for proto in settings.protocols:
-        runs_by_mode = {}
         pp = [p for p in plans if p.protocol == proto and p.mode not in result.skipped]
-        for p in pp:
-            runs_by_mode[p.mode] = by_slot.get(p.slot_id, [])
+        runs_by_mode = {p.mode: by_slot.get(p.slot_id, []) for p in pp}
         protocols[proto] = summarize_protocol(proto, runs_by_mode, settings.sampling.temperature == 0, result.tokens, decode)
         protocols[proto]["memory_bound"] = memory_bound(protocols[proto]["modes"], {p.mode: p.slot_id for p in pp},
                                                         result.weight_bytes, result.bandwidth)
@@ -240,9 +245,6 @@ def build_report(result: BenchRun, plans: list[Plan], settings: BenchSettings, p
         notes = [*notes, f"{', '.join(m.upper() for m in modes)} has the same placement under both protocols: its runs are measured once and reported under both"]
     if hasattr(os, "getloadavg"):
         machine = {**machine, "loadavg_end": list(os.getloadavg())}
-    fams: dict[str, int] = {}
-    for p in prompts:
-        fams[p.family] = fams.get(p.family, 0) + 1
     return {
         "schema": SCHEMA,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -256,7 +258,7 @@ def build_report(result: BenchRun, plans: list[Plan], settings: BenchSettings, p
             "repeats": settings.repeats, "warmup_tokens": settings.warmup_tokens, "modes": list(settings.modes),
             "fan_out": base.get("fan_out"), "budget": base.get("budget"), "saguaro_c": base.get("saguaro_c"),
             "fallback": base.get("fallback"), "pinning_enforced": Pinning().enforced,
-            "prompts": {"source": prompt_source, "count": len(prompts), "families": fams},
+            "prompts": {"source": prompt_source, "count": len(prompts), "families": dict(Counter(p.family for p in prompts))},
         },
         "notes": notes,
         "skipped_modes": result.skipped,

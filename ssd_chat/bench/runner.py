@@ -3,6 +3,7 @@ interleaved, each reply tallied by the engine's own :class:`~ssd_chat.engine.met
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -39,21 +40,9 @@ class BenchRun:
     bandwidth: dict[str, float] = field(default_factory=dict)  # slot id -> bytes/s read with that slot's placement
 
 
-def _unavailable(exc: BaseException, mode: str) -> str:
-    if isinstance(exc, ImportError):
-        return f"the {mode.upper()} decoder is not available in this build ({exc})"
-    return f"{type(exc).__name__}: {exc}"
-
-
-def run_bench(
-    base_config: Any,
-    models_for: Callable[[Plan], tuple[Any, Any]],
-    prompts: list[BenchPrompt],
-    plans: list[Plan],
-    settings: BenchSettings,
-    encode: Callable[[Any, BenchPrompt], tuple[list[int], tuple[str, ...]]] | None = None,
-    progress: Callable[[str], None] = lambda s: None,
-) -> BenchRun:
+def run_bench(base_config: Any, models_for: Callable[[Plan], tuple[Any, Any]], prompts: list[BenchPrompt], plans: list[Plan],
+              settings: BenchSettings, encode: Callable[[Any, BenchPrompt], tuple[list[int], tuple[str, ...]]] | None = None,
+              progress: Callable[[str], None] = lambda s: None) -> BenchRun:
     """Warm up, then run every prompt under every distinct plan, interleaved.
 
     ``models_for(plan) -> (target, draft)`` gives loaded models (shared between plans);
@@ -62,7 +51,6 @@ def run_bench(
 
     encode = encode or (lambda eng, p: eng.prompt_ids(messages_for(p.text)))
     out = BenchRun()
-    slots: dict[tuple, Plan] = {}
     engines: dict[tuple, Any] = {}
     pin = Pinning()
     try:
@@ -76,7 +64,8 @@ def run_bench(
             s = settings.sampling
             params = replace(s, seed=1234 + repeat if s.seed is None else s.seed, max_new_tokens=max_new, stop=tuple(extra_stop))
             pin.apply(plan.cores, plan.threads)
-            ranks = frozenset(_rank_pids(eng))  # a tensor-parallel target's own processes are not background work
+            tp = eng.target.forwards.sharded  # a tensor-parallel target's own processes are not background work
+            ranks = frozenset(tp.pids if tp is not None else ())
             bg0 = descendants_cpu_s(ranks) if plan.mode != "ssd" else None
             rec: dict[str, Any] = {
                 "run_id": f"{plan.slot_id}|{prompt.id}|{repeat}", "slot": plan.slot_id, "mode": plan.mode, "prompt_id": prompt.id,
@@ -136,8 +125,7 @@ def run_bench(
                   for e in engines.values()]
         if any(waited):
             for key in keys:
-                pin.apply(slots[key].cores, slots[key].threads)
-                warm_up(key)
+                warm_up(key)  # pinned as the race pins it (one() applies the plan's pinning)
         total = len(prompts) * settings.repeats * len(keys)
         done = 0
         for pi, prompt in enumerate(prompts):
@@ -153,13 +141,16 @@ def run_bench(
                                 f"{rec['tok_per_s'] or 0:6.1f} tok/s" + (f", accepted length {1 + rec['accepted'] / rec['rounds']:.2f}" if rec["rounds"] else "")))
         out.channel_rtt_ms = _channel_rtt_ms(engines)
     finally:
-        for eng in engines.values():
-            try:
-                eng.close()
-            except Exception:  # noqa: BLE001 - closing is best effort; never mask the real error
-                pass
-        pin.restore()
+        close_all(engines, pin)
     return out
+
+
+def close_all(engines: dict[tuple, Any], pin: Pinning) -> None:
+    """Close every engine (best effort: never mask the real error) and undo the pinning."""
+    for eng in engines.values():
+        with contextlib.suppress(Exception):
+            eng.close()
+    pin.restore()
 
 
 def build_engines(base_config: Any, models_for: Callable[[Plan], tuple[Any, Any]], plans: list[Plan],
@@ -183,7 +174,8 @@ def build_engines(base_config: Any, models_for: Callable[[Plan], tuple[Any, Any]
             eng = Engine(cfg, target, draft if plan.mode != "ar" else None)  # refuses a draft the mode cannot use
             eng.decoder()
         except Exception as e:  # noqa: BLE001 - any failure to build a decoder skips that mode, loudly
-            skipped[plan.mode] = _unavailable(e, plan.mode)
+            skipped[plan.mode] = (f"the {plan.mode.upper()} decoder is not available in this build ({e})"
+                                  if isinstance(e, ImportError) else f"{type(e).__name__}: {e}")
             if eng is not None:
                 eng.close()
             del slots[key]
@@ -239,19 +231,20 @@ class ModelPool:
 
     @staticmethod
     def _key(device: str) -> str:
+        import torch
+
         d = device.strip().lower()
-        return "cpu" if d.startswith("cpu") or d == "auto" and not _cuda() else d
+        return "cpu" if d.startswith("cpu") or d == "auto" and not torch.cuda.is_available() else d
 
     def models_for(self, plan: Plan) -> tuple[Any, Any]:
         from ..engine import (derive_in_precision, draft_base, is_derived, load_with_precision, load_sharded,
                               parse_placement)
 
         tk = self._key(plan.target_device)
+        dtype, trust = self.values.get("dtype"), bool(self.values.get("trust_remote_code"))
         if tk not in self._targets:
             self._progress(f"loading {self.values['target']} on {plan.target_device}")
-            dtype = self.values.get("dtype")
             place = parse_placement(plan.target_device, dtype or "auto")
-            trust = bool(self.values.get("trust_remote_code"))
             if place.ranks:
                 self._targets[tk] = load_sharded(self.values["target"], place, self.base_config.compile,
                                                  (1, self.base_config.k + 1), trust)
@@ -266,9 +259,8 @@ class ModelPool:
                 self._drafts[dk] = derive_in_precision(self.draft_name, draft_base(target))  # in the target's precision
             else:
                 self._progress(f"loading {self.draft_name} on {plan.draft_device}")
-                dtype = self.values.get("dtype")
-                self._drafts[dk] = load_with_precision(self.draft_name, parse_placement(plan.draft_device, dtype or "auto"), dtype,
-                                                  bool(self.values.get("trust_remote_code")))
+                place = parse_placement(plan.draft_device, dtype or "auto")
+                self._drafts[dk] = load_with_precision(self.draft_name, place, dtype, trust)
         return target, self._drafts[dk]
 
     def decode(self, ids: list[int]) -> str:
@@ -284,14 +276,3 @@ class ModelPool:
         if d is not None:
             out["draft"] = {"name": d.name, "params": num_params(d), "precision": precision_of(d)}
         return out
-
-
-def _rank_pids(engine: Any) -> list[int]:
-    tp = engine.target.forwards.sharded
-    return tp.pids if tp is not None else []
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

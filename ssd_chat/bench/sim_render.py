@@ -26,12 +26,9 @@ def rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
 
 def overhead_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
     """SSD's overhead per round, split (ms)."""
-    out = []
-    for r in report["rows"]:
-        o = r["ssd"]["overhead"]
-        out.append((f"{r['acceptance_asked']:.2f}", f"{o['critical_path_overhead_ms']:.2f}", f"{o['verifier_python_ms']:.2f}",
-                    f"{o['sampling_and_verify_ms']:.2f}", f"{o['wait_beyond_model_ms']:.2f}", f"{o['speculator_python_ms']:.2f}"))
-    return out
+    keys = ("critical_path_overhead_ms", "verifier_python_ms", "sampling_and_verify_ms", "wait_beyond_model_ms",
+            "speculator_python_ms")
+    return [(f"{r['acceptance_asked']:.2f}", *(f"{r['ssd']['overhead'][k]:.2f}" for k in keys)) for r in report["rows"]]
 
 
 OVERHEAD_HEAD = ("acceptance", "critical path", "verifier Python", "sampling + verify", "channel + late speculator",

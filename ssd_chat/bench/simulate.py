@@ -266,17 +266,17 @@ def command(profile: str, acceptance: str, n_prompts: int, max_new: int, seed: i
     from ..engine import simulate
     from ..chat.terminal import fail
     from . import sim_render
-    from .report import write_json
+    from .report import write_files
 
     try:
         simulate.load_profile(profile)
         alphas = [float(a) for a in acceptance.split(",") if a.strip()]
+        if not alphas or not all(0.0 < a < 1.0 for a in alphas):
+            raise ValueError(acceptance)
     except simulate.ProfileError as e:
         raise fail(str(e), 2) from None
     except ValueError:
         raise fail(f"--acceptance takes a comma list of numbers in (0, 1), got '{acceptance}'", 2) from None
-    if not alphas or not all(0.0 < a < 1.0 for a in alphas):
-        raise fail(f"--acceptance takes a comma list of numbers in (0, 1), got '{acceptance}'", 2)
     if dry_run:
         sim_render.print_plan(simulate.load_profile(profile), alphas, n_prompts, max_new, console)
         return 0
@@ -289,16 +289,7 @@ def command(profile: str, acceptance: str, n_prompts: int, max_new: int, seed: i
     except Exception as e:  # noqa: BLE001 - one line, not a traceback
         raise fail(f"the simulated race failed: {type(e).__name__}: {e}") from None
     sim_render.print_report(report, console)
-    if json_file is not None:
-        write_json(report, json_file)
-        console.print(f"JSON written to {json_file}")
-    if plot_file is not None:
-        sim_render.plot(report, plot_file)
-        console.print(f"plot written to {plot_file}")
-    if markdown_file is not None:
-        markdown_file.parent.mkdir(parents=True, exist_ok=True)
-        markdown_file.write_text(sim_render.markdown(report))
-        console.print(f"Markdown written to {markdown_file}")
+    write_files(report, console, json_file, plot_file, markdown_file, sim_render.plot, sim_render.markdown)
     exact = all(r[m]["greedy_equal_ar"] for r in report["rows"] for m in ("sd", "ssd"))
     if not exact:
         err.print("[bold red]ssd-chat: error: a greedy SD/SSD reply differs from AR's in the simulated race[/]")

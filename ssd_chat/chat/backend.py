@@ -7,6 +7,7 @@ UI thread or from the app's load worker; iteration happens in the reply worker t
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -89,10 +90,8 @@ class EngineBackend(Backend):
 
     def _start_decoder(self) -> None:
         """SSD: the speculator starts loading its draft now, while the user reads the panel, not at the first reply."""
-        try:
+        with contextlib.suppress(Exception):  # the first reply reports a decoder that cannot start, as an Error event
             self.engine.decoder()
-        except Exception:  # noqa: BLE001 - the first reply reports a decoder that cannot start, as an Error event
-            pass
 
     def info(self) -> dict[str, Any]:
         if self.engine is None:

@@ -194,10 +194,8 @@ def summary(c: Comparison) -> str:
         if x is None:
             continue
         spread = f"{min(x.values):.2f}–{max(x.values):.2f}" if len(x.values) > 1 else "one run"
-        if x.noise:
-            tail = f"; above the bound {x.bound:.2f}×: noise, not a speedup"
-        else:
-            tail = f"; bound {x.bound:.2f}×" if x.bound is not None else ""
+        tail = (f"; above the bound {x.bound:.2f}×: noise, not a speedup" if x.noise
+                else f"; bound {x.bound:.2f}×" if x.bound is not None else "")
         ups.append(f"{a.upper()}/{b.upper()} {x.median:.2f}× ({spread}{tail})")
     if not ups:
         return verdict

@@ -139,29 +139,22 @@ class ProcessBackend(Backend):
 
     def _restart(self) -> None:
         with self._busy:  # after the reply that saw the crash has read its last message
-            self._restart_locked()
-
-    def _restart_locked(self) -> None:
-        _shutdown(self.proc, self._conn)
-        try:
-            if not self._closing:
-                self._spawn()
-                self._load(lambda stage, frac: None)
-                if self._changes:
-                    self._send(("reconfigure", self._changes))
-                    msg = self._answer()
-                    if msg[0] == "error":
-                        raise EngineProcessError(msg[1])
-                    self._state = msg[1]
-                self._broken = None
-        except EngineGone as e:
-            self._broken = f"the engine process {e} while it restarted"
-        except Exception as e:  # noqa: BLE001 - every later reply says why
-            self._broken = f"the engine could not restart: {readable(e)}"
-        finally:
-            if self._closing:  # the app closed while this one started
-                _shutdown(self.proc, self._conn)
-            self._ready.set()
+            _shutdown(self.proc, self._conn)
+            try:
+                if not self._closing:
+                    self._spawn()
+                    self._load(lambda stage, frac: None)
+                    if self._changes:
+                        self._configure(self._changes)
+                    self._broken = None
+            except EngineGone as e:
+                self._broken = f"the engine process {e} while it restarted"
+            except Exception as e:  # noqa: BLE001 - every later reply says why
+                self._broken = f"the engine could not restart: {readable(e)}"
+            finally:
+                if self._closing:  # the app closed while this one started
+                    _shutdown(self.proc, self._conn)
+                self._ready.set()
 
     def _wait_ready(self, stop: threading.Event | None = None) -> None:
         while not self._ready.wait(POLL_S):
@@ -240,15 +233,18 @@ class ProcessBackend(Backend):
         with self._busy:
             gen = self._gen
             try:
-                self._send(("reconfigure", changes))
-                msg = self._answer()
+                self._configure(changes)
             except EngineGone as e:
                 self._crashed(gen)
                 raise EngineProcessError(f"the engine process {e}; it is restarting") from None
+        self._changes.update(changes)
+
+    def _configure(self, changes: dict[str, Any]) -> None:
+        self._send(("reconfigure", changes))
+        msg = self._answer()
         if msg[0] == "error":
             raise EngineProcessError(msg[1])
         self._state = msg[1]
-        self._changes.update(changes)
 
     def count_tokens(self, text: str) -> tuple[int, int | None] | None:
         """Counted by the engine process's tokenizer; None while it loads or decodes (it answers one at a time)."""

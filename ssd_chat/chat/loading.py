@@ -6,6 +6,7 @@ loads models from the command line (``ask``, ``compare``, ``serve``, the headles
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -68,10 +69,8 @@ def tqdm_to(progress: Callable[[str, "float | None"], None]) -> Any:
         def close(self) -> None:
             f = self.fp
             super().close()
-            try:
+            with contextlib.suppress(Exception):
                 f.close()
-            except Exception:  # noqa: BLE001
-                pass
 
     return AppTqdm
 

@@ -5,6 +5,7 @@ that every later start reads; the key's lock keeps a second measurer from starti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -16,10 +17,8 @@ def measure_now(values: dict[str, Any]) -> tuple[str | None, str, Any]:
     :func:`probe.in_config`'s (mode, why, record), or without loading when ``auto`` has nothing to measure
     here (no draft, no room for the speculator).  SSDChatError when another process is measuring it."""
     from .settings import engine_config
-    from ..engine import (
-        probe_in_config as in_config, probe_listed as listed, probe_key_fields as key_fields,
-        probe_measuring as measuring, SSDChatError, preflight as check
-    )
+    from ..engine import probe_in_config as in_config, probe_listed as listed, probe_key_fields as key_fields
+    from ..engine import probe_measuring as measuring, SSDChatError, preflight as check
     from .loading import load_engine
 
     values = {**values, "mode": "auto"}
@@ -39,17 +38,14 @@ def main(argv: list[str]) -> int:
     processes.die_with_parent()
     if os.getppid() != parent:  # it died before PR_SET_PDEATHSIG took hold
         return 0
-    try:
+    with contextlib.suppress(OSError):
         os.nice(19)  # before torch starts its threads, which inherit it: the user's replies come first
-    except OSError:
-        pass
     from ..engine import Engine, EngineConfig, SSDChatError
     from .loading import quiet_libraries
 
     quiet_libraries()
     try:
         with Engine.load(EngineConfig(**config), measure="now"):
-            pass
             pass
     except SSDChatError as e:  # another process measures it, or the setup cannot load: nothing to store
         print(f"ssd-chat: measure: {e}", file=sys.stderr)  # seen with SSD_CHAT_DEBUG

@@ -107,8 +107,7 @@ class Session:
                     reply = ev.text or reply
                 yield ev
         finally:
-            self.messages.append({"role": "user", "content": user_text})
-            self.messages.append({"role": "assistant", "content": reply})
+            self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": reply}]
 
     def prompt_messages(self, user_text: str) -> list[dict[str, str]]:
         """What the model is asked.  A system prompt set during the chat is a message where it was set

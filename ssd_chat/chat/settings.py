@@ -89,12 +89,8 @@ class ConfigError(ValueError):
         self.keys = keys  # the settings to blame
 
 
-def config_dir() -> Path:
-    return user_dir("SSD_CHAT_CONFIG_DIR", "XDG_CONFIG_HOME", ".config")
-
-
 def config_file() -> Path:
-    return config_dir() / "config.toml"
+    return user_dir("SSD_CHAT_CONFIG_DIR", "XDG_CONFIG_HOME", ".config") / "config.toml"
 
 
 def env_name(key: str) -> str:
@@ -244,10 +240,8 @@ def _check_devices(values: dict[str, Any], sources: dict[str, str], path: Path |
 
 def fix_hint(e: ConfigError, sources: dict[str, str]) -> str:
     """How to remove the values ``e`` blames that the config file or the environment set."""
-    file_keys = [k for k in e.keys if sources.get(k) == "file"]
-    env = [env_name(k) for k in e.keys if sources.get(k) == "env"]
-    hints = [f"`ssd-chat config unset {k}` removes it from the file" for k in file_keys] + [f"unset {v}" for v in env]
-    return "; ".join(hints)
+    return "; ".join([f"`ssd-chat config unset {k}` removes it from the file" for k in e.keys if sources.get(k) == "file"]
+                     + [f"unset {env_name(k)}" for k in e.keys if sources.get(k) == "env"])
 
 
 def problem_lines(problems: dict[tuple[str, str], tuple[Any, str]]) -> list[str]:

@@ -11,8 +11,6 @@ from ..engine import Stats
 SAMPLING_SHOWN = ("temperature", "top_p", "top_k", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed")
 STATS_SHOWN = ("new_tokens", "rounds", "tok_per_s", "ttft_s", "acceptance_rate", "mean_accepted_length", "cache_hit_rate",
                "path")  # path: "compiled" graphs or "eager" kernels, for the whole reply
-ANSWER_SHOWN = ("text", "token_ids", "mode", "mode_label", "mode_reason", "target", "draft", "forward", "draft_forward",
-                "precision", "finish_reason", "sampling", "stats")  # a served answer adds "server"
 
 
 def ran_as(s: Stats) -> str:

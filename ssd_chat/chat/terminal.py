@@ -30,12 +30,14 @@ def printable(text: str, *, one_line: bool = False) -> str:
 def for_stream(text: str, stream: TextIO | None = None) -> str:
     """``text`` as it should be written to ``stream``: made printable on a terminal, unchanged into a
     file or a pipe (an export keeps the stored text exactly)."""
-    stream = stream or sys.stdout
+    return printable(text) if _tty(stream or sys.stdout) else text
+
+
+def _tty(stream: TextIO) -> bool:
     try:
-        tty = stream.isatty()
-    except (AttributeError, ValueError):
-        tty = False
-    return printable(text) if tty else text
+        return stream.isatty()
+    except (AttributeError, ValueError):  # not a file, or a closed one
+        return False
 
 
 def columns(stream: TextIO | None = None) -> int:
@@ -50,10 +52,7 @@ def wrapped(message: str, stream: TextIO | None = None) -> str:
     """One logical message wrapped at the terminal's width, its continuation lines indented; unchanged
     into a file or a pipe, where a message stays one line for grep."""
     stream = stream or sys.stderr
-    try:
-        tty = stream.isatty()
-    except (AttributeError, ValueError):
-        tty = False
+    tty = _tty(stream)
     width = columns(stream) if tty else 0
     if not tty or len(message) <= width or width < 20:
         return message

@@ -40,16 +40,10 @@ class _Commands(TyperGroup):
 # Click help, which wraps text instead of cutting option names and defaults short.
 WIDE = 120
 _wide = sys.stdout.isatty() and shutil.get_terminal_size().columns >= WIDE
-app = typer.Typer(
-    name="ssd-chat",
-    help="Local LLM chat with exact speculative speculative decoding (SSD / Saguaro).",
-    add_completion=False,
-    no_args_is_help=False,
-    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": WIDE},
-    pretty_exceptions_enable=False,
-    rich_markup_mode="rich" if _wide else None,
-    cls=_Commands,
-)
+app = typer.Typer(name="ssd-chat", help="Local LLM chat with exact speculative speculative decoding (SSD / Saguaro).",
+                  add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False, cls=_Commands,
+                  context_settings={"help_option_names": ["-h", "--help"], "max_content_width": WIDE},
+                  rich_markup_mode="rich" if _wide else None)
 
 
 @app.callback(invoke_without_command=True)

@@ -62,10 +62,8 @@ def ask(
 
     try:  # settings() has checked the sampling values: the model's defaults fill those left unset, below
         engine = load_engine(values, start_decoder=True)
-    except ParamError as e:  # a setting out of range is bad usage
-        raise fail(str(e), 2) from None
-    except SSDChatError as e:
-        raise fail(str(e)) from None
+    except SSDChatError as e:  # a setting out of range (ParamError) is bad usage
+        raise fail(str(e), 2 if isinstance(e, ParamError) else 1) from None
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     params = values["sampling"].over(engine.sampling_defaults)  # the model's own where the user set none

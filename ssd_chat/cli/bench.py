@@ -14,7 +14,7 @@ from ..bench.machine import busy_note, machine_info
 from ..bench.prompts import load_prompts
 from ..bench.protocols import PROTOCOLS, Hardware, gpu_preset, make_plans
 from ..bench.render import sampling_text
-from ..bench.report import build_report, write_json
+from ..bench.report import build_report, write_files
 from ..bench.runner import DEFAULT_MAX_NEW, BenchSettings, ModelPool, run_bench
 from .options import engine_options, fail, settings
 
@@ -128,6 +128,7 @@ def bench_command(
     report = build_report(result, plans, race, prompt_list, prompt_source, models,
                           {"k": base_cfg.k, "fan_out": base_cfg.fan_out, "budget": base_cfg.budget, "saguaro_c": base_cfg.saguaro_c,
                            "fallback": base_cfg.fallback, "compile": base_cfg.compile}, machine, notes, pool.decode)
+    from ..bench.plot import plot
     from ..bench.render import markdown, render
 
     versus, versus_error = [], None
@@ -142,18 +143,7 @@ def bench_command(
         console.print(line, highlight=False)
     for n in notes:
         console.print(f"note: {n}")
-    if json_file is not None:
-        write_json(report, json_file)
-        console.print(f"JSON written to {json_file}")
-    if plot_file is not None:
-        from ..bench.plot import plot
-
-        plot(report, plot_file)
-        console.print(f"plot written to {plot_file}")
-    if markdown_file is not None:
-        markdown_file.parent.mkdir(parents=True, exist_ok=True)
-        markdown_file.write_text(markdown(report))
-        console.print(f"Markdown written to {markdown_file}")
+    write_files(report, console, json_file, plot_file, markdown_file, plot, markdown)
     failed = sum(m["failed"] for p in report["protocols"].values() for m in p["modes"].values())
     mismatched = any(p["exactness"]["checked"] and not p["exactness"].get("all_identical", True) for p in report["protocols"].values())
     if mismatched:

@@ -67,17 +67,9 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
     owned = backend is None
     if backend is None:
         backend = build_backend(values)
-    app = ChatApp(
-        backend,
-        settings=values,
-        history=open_history(values),
-        recorder=recorder,
-        resume=values.get("resume"),
-        script=script,
-        type_delay_s=type_delay_s,
-        baselines=baselines,
-        backend_factory=build_backend if owned else None,  # /model: a replay or a given backend stays as it is
-    )
+    app = ChatApp(backend, settings=values, history=open_history(values), recorder=recorder, resume=values.get("resume"),
+                  script=script, type_delay_s=type_delay_s, baselines=baselines,
+                  backend_factory=build_backend if owned else None)  # /model: a replay or a given backend stays as it is
     try:
         app.run()
     finally:

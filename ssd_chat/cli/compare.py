@@ -37,10 +37,8 @@ def compare(
     try:
         params = replace(values["sampling"], max_new_tokens=given_n or cmp.DEFAULT_MAX_NEW_TOKENS)
         engine = load_engine(values)
-    except ParamError as e:
-        raise fail(str(e), 2) from None
     except SSDChatError as e:
-        raise fail(str(e)) from None
+        raise fail(str(e), 2 if isinstance(e, ParamError) else 1) from None
     if not json_out:
         typer.echo(f"AR, SD and SSD in turn, {repeats} time{'' if repeats == 1 else 's'} over, greedy, up to {params.max_new_tokens} tokens "
                    f"(target {engine.target.name}, draft {engine.draft.name if engine.draft else '?'}, k={engine.config.k}):")

@@ -93,10 +93,8 @@ def engine_in_force(values: dict) -> dict:
     """What the engine will use for the settings left to it, and what mode ``auto`` resolves to here;
     ``{"mode_error": ...}`` when the settings cannot load (the same error a start would give)."""
     from ..chat.settings import engine_config
-    from ..engine import (
-        probe_in_config as in_config, SSDChatError, parse_placement, planned_precision as planned,
-        preflight as check, in_force
-    )
+    from ..engine import probe_in_config as in_config, SSDChatError, parse_placement, planned_precision as planned
+    from ..engine import preflight as check, in_force
 
     try:
         pre = check(engine_config(values))
@@ -158,10 +156,8 @@ def config_measure(ctx: typer.Context) -> None:
     values, _sources = config.resolve(given)
     try:
         mode, why, rec = measure_now(values)
-    except ParamError as e:
-        raise fail(str(e), 2) from None
     except SSDChatError as e:
-        raise fail(str(e)) from None
+        raise fail(str(e), 2 if isinstance(e, ParamError) else 1) from None
     lines = [f"auto → {mode}" + ("" if rec else " (nothing to measure)"), why]
     if rec is not None:
         lines.append(f"measured {rec.when()} ({rec.load.words()})")

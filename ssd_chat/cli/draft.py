@@ -14,14 +14,9 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-draft_app = typer.Typer(
-    name="draft",
-    help="Train a small fast draft for a target (distillation), or measure one.",
-    no_args_is_help=True,
-    add_completion=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-    pretty_exceptions_enable=False,
-)
+draft_app = typer.Typer(name="draft", help="Train a small fast draft for a target (distillation), or measure one.",
+                        no_args_is_help=True, add_completion=False, context_settings={"help_option_names": ["-h", "--help"]},
+                        pretty_exceptions_enable=False)
 
 TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model (alias, hub id, folder, .gguf). Default: the configured target (smollm2-135m-gguf).", show_default=False)]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", min=1, help="torch CPU threads (default: torch's choice).", show_default=False)]
@@ -115,10 +110,8 @@ def train(
         tgt = _load_target(name, device, dtype, threads)
         with _Progress() as bar:
             result, work_path = training.run(tgt, out, cfg, train_prompts, held_prompts, work, fresh, bar.update)
-    except ParamError as e:
-        raise _fail(str(e), 2) from None
     except SSDChatError as e:
-        raise _fail(str(e)) from None
+        raise _fail(str(e), 2 if isinstance(e, ParamError) else 1) from None
     except KeyboardInterrupt:
         typer.echo("\ninterrupted; rerun the same command to resume", err=True)
         raise typer.Exit(130) from None
@@ -155,10 +148,8 @@ def evaluate(
             raise ParamError(f"'{draft}' is not a derived or trained draft (use copy, int8, layers:N or a draft folder)")
         d = derive_draft(draft, tgt)
         stats = training.measure(tgt, d, texts, max_new_tokens)
-    except ParamError as e:
-        raise _fail(str(e), 2) from None
     except SSDChatError as e:
-        raise _fail(str(e)) from None
+        raise _fail(str(e), 2 if isinstance(e, ParamError) else 1) from None
     if json_out:
         typer.echo(json.dumps({"target": name, "draft": draft, **stats}))
         return
@@ -176,14 +167,7 @@ class _Progress:
 
     def __enter__(self) -> "_Progress":
         from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         self._progress = Progress(
             TextColumn("{task.description:<9}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),

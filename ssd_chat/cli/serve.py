@@ -1,6 +1,7 @@
 """``ssd-chat serve``: the command-line side of :mod:`server` (options, binding, the state file)."""
 
 
+import contextlib
 import logging
 import os
 import socket
@@ -39,10 +40,8 @@ def _url(host: str, port: int) -> str:
 
 def _say(line: str) -> None:
     """A line on stderr, where a closed terminal (SIGHUP) must not turn the drain into a traceback."""
-    try:
+    with contextlib.suppress(OSError):
         typer.echo(line, err=True)
-    except OSError:
-        pass
 
 
 @engine_options(exclude=("system",))  # a request brings its own
@@ -92,12 +91,9 @@ def serve(
 
     try:
         engine = threads.call(n, load_and_start)
-    except ParamError as e:
-        sock.close()
-        raise fail(str(e), 2) from None
     except SSDChatError as e:
         sock.close()
-        raise fail(str(e)) from None
+        raise fail(str(e), 2 if isinstance(e, ParamError) else 1) from None
     except KeyboardInterrupt:
         # The load has unwound, but torch's C++ threads may still hold state that its exit-time
         # destructors abort on ("terminate called ..."): leave at once; workers die with us

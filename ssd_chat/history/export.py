@@ -66,11 +66,6 @@ def mode_column(d: dict[str, Any]) -> str | None:
 
 def metrics_line(m: dict[str, Any]) -> str:
     """One line for a stored turn's metrics (the same fields the panel shows)."""
-
-    def f(key: str, spec: str, suffix: str = "") -> str | None:
-        v = m.get(key)
-        return None if v is None else format(v, spec) + suffix
-
     from ..engine import mode_label  # here: importing the engine package loads torch
 
     mode, n = m.get("mode"), m.get("new_tokens", 0)
@@ -78,7 +73,6 @@ def metrics_line(m: dict[str, Any]) -> str:
     for label, key, spec, suffix in (("", "tok_per_s", ".1f", " tok/s"), ("TTFT ", "ttft_s", ".2f", " s"),
                                      ("τ ", "mean_accepted_length", ".2f", ""), ("acceptance ", "acceptance_rate", ".0%", ""),
                                      ("cache hits ", "cache_hit_rate", ".0%", "")):
-        v = f(key, spec, suffix)
-        if v is not None:
-            parts.append(label + v)
+        if m.get(key) is not None:
+            parts.append(label + format(m[key], spec) + suffix)
     return ", ".join(parts)

@@ -9,6 +9,7 @@ again, with the ids the chat already uses.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sqlite3
 import time
@@ -125,10 +126,8 @@ def copy_to_memory(source: sqlite3.Connection | None, path: Path, timeout_s: flo
         return memory(), False
     finally:
         if source is not None:
-            try:
+            with contextlib.suppress(sqlite3.Error):
                 source.close()
-            except sqlite3.Error:
-                pass
 
 
 def reason(e: BaseException) -> str:

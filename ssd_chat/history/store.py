@@ -17,6 +17,7 @@ fails (damaged pages) raises :class:`HistoryError` with a one-line reason; the r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import time
@@ -368,17 +369,13 @@ class History:
         """The chat's current branch as ``md``, ``jsonl`` or ``json`` (``all_branches``: every message, each
         with its id and parent); KeyError when there is no such chat."""
         writer = {"md": history_export.markdown, "jsonl": history_export.jsonl, "json": history_export.json_document}[fmt]
-        conv = self._need(conversation_id)
+        conv = self.get_conversation(conversation_id)
+        if conv is None:
+            raise KeyError(f"no conversation with id {conversation_id}")
         if not all_branches:
             return writer(conv, self.messages(conversation_id))
         current = {m.id for m in self.messages(conversation_id)}
         return writer(conv, self.messages(conversation_id, all_branches=True), tree=current)
-
-    def _need(self, conversation_id: int) -> Conversation:
-        conv = self.get_conversation(conversation_id)
-        if conv is None:
-            raise KeyError(f"no conversation with id {conversation_id}")
-        return conv
 
     def close(self) -> None:
         """Close; writes still held back get one last chance (waiting the busy timeout)."""
@@ -387,10 +384,8 @@ class History:
             self._pending = None
             self._degrade((self.warning or "").split(";")[0])
         self.closed = True
-        try:
+        with contextlib.suppress(sqlite3.Error):
             self.db.close()
-        except sqlite3.Error:
-            pass
 
 
 def _label(raw: bytes | str | None) -> str | None:

@@ -8,10 +8,6 @@ with, so behaviour matches theirs where clients notice.  uvicorn because it is t
 ASGI server and on SIGTERM stops accepting, lets in-flight responses finish, then runs the
 app's shutdown: exactly the drain a server restart needs.
 
-Endpoints: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
-(streaming and not), ``GET /metrics`` (Prometheus), ``GET /openapi.json`` and ``GET /docs`` (FastAPI's
-schema and its Swagger page), ``GET /health`` (the only one without the key).
-
 Threads: the event loop only parses and queues; the engine runs on one thread of its own
 (:mod:`server_worker`), one request at a time.  Prompts are tokenized on one more thread, with a
 private copy of the tokenizer (a fast tokenizer must not be used by two threads at once), so a

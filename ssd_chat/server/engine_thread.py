@@ -25,10 +25,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..engine import (
-    MODES, Engine, threads, ParamError, SSDChatError, prompt_logprobs, Done, Error, Notice, Round, Stats, Token,
-    SamplingParams
-)
+from ..engine import MODES, Engine, threads, ParamError, SSDChatError, prompt_logprobs, SamplingParams
+from ..engine import Done, Error, Notice, Round, Stats, Token
 from .metrics import ServerMetrics
 
 log = logging.getLogger("ssd_chat.server")

@@ -21,14 +21,8 @@ def _byte_table() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet: the printable bytes stand for themselves, the others for
     chr(256 + n), in byte order; maps each character back to its byte."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[chr(b)] = b
-        else:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
+    others = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + n): b for n, b in enumerate(others)}}
 
 
 _BYTES = _byte_table()

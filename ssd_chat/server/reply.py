@@ -103,12 +103,10 @@ class OpenAIReply:
         return self.legacy.take()  # type: ignore[union-attr]
 
     async def whole(self, first: Any) -> dict[str, Any]:
-        item, text, ids, done, tokens = first, "", [], None, []
+        item, done, tokens = first, None, []
         echoed = self._echoed()
         while item is not END:
             if isinstance(item, Token):
-                text += item.text
-                ids.append(item.id)
                 tokens.append(item)
             elif isinstance(item, Error):
                 raise APIError(500, f"{item.message} (after {len(item.token_ids)} tokens)", code="engine_error")
@@ -126,7 +124,7 @@ class OpenAIReply:
             choice["text"] = echoed + done.text
         if self.req.return_token_ids:
             choice["token_ids"] = list(done.token_ids)
-        out = {**self._base(), "choices": [choice], "usage": self.usage(done, len(ids)), "ssd_stats": self.ssd_stats(done)}
+        out = {**self._base(), "choices": [choice], "usage": self.usage(done, len(tokens)), "ssd_stats": self.ssd_stats(done)}
         if self.req.return_token_ids:
             out["prompt_token_ids"] = list(self.job.prompt_ids)
         return out
@@ -142,9 +140,7 @@ class OpenAIReply:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         if token_ids is not None and self.req.return_token_ids:
             choice["token_ids"] = token_ids
-        base = self._base()
-        base["object"] = "chat.completion.chunk" if self.chat_api else "text_completion"
-        return {**base, "choices": [choice]}
+        return {**self._base(), "object": "chat.completion.chunk" if self.chat_api else "text_completion", "choices": [choice]}
 
     async def sse(self, first: Any, watcher: Any) -> AsyncIterator[bytes]:
         def event(obj: Any) -> bytes:

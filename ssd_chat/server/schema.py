@@ -168,14 +168,8 @@ class _Common(_Strict):
         own = self.model_dump(include=set(SAMPLING_SHOWN), exclude_none=True)
         if "top_k" in own:
             own["top_k"] = max(0, own["top_k"])  # -1: off
-        return replace(
-            defaults,
-            **own,
-            max_new_tokens=max_new_tokens,
-            stop=stop + tuple(extra_stop),
-            ignore_eos=self.ignore_eos,
-            logprobs=self.top_wanted(),
-        )
+        return replace(defaults, **own, max_new_tokens=max_new_tokens, stop=stop + tuple(extra_stop), ignore_eos=self.ignore_eos,
+                       logprobs=self.top_wanted())
 
     def top_wanted(self) -> int | None:
         """How many alternatives per emitted token the reply's logprobs show; None: no logprobs."""

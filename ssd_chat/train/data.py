@@ -1,8 +1,6 @@
 """The training data: the target's answers to the prompts (greedy and sampled) with its hidden
-states, the draft's reduced vocabulary, and the work folder that caches every stage.
-
-While the target generates, forward hooks record the hidden states the draft learns from, so
-no second teacher pass is needed.  Every stage is cached, so an interrupted run resumes."""
+states (:func:`generate`), the draft's reduced vocabulary, and the work folder that caches every stage,
+so an interrupted run resumes."""
 
 from __future__ import annotations
 
@@ -43,8 +41,7 @@ def generate(target: LoadedModel, prompts: list[list[int]], cfg: TrainConfig, ca
            "eos_token_id": eos or None}
     if temp > 0:
         gen.update(temperature=temp, top_p=1.0, top_k=0)
-    calls: dict[Any, list[torch.Tensor]] = {n: [] for n in capture}
-    calls["final"] = []
+    calls: dict[Any, list[torch.Tensor]] = {n: [] for n in (*capture, "final")}
 
     def hook(key: Any) -> Callable[..., None]:
         def fn(mod: Any, args: Any, out: Any) -> None:
@@ -52,8 +49,7 @@ def generate(target: LoadedModel, prompts: list[list[int]], cfg: TrainConfig, ca
         return fn
 
     hooks = [norm.register_forward_hook(hook("final"))]
-    for n in capture:
-        hooks.append(output_module(model, n).register_forward_hook(hook(n)))
+    hooks += [output_module(model, n).register_forward_hook(hook(n)) for n in capture]
     torch.manual_seed(cfg.seed if seed is None else seed)
     try:
         for b in range(0, len(order), cfg.gen_batch):
@@ -70,10 +66,7 @@ def generate(target: LoadedModel, prompts: list[list[int]], cfg: TrainConfig, ca
             steps = {k: torch.cat(v, dim=1) for k, v in calls.items()}  # [B, width + fed answer tokens, H]
             for r, i in enumerate(idx):
                 answer = seqs[r, width:].tolist()
-                for j, t in enumerate(answer):
-                    if t in target.eos_ids:
-                        answer = answer[: j + 1]
-                        break
+                answer = answer[: next((j + 1 for j, t in enumerate(answer) if t in target.eos_ids), len(answer))]
                 ex = Example(torch.tensor(prompts[i] + answer, dtype=torch.long), len(prompts[i]))
                 examples[i] = ex
                 lo, hi = width - len(prompts[i]), width + len(answer) - 1  # every position but the last
@@ -161,17 +154,15 @@ def load_data(target: LoadedModel, cfg: TrainConfig, prompts: list[str], heldout
         he, hef = generate(target, prompt_ids(target, heldout), cfg, progress=progress, temperature=0.0, stage="held-out")
         return {"train": _pack(tr, trf[cfg.capture]), "heldout": _pack(he, hef[cfg.capture])}
 
-    def sampled(i: int) -> Callable[[], dict[str, Any]]:
-        def make() -> dict[str, Any]:
-            tr, trf = generate(target, train_ids, cfg, progress=progress, temperature=cfg.temperature,
-                               stage=f"sample {i + 1}/{cfg.samples}", seed=cfg.seed * 1_000_003 + i + 1)
-            return _pack(tr, trf[cfg.capture])
-        return make
+    def sampled(i: int) -> dict[str, Any]:
+        tr, trf = generate(target, train_ids, cfg, progress=progress, temperature=cfg.temperature,
+                           stage=f"sample {i + 1}/{cfg.samples}", seed=cfg.seed * 1_000_003 + i + 1)
+        return _pack(tr, trf[cfg.capture])
 
     data = _cached(work / f"answers-{cfg.capture}.pt", greedy)
     (train_ex, train_f), (held_ex, held_f) = _unpack(data["train"]), _unpack(data["heldout"])
     for i in range(cfg.samples):  # one cache file per round of samples, so an interrupted run resumes between rounds
-        ex, f = _unpack(_cached(work / f"sampled-{cfg.capture}-t{cfg.temperature:g}-{i}.pt", sampled(i)))
+        ex, f = _unpack(_cached(work / f"sampled-{cfg.capture}-t{cfg.temperature:g}-{i}.pt", lambda: sampled(i)))
         train_ex, train_f = train_ex + ex, Features(train_f.trunk + f.trunk, train_f.final + f.final)
     if cfg.self_prompts:
         own = self_written_prompts(target, cfg, prompts, heldout, work, progress)

@@ -9,12 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine import (
-    DRAFT_FORMAT as FORMAT,
-    DRAFT_MANIFEST as MANIFEST,
-    DRAFT_VERSION as VERSION,
-    DRAFT_WEIGHTS as WEIGHTS,
-)
+from ..engine import DRAFT_FORMAT as FORMAT, DRAFT_MANIFEST as MANIFEST, DRAFT_VERSION as VERSION, DRAFT_WEIGHTS as WEIGHTS
 from ..engine import DraftShape, shared_hash, trainable_state, is_feature_draft
 
 

@@ -14,10 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..engine import (
-    build_draft as build, check_draft_shape as check_shape, trainable_state, FeatureDraft, check_fuse_layer,
-    LoadedModel
-)
+from ..engine import build_draft as build, check_draft_shape as check_shape, trainable_state, FeatureDraft, check_fuse_layer
+from ..engine import LoadedModel
 from . import features as features_
 from . import layers
 from .spec import Example, Features, ProgressFn, TrainConfig, TrainResult, _no_progress
@@ -49,15 +47,9 @@ def _save_checkpoint(path: Path, draft, optim, step: int, history: list[dict[str
     os.replace(tmp, path)
 
 
-def train_draft(
-    target: LoadedModel,
-    train: tuple[list[Example], Features],
-    heldout: tuple[list[Example], Features],
-    vocab_ids: torch.Tensor,
-    cfg: TrainConfig,
-    checkpoint: Path | None = None,
-    progress: ProgressFn = _no_progress,
-) -> TrainResult:
+def train_draft(target: LoadedModel, train: tuple[list[Example], Features], heldout: tuple[list[Example], Features],
+                vocab_ids: torch.Tensor, cfg: TrainConfig, checkpoint: Path | None = None,
+                progress: ProgressFn = _no_progress) -> TrainResult:
     """Build a draft for ``target`` and train it; resumes from ``checkpoint`` if it matches ``cfg``."""
     model = target.model
     shape = cfg.shape(model.config.num_hidden_layers)
@@ -95,9 +87,8 @@ def train_draft(
         idx = _order(len(examples), step, cfg.batch_size, cfg.seed)
         if features:
             ids, true, final, _, mask, pos = features_.make_batch(feats, examples, idx, dev, dt, fused=cfg.fuse_layer is not None)
-            noise = None
-            if cfg.feature_noise:  # a generator per step, so a resumed run draws the same noise
-                noise = (cfg.feature_noise, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))
+            # a generator per step, so a resumed run draws the same noise
+            noise = (cfg.feature_noise, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)) if cfg.feature_noise else None
             loss, parts = features_.losses(draft, ids, true, final, mask, pos, chain=cfg.chain, noise=noise)
             info.update(parts)
         else:
@@ -137,16 +128,8 @@ def _config_key(cfg: TrainConfig, vocab_ids: torch.Tensor) -> str:
     return h.hexdigest()[:16]
 
 
-def run(
-    target: LoadedModel,
-    out: Path,
-    cfg: TrainConfig,
-    prompts: list[str] | None = None,
-    heldout: list[str] | None = None,
-    work: Path | None = None,
-    fresh: bool = False,
-    progress: ProgressFn = _no_progress,
-) -> tuple[TrainResult, Path]:
+def run(target: LoadedModel, out: Path, cfg: TrainConfig, prompts: list[str] | None = None, heldout: list[str] | None = None,
+        work: Path | None = None, fresh: bool = False, progress: ProgressFn = _no_progress) -> tuple[TrainResult, Path]:
     """Train a draft for ``target`` and save it in ``out``; every stage is cached in ``work``."""
     prompts = prompts if prompts is not None else load_prompts()
     heldout = heldout if heldout is not None else load_prompts(heldout=True)

@@ -18,9 +18,8 @@ PROMPT_TEMPERATURE = 0.9  # of the prompts the target writes itself (--self-prom
 def load_prompts(path: str | Path | None = None, heldout: bool = False) -> list[str]:
     """Prompts from a JSON-lines file (``{"prompt": ...}`` per line) or the packaged set."""
     if path is None:
-        name = "distill_heldout.jsonl" if heldout else "distill_prompts.jsonl"
-        text = files("ssd_chat.assets").joinpath(name).read_text()
-        where = name
+        where = "distill_heldout.jsonl" if heldout else "distill_prompts.jsonl"
+        text = files("ssd_chat.assets").joinpath(where).read_text()
     else:
         try:
             text = Path(path).expanduser().read_text()

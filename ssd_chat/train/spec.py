@@ -52,10 +52,9 @@ class TrainConfig:
             raise ParamError(f"--fuse-layer needs --kind features and a layer >= 0, got {self.fuse_layer} with --kind {self.kind}")
         if self.feature_noise < 0 or (self.feature_noise and self.kind != "features"):
             raise ParamError(f"--feature-noise needs --kind features and a value >= 0, got {self.feature_noise} with --kind {self.kind}")
-        if self.samples < 0:
-            raise ParamError(f"--samples must be >= 0, got {self.samples}")
-        if self.self_prompts < 0:
-            raise ParamError(f"--self-prompts must be >= 0, got {self.self_prompts}")
+        for name in ("samples", "self_prompts"):
+            if getattr(self, name) < 0:
+                raise ParamError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.samples and not self.temperature > 0:
             raise ParamError("--samples needs --temperature > 0 (sampled answers at temperature 0 would all be the greedy one)")
         for name in ("steps", "batch_size", "max_new_tokens", "gen_batch", "eval_every"):
