@@ -263,10 +263,12 @@ def test_the_speculator_is_sent_the_replys_own_sampling_params(pair, monkeypatch
 
 def test_distribution_test_catches_a_wrong_proposal(small_pair, monkeypatch):
     """The same test fails when the verifier uses a q' other than the one the drafts came from
-    (here: the unreshaped q while the draft sampled Saguaro's q' with C = 0.1)."""
+    (here: the unreshaped q while the draft sampled Saguaro's q' with C = 0.1).  Every miss drafts with the model
+    (``fallback="neural"``): ``auto`` chooses by timing, and the fast fallback's point masses carry no q', so on a
+    loaded machine most rounds could miss the bug (p = 0.35 once)."""
     target, _ = small_pair
     unrelated = as_loaded(tiny_llama(vocab_size=8, seed=11, head_scale=1.5), CharTokenizer(8), "other")
-    dec = ssd(target, unrelated, k=2, fan_out="uniform:2", saguaro_c=0.1)
+    dec = ssd(target, unrelated, k=2, fan_out="uniform:2", saguaro_c=0.1, fallback="neural")
     orig = Channel.q_rows
 
     def wrong(self, reply):
