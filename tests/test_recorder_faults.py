@@ -76,8 +76,14 @@ def test_a_disk_that_fills_mid_session_in_a_real_terminal(tmp_path):
             so_far = "".join(app.raw)
             return so_far.count("last reply") >= turns and so_far.rfind("last reply") > so_far.rfind("streaming…")
 
-        app.until(every_reply_ended, 120, poll=0.5)
-        time.sleep(1.0)
+        # The panel redraws "last reply" more than once a turn, so the count can be reached before the last turn
+        # starts: the replay has ended when no reply starts for 3 s (the demo pauses under 1 s between turns).
+        deadline = time.monotonic() + 120
+        while app.until(every_reply_ended, max(0.0, deadline - time.monotonic()), poll=0.5) and time.monotonic() < deadline:
+            mark = len(app.raw)
+            app.pump(3.0)
+            if "streaming…" not in app.screen(mark):
+                break
         app.quit(30)
         app.raw.append(app.child.before or "")
     text = "".join(app.raw)
