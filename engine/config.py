@@ -3,6 +3,7 @@ so the command line can validate settings (and talk to a running server) in mill
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import threading
@@ -35,13 +36,14 @@ def user_dir(env: str, xdg: str, home: str) -> Path:
 def write_atomic(path: Path, text: str) -> None:
     """Replace ``path`` in one step (two programs at once must not leave half a file); a cache dir that
     cannot be written is left as it is."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
-    except OSError:
-        pass
+    except OSError:  # a full disk must not leave the half-written temporary file behind either
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def numba_attention() -> bool:

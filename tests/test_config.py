@@ -187,3 +187,16 @@ def test_text_values_are_parsed_and_toml_values_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("SSD_CHAT_COLOUR_TOKENS", "maybe")
     with pytest.raises(config.ConfigError, match="SSD_CHAT_COLOUR_TOKENS: 'colour_tokens' must be true or false, got 'maybe'"):
         config.resolve({})
+
+
+def test_a_failed_atomic_write_leaves_neither_a_half_file_nor_its_temporary(tmp_path, monkeypatch):
+    from ssd_chat.engine.config import write_atomic
+
+    (tmp_path / "probe.json").write_text("old")
+
+    def full_disk(src, dst):
+        raise OSError(27, "File too large")
+
+    monkeypatch.setattr("os.replace", full_disk)
+    write_atomic(tmp_path / "probe.json", "new")  # a cache that cannot be written is left as it is: no error
+    assert [p.name for p in tmp_path.iterdir()] == ["probe.json"] and (tmp_path / "probe.json").read_text() == "old"
