@@ -30,9 +30,10 @@ def aliases(ctx: typer.Context, json_out: Json = False) -> None:
     from rich.table import Table
 
     table = Table(title="ssd-chat models", title_justify="left")
-    for col, kw in (("alias", {"no_wrap": True}), ("source", {"overflow": "fold"}), ("local", {"justify": "center"}),
-                    ("where", {"overflow": "fold"})):
-        table.add_column(col, **kw)
+    table.add_column("alias", no_wrap=True)
+    table.add_column("source", overflow="fold")
+    table.add_column("local", justify="center")
+    table.add_column("where", overflow="fold")
     for r in rows:
         table.add_row(r["alias"] + (" (default)" if r["default"] else ""), r["source"], "yes" if r["local"] else "no", r["where"])
     out = console()
