@@ -107,7 +107,11 @@ class ToolStream:
         if i >= 0:
             self.held = True
         else:  # keep back the longest tail that could still grow into "<tool_call>"
-            i = len(rest) - next((n for n in range(min(len(OPEN) - 1, len(rest)), 0, -1) if OPEN.startswith(rest[-n:])), 0)
+            i = len(rest)
+            for n in range(min(len(OPEN) - 1, len(rest)), 0, -1):
+                if OPEN.startswith(rest[-n:]):
+                    i = len(rest) - n
+                    break
         self.shown += i
         return rest[:i]
 
