@@ -110,6 +110,17 @@ class Loaded(App):
         self.read(0.3)
         assert self.mode is not None, self.screen()[-3000:]
 
+    def shows(self, text: str, seconds: float = 60) -> bool:
+        """Whether ``text`` is drawn within ``seconds``: on a busy machine the panel's why line can come
+        seconds after the title."""
+        return self.until(lambda: flat(text) in flat(self.screen()), seconds)
+
+    def around(self, text: str) -> str:
+        """For a failure: the screen near the last ``text`` drawn (or its end)."""
+        screen = self.screen()
+        at = screen.rfind(text)
+        return screen[max(0, at - 1500):at + 1500] if at >= 0 else screen[-3000:]
+
     def quit(self) -> None:
         try:
             super().quit()
@@ -128,7 +139,7 @@ def test_on_a_busy_machine_auto_stores_ar_or_nothing_and_no_start_measures_twice
         first = Loaded(tmp_path, cache)
         apps.append(first)
         assert first.mode == "ar"
-        assert flat("AR for now: measuring AR, SD and SSD in the background at low priority") in flat(first.screen()), first.screen()[-3000:]
+        assert first.shows("AR for now: measuring AR, SD and SSD in the background at low priority"), first.around("AR for now")
         deadline = time.monotonic() + 60
         while not measurers(first.child.pid) and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -141,7 +152,7 @@ def test_on_a_busy_machine_auto_stores_ar_or_nothing_and_no_start_measures_twice
         second = Loaded(tmp_path, cache)
         apps.append(second)
         assert second.mode == "ar" and not measurers(second.child.pid)
-        assert flat("another ssd-chat is measuring AR, SD and SSD on this machine") in flat(second.screen()), second.screen()[-3000:]
+        assert second.shows("another ssd-chat is measuring AR, SD and SSD on this machine"), second.around("AR for now")
         assert STAGE not in first.screen() + second.screen()  # neither load waited for a measurement
         seen.update(p.pid for a in apps for p in measurers(a.child.pid))
         assert len(seen) == 1
