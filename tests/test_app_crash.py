@@ -27,7 +27,10 @@ main()
 def test_a_crash_in_the_app_exits_non_zero(tmp_path):
     env = dict(os.environ, TERM="xterm-256color", SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"),
                SSD_CHAT_DATA_DIR=str(tmp_path / "data"), HF_HUB_OFFLINE="1")
-    child = pexpect.spawn(sys.executable, ["-c", CRASHING, "--target", str(tmp_path / "no-model"), "--db", str(tmp_path / "h.db")],
+    model = tmp_path / "broken-model"  # a model folder without weights: the app opens, its load would fail
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    child = pexpect.spawn(sys.executable, ["-c", CRASHING, "--target", str(model), "--db", str(tmp_path / "h.db")],
                           env=env, dimensions=(40, 120), encoding="utf-8", codec_errors="replace", timeout=60)
     out = child.read()
     child.close()

@@ -97,6 +97,20 @@ def test_bad_input_is_a_clear_error(args, code, needle):
     assert needle in r.stderr and "Traceback" not in r.stderr
 
 
+# the real entry point in a process where importing torch fails
+NO_TORCH = "import sys; sys.modules['torch'] = None; from ssd_chat.cli import main; sys.argv[0] = 'ssd-chat'; main()"
+
+
+@pytest.mark.parametrize("args", [["ask", "--target", "no-such-model", "hi"], ["--target", "no-such-model"],
+                                  ["serve", "--target", "no-such-model", "--port", "0"]], ids=["ask", "app", "serve"])
+def test_an_unknown_model_is_refused_before_torch_imports(tmp_path, args):
+    """A mistyped name is refused in a fraction of a second, not after the seconds torch takes to import."""
+    env = dict(os.environ, SSD_CHAT_CONFIG_DIR=str(tmp_path / "cfg"), SSD_CHAT_DATA_DIR=str(tmp_path / "data"))
+    r = subprocess.run([sys.executable, "-c", NO_TORCH, *args], capture_output=True, text=True, env=env, timeout=120,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 1 and "unknown model 'no-such-model'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "args,code,needle",

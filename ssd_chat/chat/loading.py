@@ -159,11 +159,13 @@ def load_engine(values: dict[str, Any], progress_to_stderr: bool = True, start_d
     line = StageLine() if show else StageLog() if progress_to_stderr and log_stages else None  # before the slow imports
     try:
         from .settings import engine_config
-        from ..engine import Engine
+        from ..engine import resolve_model
         from .terminal import wrapped
 
-        quiet_libraries()
         cfg = engine_config(values)
+        resolve_model(cfg.target)  # a wrong name is refused before torch and transformers import (seconds)
+        quiet_libraries()
+        from ..engine import Engine
 
         def progress(stage: str, frac: float | None) -> None:
             if line is not None:

@@ -39,7 +39,16 @@ def launch(values: dict[str, Any], *, backend: Any = None, script: Iterable[str]
     """
     from ..chat.loading import quiet_libraries
     from ..chat.recorder import Recorder, RecordingError
+    from ..engine import SSDChatError, resolve_model
+
+    if backend is None and values.get("target"):
+        try:
+            resolve_model(values["target"])  # a wrong name is refused before the app opens and torch imports
+        except SSDChatError as e:
+            sys.stderr.write(f"ssd-chat: error: {e}\n")
+            return 1
     from ..engine import threads
+
     threads.coordinator()  # before anything computes here: this thread becomes the UI's
     quiet_libraries()
     recorder = None

@@ -59,16 +59,17 @@ def serve(
     One request decodes at a time; the others wait in order. SIGTERM, SIGHUP or Ctrl-C finishes the reply being decoded, refuses the waiting ones, and exits. See docs/serve.md."""
     from ..chat.loading import load_engine
     from ..chat.settings import engine_config
-    from ..engine import ParamError, SSDChatError
+    from ..engine import ParamError, SSDChatError, resolve_model
+
+    values = settings(given)  # the sampling settings checked: the model's own defaults join after it loads
+    try:
+        resolve_model(engine_config(values).target)  # a wrong name is refused before the server's imports (torch)
+    except SSDChatError as e:
+        raise fail(str(e), 2 if isinstance(e, ParamError) else 1) from None
     from ..server.app import create_app
     from ..server.app import serve as run_server
     from ..server.client import remove_state, write_state
 
-    values = settings(given)  # the sampling settings checked: the model's own defaults join after it loads
-    try:
-        engine_config(values)
-    except ParamError as e:
-        raise fail(str(e), 2) from None
     if max_body_mb != max_body_mb:  # NaN passes click's range check
         raise typer.BadParameter("must be a number", param_hint="--max-body-mb")
     if api_key is not None and not api_key.strip():
