@@ -62,7 +62,12 @@ def wrapped(message: str, stream: TextIO | None = None) -> str:
                          break_on_hyphens=False).replace("\0", " ")
 
 
-def fail(message: str, code: int = 1) -> typer.Exit:
-    """One line on stderr, and the exit to raise: usage errors 2, runtime failures 1."""
+def fail(message: str | Exception, code: int | None = None) -> typer.Exit:
+    """One line on stderr, and the exit to raise: usage errors 2, runtime failures 1.  Given an engine
+    error and no code: 2 for a setting out of range (ParamError), else 1."""
+    if code is None:
+        from ..engine import ParamError
+
+        code = 2 if isinstance(message, ParamError) else 1
     typer.echo(wrapped(f"ssd-chat: error: {message}", sys.stderr), err=True)
     return typer.Exit(code)

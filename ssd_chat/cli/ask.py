@@ -58,12 +58,12 @@ def ask(
     served = ask_via_server(server, no_server, given, values, prompt, json_out, format_stats if stats else None)
     if served is not None:
         raise typer.Exit(served)
-    from ..engine import ParamError, SSDChatError
+    from ..engine import SSDChatError
 
     try:  # settings() has checked the sampling values: the model's defaults fill those left unset, below
         engine = load_engine(values, start_decoder=True)
-    except SSDChatError as e:  # a setting out of range (ParamError) is bad usage
-        raise fail(str(e), 2 if isinstance(e, ParamError) else 1) from None
+    except SSDChatError as e:  # a setting out of range (ParamError) is bad usage: fail() exits 2
+        raise fail(e) from None
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     params = values["sampling"].over(engine.sampling_defaults)  # the model's own where the user set none

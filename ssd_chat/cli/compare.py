@@ -22,7 +22,7 @@ def compare(
     import threading
 
     from ..chat import compare as cmp
-    from ..engine import ParamError, SSDChatError, messages_for
+    from ..engine import SSDChatError, messages_for
 
     given_n = given.get("max_new_tokens")
     repeats = repeats or cmp.DEFAULT_REPEATS
@@ -38,7 +38,7 @@ def compare(
         params = replace(values["sampling"], max_new_tokens=given_n or cmp.DEFAULT_MAX_NEW_TOKENS)
         engine = load_engine(values)
     except SSDChatError as e:
-        raise fail(str(e), 2 if isinstance(e, ParamError) else 1) from None
+        raise fail(e) from None
     if not json_out:
         typer.echo(f"AR, SD and SSD in turn, {repeats} time{'' if repeats == 1 else 's'} over, greedy, up to {params.max_new_tokens} tokens "
                    f"(target {engine.target.name}, draft {engine.draft.name if engine.draft else '?'}, k={engine.config.k}):")

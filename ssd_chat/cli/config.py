@@ -150,14 +150,14 @@ def config_measure(ctx: typer.Context) -> None:
     """Measure AR, SD and SSD on this machine now (about 2 minutes) and keep the fastest for `auto`."""
     from ..chat import settings as config
     from ..chat.measure import measure_now
-    from ..engine import ParamError, SSDChatError
+    from ..engine import SSDChatError
 
     given = {k_: v for k_, v in ((ctx.parent.obj if ctx.parent else None) or ctx.obj or {}).items() if k_ in config.DEFAULTS}
     values, _sources = config.resolve(given)
     try:
         mode, why, rec = measure_now(values)
     except SSDChatError as e:
-        raise fail(str(e), 2 if isinstance(e, ParamError) else 1) from None
+        raise fail(e) from None
     lines = [f"auto → {mode}" + ("" if rec else " (nothing to measure)"), why]
     if rec is not None:
         lines.append(f"measured {rec.when()} ({rec.load.words()})")

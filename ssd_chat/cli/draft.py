@@ -14,17 +14,14 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from .options import fail
+
 draft_app = typer.Typer(name="draft", help="Train a small fast draft for a target (distillation), or measure one.",
                         no_args_is_help=True, add_completion=False, context_settings={"help_option_names": ["-h", "--help"]},
                         pretty_exceptions_enable=False)
 
 TargetOpt = Annotated[Optional[str], typer.Option("--target", "-t", help="Target model (alias, hub id, folder, .gguf). Default: the configured target (smollm2-135m-gguf).", show_default=False)]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", min=1, help="torch CPU threads (default: torch's choice).", show_default=False)]
-
-
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    typer.echo(f"ssd-chat: error: {message}", err=True)
-    return typer.Exit(code)
 
 
 def _target_name(ctx: typer.Context, target: str | None) -> str:
@@ -96,7 +93,7 @@ def train(
     vocabulary.  Use it with --draft OUT.  Rerunning the same command resumes.
     """
     from .. import train as training
-    from ..engine import ParamError, SSDChatError
+    from ..engine import SSDChatError
 
     name = _target_name(ctx, target)
     try:
@@ -111,7 +108,7 @@ def train(
         with _Progress() as bar:
             result, work_path = training.run(tgt, out, cfg, train_prompts, held_prompts, work, fresh, bar.update)
     except SSDChatError as e:
-        raise _fail(str(e), 2 if isinstance(e, ParamError) else 1) from None
+        raise fail(e) from None
     except KeyboardInterrupt:
         typer.echo("\ninterrupted; rerun the same command to resume", err=True)
         raise typer.Exit(130) from None
@@ -149,7 +146,7 @@ def evaluate(
         d = derive_draft(draft, tgt)
         stats = training.measure(tgt, d, texts, max_new_tokens)
     except SSDChatError as e:
-        raise _fail(str(e), 2 if isinstance(e, ParamError) else 1) from None
+        raise fail(e) from None
     if json_out:
         typer.echo(json.dumps({"target": name, "draft": draft, **stats}))
         return

@@ -59,13 +59,13 @@ def serve(
     One request decodes at a time; the others wait in order. SIGTERM, SIGHUP or Ctrl-C finishes the reply being decoded, refuses the waiting ones, and exits. See docs/serve.md."""
     from ..chat.loading import load_engine
     from ..chat.settings import engine_config
-    from ..engine import ParamError, SSDChatError, resolve_model
+    from ..engine import SSDChatError, resolve_model
 
     values = settings(given)  # the sampling settings checked: the model's own defaults join after it loads
     try:
         resolve_model(engine_config(values).target)  # a wrong name is refused before the server's imports (torch)
     except SSDChatError as e:
-        raise fail(str(e), 2 if isinstance(e, ParamError) else 1) from None
+        raise fail(e) from None
     from ..server.app import create_app
     from ..server.app import serve as run_server
     from ..server.client import remove_state, write_state
@@ -94,7 +94,7 @@ def serve(
         engine = threads.call(n, load_and_start)
     except SSDChatError as e:
         sock.close()
-        raise fail(str(e), 2 if isinstance(e, ParamError) else 1) from None
+        raise fail(e) from None
     except KeyboardInterrupt:
         # The load has unwound, but torch's C++ threads may still hold state that its exit-time
         # destructors abort on ("terminate called ..."): leave at once; workers die with us
