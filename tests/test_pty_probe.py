@@ -5,7 +5,6 @@ gives, names it, shows its figures in the *why* line, and runs the reply in it."
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
